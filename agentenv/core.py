@@ -1,0 +1,182 @@
+"""The environment contract: a Gymnasium environment over text whose state can be forked.
+
+An :class:`Env` takes an action string (what the model wrote in one turn) and returns an
+observation string (what the tools answered). On top of Gymnasium's ``reset``/``step``/``close``
+it adds two things that multi-turn agent RL needs:
+
+- ``areset``/``astep`` coroutines, so that an async rollout loop never blocks on a tool doing I/O;
+- ``fork()``, an independent copy of the current state, so that a rollout tree can branch an
+  episode at any turn. After a fork, stepping either copy never changes the other.
+
+Subclasses implement either the sync pair (``reset``/``step``) or the async pair
+(``areset``/``astep``); the other pair is derived. Each subclass declares its
+:attr:`Env.fork_strategy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import copy
+import threading
+from collections.abc import Coroutine
+from typing import Any, ClassVar, Literal, TypeVar
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+__all__ = ["Env", "ForkStrategy", "Text", "run_sync"]
+
+#: How an environment implements :meth:`Env.fork`, from cheapest to most expensive:
+#: ``immutable`` (the state is immutable and shared), ``copy-on-write`` (history shared,
+#: only the small mutable part copied), ``process-fork`` (a worker process is ``os.fork``-ed),
+#: ``replay`` (a fresh copy re-runs the episode's actions), ``deepcopy`` (the default for
+#: user environments that do not override ``fork``; cost grows with the episode).
+ForkStrategy = Literal["immutable", "copy-on-write", "process-fork", "replay", "deepcopy"]
+
+T = TypeVar("T")
+
+
+class Text(spaces.Text):
+    """The space of Python strings of at most ``max_length`` characters, any characters.
+
+    Gymnasium's own ``Text`` admits only a fixed character set; model outputs and tool results
+    contain arbitrary Unicode. Sampling (used by Gymnasium's checker) draws short alphanumeric
+    strings.
+    """
+
+    def __init__(self, max_length: int = 1 << 20, *, sample_length: int = 64) -> None:
+        super().__init__(max_length=max_length, min_length=0)
+        self.sample_length = min(sample_length, max_length)
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and len(x) <= self.max_length
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        if mask is None and probability is None:
+            mask = (int(self.np_random.integers(1, self.sample_length + 1)), None)
+        return super().sample(mask=mask, probability=probability)
+
+    def __repr__(self) -> str:
+        return f"Text(max_length={self.max_length})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Text) and other.max_length == self.max_length
+
+
+_runners = threading.local()
+
+
+def _thread_runner() -> asyncio.Runner:
+    runner = getattr(_runners, "runner", None)
+    if runner is None:
+        # One long-lived loop per thread: clients bound to a loop (aiohttp sessions) stay valid
+        # across sync calls, which a fresh asyncio.run() per step would break.
+        runner = _runners.runner = asyncio.Runner()
+        if threading.current_thread() is threading.main_thread():
+            atexit.register(runner.close)
+    return runner
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion from synchronous code (the sync half of the contract).
+
+    Raises a clear error when called from inside a running event loop, where blocking would
+    deadlock: there, await the async method instead.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _thread_runner().run(coro)
+    coro.close()
+    raise RuntimeError(
+        "A synchronous env method was called from inside a running asyncio event loop; "
+        "use the async form instead (`await env.areset(...)`, `await env.astep(...)`)."
+    )
+
+
+class Env(gym.Env[str, str]):
+    """A multi-turn text environment whose state can be forked.
+
+    The contract, in addition to :class:`gymnasium.Env`:
+
+    - ``reset(seed=None, options=None) -> (obs: str, info: dict)``
+    - ``step(action: str) -> (obs: str, reward: float, terminated: bool, truncated: bool, info: dict)``
+    - ``await areset(...)`` / ``await astep(action)``: the same, as coroutines.
+    - ``fork() -> Env``: an independent copy of the current state (mid-episode or after the end).
+      Stepping either copy never changes the other; the same actions on two forks give the same
+      observations and rewards when the tools are deterministic.
+    - ``close()``: release resources; calling it twice is allowed.
+
+    Stepping an environment whose episode is over raises ``RuntimeError``; a malformed action
+    never does (it becomes an observation explaining the problem).
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    #: How :meth:`fork` is implemented (see :data:`ForkStrategy`).
+    fork_strategy: ClassVar[ForkStrategy] = "deepcopy"
+
+    observation_space = Text()
+    action_space = Text()
+
+    def __init__(self, render_mode: str | None = None) -> None:
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(
+                f"render_mode={render_mode!r} is not supported by {type(self).__name__}; "
+                f"choose one of {self.metadata['render_modes']} or None"
+            )
+        self.render_mode = render_mode
+
+    # -- the sync and async pairs; a subclass implements one of them -------------------------
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        """Start a new episode; returns the first observation (the prompt) and info.
+
+        A subclass that implements ``reset`` calls ``super().reset(seed=seed)`` first, as in
+        Gymnasium, which seeds ``self.np_random``. One that implements ``areset`` instead calls
+        ``self.reset_rng(seed)`` there.
+        """
+        if type(self).reset is not Env.reset or type(self).areset is Env.areset:
+            self.reset_rng(seed)  # reached through super().reset(): seed only, as Gymnasium does
+            return None  # type: ignore[return-value]
+        return run_sync(self.areset(seed=seed, options=options))
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Apply one model turn; returns ``(obs, reward, terminated, truncated, info)``."""
+        if type(self).astep is Env.astep:
+            raise TypeError(f"{type(self).__name__} must implement step() or astep()")
+        return run_sync(self.astep(action))
+
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """Coroutine form of :meth:`reset`."""
+        if type(self).reset is Env.reset:
+            raise TypeError(f"{type(self).__name__} must implement reset() or areset()")
+        return self.reset(seed=seed, options=options)
+
+    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Coroutine form of :meth:`step`."""
+        if type(self).step is Env.step:
+            raise TypeError(f"{type(self).__name__} must implement step() or astep()")
+        return self.step(action)
+
+    # -- forking ------------------------------------------------------------------------------
+
+    def fork(self) -> Env:
+        """An independent copy of the current state.
+
+        The default deep-copies the environment (``fork_strategy = "deepcopy"``), which is
+        correct for any picklable state but costs time proportional to that state. Environments
+        with long episodes override it to share immutable history.
+        """
+        return copy.deepcopy(self)
+
+    def reset_rng(self, seed: int | None) -> None:
+        """Seed ``self.np_random`` as Gymnasium's ``reset`` does (call at the start of ``areset``)."""
+        gym.Env.reset(self, seed=seed)
+
+    def _fork_rng(self) -> np.random.Generator | None:
+        """A copy of the RNG in its current state, for forks (so both copies draw the same)."""
+        return copy.deepcopy(self._np_random)

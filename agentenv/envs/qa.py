@@ -1,0 +1,91 @@
+"""Question answering with a search tool: ``multihop-qa`` and ``singlehop-qa``.
+
+The embedded default runs offline: a BM25 index over the dataset's own paragraphs (multi-hop
+sets), or over the pooled paragraphs of the shipped multi-hop sets for datasets without any
+(Bamboogle, NQ, TriviaQA, PopQA), or over a user corpus (``corpus=PATH``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from agentenv.datasets import Example, Paragraph, load_examples, union_corpus
+from agentenv.parsers import ToolCallParser
+from agentenv.search import BM25Search, SearchBackend, load_corpus, search_tool
+from agentenv.tool_env import DEFAULT_MAX_OBS_CHARS, DEFAULT_MAX_TOOL_CALLS, PROMPT_TEMPLATE, ToolEnv
+from agentenv.tools import Tool
+
+__all__ = ["QAEnv", "make_search_backend"]
+
+DEFAULT_TOPK = 3  # AT²PO: top-3 passages per search
+DEFAULT_RESULT_CHARS = 1000  # each passage cut to about 1000 characters
+
+
+def make_search_backend(search: str | SearchBackend, examples: Sequence[Example], corpus: str | Path | None) -> SearchBackend:
+    """The backend for ``search=``: ``"local"`` (BM25, the default) or a :class:`SearchBackend`."""
+    if isinstance(search, SearchBackend):
+        return search
+    if search != "local":
+        raise ValueError(f"unknown search backend {search!r}: use 'local' (offline BM25) or pass a SearchBackend")
+    passages: list[Paragraph]
+    if corpus is not None:
+        passages = load_corpus(corpus)
+    else:
+        seen = {(p.title, p.text): p for e in examples for p in e.paragraphs}
+        passages = list(seen.values()) or union_corpus()
+    return BM25Search.for_corpus(passages)
+
+
+class QAEnv(ToolEnv):
+    """Answer a question, searching as needed; graded against the gold answers.
+
+    Args:
+        dataset: A shipped dataset name (``hotpotqa``, ``2wiki``, ``musique``, ``bamboogle``,
+            ``nq``, ``triviaqa``, ``popqa``, ``hotpotqa-official``).
+        data: A QA file in any supported format; overrides ``dataset``.
+        corpus: A passage file (JSONL/JSON of ``{title, text}`` or ``{id, contents}``) to search
+            instead of the dataset's paragraphs.
+        search: ``"local"`` or a :class:`~agentenv.search.SearchBackend`.
+        topk: Passages per search (AT²PO: 3).
+        result_chars: Each passage cut to about this many characters.
+        tools: Extra tools besides ``search``.
+        The rest as in :class:`~agentenv.tool_env.ToolEnv`.
+    """
+
+    def __init__(
+        self,
+        dataset: str = "hotpotqa",
+        *,
+        data: str | Path | None = None,
+        corpus: str | Path | None = None,
+        search: str | SearchBackend = "local",
+        topk: int = DEFAULT_TOPK,
+        result_chars: int = DEFAULT_RESULT_CHARS,
+        tools: Sequence[Tool | Callable[..., Any]] = (),
+        parser: str | ToolCallParser = "xml",
+        reward: str | Callable[..., float] = "em",
+        require_boxed: bool = True,
+        max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
+        max_turns: int | None = None,
+        max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
+        prompt_template: str = PROMPT_TEMPLATE,
+        render_mode: str | None = None,
+    ) -> None:
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        examples = load_examples(data if data is not None else dataset)
+        self.backend = make_search_backend(search, examples, corpus)
+        super().__init__(
+            examples,
+            [search_tool(self.backend, topk=topk, max_chars=result_chars), *tools],
+            parser=parser,
+            reward=reward,
+            require_boxed=require_boxed,
+            max_tool_calls=max_tool_calls,
+            max_turns=max_turns,
+            max_obs_chars=max_obs_chars,
+            prompt_template=prompt_template,
+            render_mode=render_mode,
+        )

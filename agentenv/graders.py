@@ -1,0 +1,112 @@
+"""Answer grading: SQuAD-normalised exact match, F1 and cover-EM over several gold answers,
+and extraction of the final answer from a model's ``<answer>…\\boxed{…}…</answer>``.
+
+The normalisation is SQuAD's (Rajpurkar et al. 2016, the official evaluation script) as used by
+the QA agent-RL papers: lower-case, drop punctuation, drop the articles a/an/the, collapse spaces.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+__all__ = [
+    "Grade",
+    "cover_exact_match",
+    "exact_match",
+    "extract_answer",
+    "extract_boxed",
+    "f1_score",
+    "grade",
+    "normalize_answer",
+]
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower-case, strip punctuation, articles and extra whitespace."""
+    text = text.lower().translate(_PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, golds: Iterable[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0."""
+    pred = normalize_answer(prediction)
+    return float(any(pred == normalize_answer(g) for g in golds))
+
+
+def cover_exact_match(prediction: str, golds: Iterable[str]) -> float:
+    """1.0 if any normalised gold answer occurs in the normalised prediction (FlashRAG's cover-EM)."""
+    pred = f" {normalize_answer(prediction)} "
+    return float(any(f" {normalize_answer(g)} " in pred for g in golds if normalize_answer(g)))
+
+
+def f1_score(prediction: str, golds: Iterable[str]) -> float:
+    """Word-level F1 of the normalised prediction against the best-matching gold answer."""
+    pred_tokens = normalize_answer(prediction).split()
+    best = 0.0
+    for gold in golds:
+        gold_tokens = normalize_answer(gold).split()
+        common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+        if common == 0:
+            continue
+        precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+        best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``), braces balanced; None if absent."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i].strip()
+        i += 1
+    return None  # unbalanced: the box was never closed
+
+
+def extract_answer(response: str | None, *, require_boxed: bool = True) -> str | None:
+    """The final answer inside an ``<answer>`` tag's content.
+
+    With ``require_boxed`` (the papers' format) it is the last ``\\boxed{}``; without, the boxed
+    value if there is one, else the whole content. None means a bad format.
+    """
+    if response is None:
+        return None
+    boxed = extract_boxed(response)
+    if boxed is not None or require_boxed:
+        return boxed
+    return response.strip() or None
+
+
+@dataclass(frozen=True, slots=True)
+class Grade:
+    """How one final answer scores against the gold answers."""
+
+    answer: str | None
+    format_ok: bool
+    em: float
+    f1: float
+    cover_em: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def grade(response: str | None, golds: Iterable[str], *, require_boxed: bool = True) -> Grade:
+    """Grade the content of an ``<answer>`` tag (None: the model gave no answer)."""
+    golds = list(golds)
+    answer = extract_answer(response, require_boxed=require_boxed)
+    if answer is None:
+        return Grade(None, False, 0.0, 0.0, 0.0)
+    return Grade(answer, True, exact_match(answer, golds), f1_score(answer, golds), cover_exact_match(answer, golds))

@@ -1,0 +1,176 @@
+"""Search backends behind one interface, and the ``search`` tool built on them.
+
+The embedded default is :class:`BM25Search`: a BM25 index (``bm25s``, Snowball stemming, English
+stop words) over a passage corpus — the paragraphs that come with a multi-hop QA dataset, or a
+user corpus file — built once and cached on disk keyed by a hash of its content.
+
+Results are shown to the model as the papers do: the top-k passages, each as
+``Page i: title\\ntext``, each truncated to about ``max_chars`` characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import bm25s
+import Stemmer
+
+from agentenv.cache import cache_dir
+from agentenv.datasets import DatasetError, Paragraph, read_rows
+from agentenv.tools import Tool, tool
+
+__all__ = ["BM25Search", "Passage", "SearchBackend", "format_results", "load_corpus", "search_tool"]
+
+# Bump when tokenisation or index parameters change, so stale caches are not reused.
+_INDEX_VERSION = "bm25s-en-snowball-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class Passage:
+    """One search result."""
+
+    title: str
+    text: str
+    url: str | None = None
+    score: float | None = None
+
+
+class SearchBackend(ABC):
+    """Anything that answers a text query with ranked passages."""
+
+    name: str = "search"
+
+    @abstractmethod
+    async def search(self, query: str, topk: int) -> list[Passage]:
+        """The ``topk`` best passages for ``query``, best first (fewer if fewer match)."""
+
+
+def format_results(passages: Sequence[Passage], max_chars: int = 1000) -> str:
+    """The papers' layout: ``Page i: title\\ntext``, each passage cut to ``max_chars``."""
+    if not passages:
+        return "No results found."
+    pages = []
+    for i, p in enumerate(passages, 1):
+        text = p.text if len(p.text) <= max_chars else p.text[:max_chars].rsplit(" ", 1)[0] + " …"
+        pages.append(f"Page {i}: {p.title}\n{text}")
+    return "\n\n".join(pages)
+
+
+class BM25Search(SearchBackend):
+    """BM25 over a fixed list of passages; deterministic; the index is cached on disk.
+
+    Building the same corpus twice (in this process or a later one) reuses the index: in
+    memory through :meth:`for_corpus`, on disk under ``$AGENTENV_CACHE/bm25/<content hash>``.
+    """
+
+    name = "bm25"
+    _instances: dict[str, BM25Search] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, passages: Sequence[Paragraph | Passage], *, cache: bool = True) -> None:
+        if not passages:
+            raise ValueError("BM25Search needs at least one passage")
+        self.passages = [Passage(p.title, p.text, getattr(p, "url", None)) for p in passages]
+        self.key = self.content_key(self.passages)
+        self._stemmer = Stemmer.Stemmer("english")
+        index_dir = cache_dir("bm25", self.key) if cache else None
+        if index_dir is not None and (index_dir / "params.index.json").exists():
+            self.retriever = bm25s.BM25.load(str(index_dir), show_progress=False)
+        else:
+            self.retriever = bm25s.BM25()
+            self.retriever.index(self._tokenize([f"{p.title}\n{p.text}" for p in self.passages]), show_progress=False)
+            if index_dir is not None:
+                self._save(index_dir)
+
+    @classmethod
+    def for_corpus(cls, passages: Sequence[Paragraph | Passage]) -> BM25Search:
+        """A shared instance per corpus content (environments over one corpus share one index)."""
+        key = cls.content_key(passages)
+        with cls._lock:
+            if key not in cls._instances:
+                cls._instances[key] = cls(passages)
+            return cls._instances[key]
+
+    @staticmethod
+    def content_key(passages: Sequence[Paragraph | Passage]) -> str:
+        digest = hashlib.sha256(_INDEX_VERSION.encode())
+        for p in passages:
+            digest.update(p.title.encode())
+            digest.update(b"\x00")
+            digest.update(p.text.encode())
+            digest.update(b"\x01")
+        return digest.hexdigest()[:32]
+
+    def _tokenize(self, texts: list[str], return_ids: bool = True):  # noqa: ANN202 (bm25s types)
+        return bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, show_progress=False, return_ids=return_ids)
+
+    def _save(self, index_dir: Path) -> None:
+        # Write to a temporary folder and rename, so a crash never leaves a half-written index.
+        tmp = Path(tempfile.mkdtemp(dir=index_dir.parent, prefix=f".{self.key}-"))
+        try:
+            self.retriever.save(str(tmp), show_progress=False)
+            shutil.rmtree(index_dir, ignore_errors=True)
+            os.replace(tmp, index_dir)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race: its index is as good
+
+    def search_sync(self, query: str, topk: int = 3) -> list[Passage]:
+        """The ``topk`` passages with a positive BM25 score, best first."""
+        tokens = self._tokenize([query], return_ids=False)
+        if not tokens[0]:
+            return []
+        k = min(topk, len(self.passages))
+        docs, scores = self.retriever.retrieve(tokens, k=k, show_progress=False, n_threads=1)
+        return [
+            Passage(self.passages[d].title, self.passages[d].text, self.passages[d].url, float(s))
+            for d, s in zip(docs[0].tolist(), scores[0].tolist(), strict=True)
+            if s > 0
+        ]
+
+    async def search(self, query: str, topk: int = 3) -> list[Passage]:
+        # A query takes well under a millisecond on corpora of this size: no thread hop needed.
+        return self.search_sync(query, topk)
+
+
+def search_tool(backend: SearchBackend, *, topk: int = 3, max_chars: int = 1000) -> Tool:
+    """The ``search`` tool over a backend: top-``topk`` passages formatted as the papers do."""
+
+    async def search(query: str) -> str:
+        """Search for passages relevant to a query.
+
+        Args:
+            query: What to search for.
+        """
+        return format_results(await backend.search(query, topk), max_chars)
+
+    return tool(search)
+
+
+def load_corpus(path: str | Path) -> list[Paragraph]:
+    """Passages from a JSONL or JSON file of ``{title, text}`` or Search-R1's ``{id, contents}``.
+
+    In ``contents`` the first line is the title (quotes stripped) and the rest the text.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"no such corpus file: {path}")
+    passages = []
+    for lineno, row in read_rows(path):
+        if isinstance(row, dict) and "contents" in row:
+            title, _, body = row["contents"].partition("\n")
+            passages.append(Paragraph(title.strip().strip('"'), body.strip()))
+        elif isinstance(row, dict) and "text" in row:
+            passages.append(Paragraph(str(row.get("title", "")), row["text"]))
+        else:
+            raise DatasetError(f"{path}:{lineno}: a corpus row needs `text` (and `title`) or `contents`")
+    if not passages:
+        raise DatasetError(f"{path}: empty corpus")
+    return passages

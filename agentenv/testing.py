@@ -1,0 +1,155 @@
+"""Conformance checks for environments: Gymnasium's ``check_env`` plus the fork contract.
+
+Use it in your own tests::
+
+    from agentenv.testing import check_env
+    check_env(agentenv.make("my-env"))
+
+It raises :class:`EnvCheckError` (an ``AssertionError``) naming the violated rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from gymnasium.utils.env_checker import check_env as gymnasium_check_env
+
+from agentenv.core import Env
+
+__all__ = ["EnvCheckError", "check_env"]
+
+Result = tuple[Any, float, bool, bool]  # (obs, reward, terminated, truncated)
+SEED = 0
+
+
+class EnvCheckError(AssertionError):
+    """An environment breaks the agentenv contract; the message says which rule and how."""
+
+
+def _run(env: Env, actions: Sequence[str]) -> list[Result]:
+    """Step through ``actions`` until the episode ends; the results, info left out."""
+    results = []
+    for action in actions:
+        obs, reward, terminated, truncated, _ = env.step(action)
+        results.append((obs, float(reward), bool(terminated), bool(truncated)))
+        if terminated or truncated:
+            break
+    return results
+
+
+async def _arun(env: Env, actions: Sequence[str]) -> tuple[Any, list[Result]]:
+    obs, _ = await env.areset(seed=SEED)
+    results = []
+    for action in actions:
+        o, reward, terminated, truncated, _ = await env.astep(action)
+        results.append((o, float(reward), bool(terminated), bool(truncated)))
+        if terminated or truncated:
+            break
+    return obs, results
+
+
+def _snapshot(env: Env) -> Any:
+    """A view of the state that must not change when a fork is stepped (where the env offers one)."""
+    transcript = getattr(env, "transcript", None)
+    return transcript() if callable(transcript) else None
+
+
+def _default_actions(env: Env) -> list[str]:
+    demo = getattr(env, "demo_actions", None)
+    if callable(demo):
+        actions = list(demo())
+        if actions:
+            return actions
+    env.action_space.seed(SEED)
+    return [env.action_space.sample() for _ in range(3)]
+
+
+def _expect(condition: bool, name: str, rule: str, detail: str) -> None:
+    if not condition:
+        raise EnvCheckError(f"{name}: {rule}\n  {detail}")
+
+
+def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium: bool = False) -> None:
+    """Check ``env`` against Gymnasium's API and agentenv's fork and async contract.
+
+    Args:
+        env: The environment (built with :func:`agentenv.make` so that its spec is known).
+        actions: Actions to drive the checks (default: the env's ``demo_actions()`` after a
+            seeded reset, else samples of its action space). The first one should not end
+            the episode, so that forks are tested mid-episode.
+        skip_gymnasium: Skip Gymnasium's own checker.
+
+    Fork rules checked: a fork made mid-episode diverges without touching its parent; the same
+    actions on two forks give equal observations and rewards (unless the spec is marked
+    ``nondeterministic``); a fork made after the end is a usable environment that leaves the
+    ended parent as it was; ``areset``/``astep`` agree with ``reset``/``step``.
+    Call it from synchronous code (it drives the sync API).
+    """
+    base = env.unwrapped
+    name = type(base).__name__
+    if not isinstance(base, Env):
+        raise EnvCheckError(f"{name}: must subclass agentenv.Env (got {type(base).__mro__[1:3]})")
+    if not skip_gymnasium:
+        gymnasium_check_env(env, skip_render_check=False)
+    deterministic = not (env.spec is not None and env.spec.nondeterministic)
+
+    env.reset(seed=SEED)
+    actions = list(actions) if actions is not None else _default_actions(base)
+    _expect(len(actions) >= 2, name, "needs at least two actions to check forks", f"got {actions!r}")
+    first, rest = actions[0], actions[1:]
+
+    # Reference: one uninterrupted episode.
+    env.reset(seed=SEED)
+    reference = _run(base, [first])
+    _expect(not (reference[0][2] or reference[0][3]), name, "the first check action must not end the episode",
+            f"action {first!r} ended it; pass actions= whose first one does not")
+    reference += _run(base, rest)
+
+    # 1. A fork diverges without touching its parent.
+    base.reset(seed=SEED)
+    _run(base, [first])
+    before = _snapshot(base)
+    child = base.fork()
+    _expect(child is not base, name, "fork() must return a new object", "it returned self")
+    diverging = base.action_space.sample()
+    _run(child, [diverging, *rest])
+    _expect(_snapshot(base) == before, name, "stepping a fork must not change its parent",
+            "the parent's transcript changed after its fork was stepped")
+    parent_rest = _run(base, rest)
+    if deterministic:
+        _expect(parent_rest == reference[1:], name, "stepping a fork must not change its parent",
+                f"after the fork stepped {diverging!r}, the parent's next results differ from an untouched episode:"
+                f"\n  got      {parent_rest!r}\n  expected {reference[1:]!r}")
+
+    # 2. The same actions on two forks give the same results.
+    base.reset(seed=SEED)
+    _run(base, [first])
+    a, b = base.fork(), base.fork()
+    results_a, results_b = _run(a, rest), _run(b, rest)
+    if deterministic:
+        _expect(results_a == results_b == reference[1:], name, "the same actions on two forks must give the same results",
+                f"fork A: {results_a!r}\n  fork B: {results_b!r}\n  uninterrupted: {reference[1:]!r}")
+
+    # 3. A fork after the end is usable and leaves the ended parent as it was.
+    ended = _snapshot(a)
+    late = a.fork()
+    late.reset(seed=SEED)
+    late_results = _run(late, actions)
+    _expect(_snapshot(a) == ended, name, "resetting a fork made after the end must not change its parent",
+            "the ended parent's transcript changed")
+    if deterministic:
+        _expect(late_results == reference, name, "a fork made after the end must behave like a fresh environment",
+                f"got {late_results!r}\n  expected {reference!r}")
+
+    # 4. The async pair agrees with the sync pair.
+    fresh = base.fork()
+    prompt_sync, _ = base.reset(seed=SEED)
+    prompt_async, async_results = asyncio.run(_arun(fresh, actions))
+    if deterministic:
+        _expect(prompt_async == prompt_sync and async_results == reference, name,
+                "areset/astep must agree with reset/step",
+                f"async: {async_results!r}\n  sync: {reference!r}")
+    for e in (child, a, b, late, fresh):
+        e.close()

@@ -1,0 +1,304 @@
+"""ToolEnv: the multi-turn tool-use episode that every shipped environment is.
+
+One episode: the prompt poses a task; each turn the model writes an action (reasoning plus one
+tool call, or the final answer); the environment runs the call and returns its result as the
+observation; the final answer is graded into the reward.
+
+Limits (the papers' conventions): at most ``max_tool_calls`` calls (past it, the observation
+says so and asks for the answer, and the call is not run); at most ``max_turns`` turns (then the
+episode is truncated and graded as unanswered); observations cut to ``max_obs_chars``.
+
+Forking is copy-on-write: the episode state is an immutable record whose history is a linked
+list of turns shared between forks, so ``fork()`` costs the same at turn 1 and turn 50; only
+stateful tools are copied (by their own ``fork``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from agentenv.core import Env, ForkStrategy
+from agentenv.datasets import Example
+from agentenv.graders import grade
+from agentenv.parsers import Action, ToolCallParser, get_parser
+from agentenv.rewards import call_reward, get_reward
+from agentenv.tools import Tool, ToolError, as_tool
+
+__all__ = ["EpisodeState", "ToolEnv", "Turn"]
+
+DEFAULT_MAX_TOOL_CALLS = 6  # AT²PO: 6 tool calls per episode (ARPO's reasoning setup: 3)
+DEFAULT_MAX_OBS_CHARS = 6000  # 3 results of ~1000 characters each, with headroom
+
+PROMPT_TEMPLATE = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> every time "
+    "you get new information. After reasoning, if you lack some knowledge, you can use a tool; "
+    "you can use tools at most {max_tool_calls} times.\n{tools}\n"
+    "When no further information is needed, give the final answer inside <answer> and </answer>, "
+    "with the answer itself in \\boxed{{}}, for example <answer> \\boxed{{Beijing}} </answer>.\n"
+    "Question: {question}\n"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One finished turn; ``previous`` links to the turn before (forks share these)."""
+
+    action: str
+    observation: str
+    tool: str | None
+    previous: Turn | None
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeState:
+    """Everything that changes during an episode, immutable: a step makes a new one."""
+
+    task: Example
+    prompt: str
+    last_turn: Turn | None = None
+    turns: int = 0
+    tool_calls: int = 0
+    tool_counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    done: bool = False
+    reward: float = 0.0
+    grade: Mapping[str, Any] | None = None
+
+    def history(self) -> list[Turn]:
+        """The turns so far, first to last (walks the shared list: O(turns))."""
+        turns, turn = [], self.last_turn
+        while turn is not None:
+            turns.append(turn)
+            turn = turn.previous
+        return turns[::-1]
+
+
+class ToolEnv(Env):
+    """A multi-turn tool-use episode over a list of tasks.
+
+    Args:
+        tasks: The examples to pose (question + gold answers).
+        tools: Tools (typed functions, stateful callables or :class:`Tool`s).
+        parser: Tool-call syntax, ``"xml"`` (the papers' tags) or ``"json"`` (``<tool_call>``).
+        reward: A scheme name (see :mod:`agentenv.rewards`) or a callable.
+        require_boxed: The answer must be in ``\\boxed{}`` inside ``<answer>`` (the papers' format).
+        max_tool_calls: Tool calls allowed per episode (default 6, AT²PO).
+        max_turns: Turns before truncation (default ``max_tool_calls + 2``: every call, one turn
+            told the limit is reached, and the answer).
+        max_obs_chars: Observations longer than this are cut and marked.
+        prompt_template: ``str.format`` template with ``{question}``, ``{tools}``, ``{max_tool_calls}``.
+    """
+
+    fork_strategy: ClassVar[ForkStrategy] = "copy-on-write"
+
+    def __init__(
+        self,
+        tasks: Sequence[Example],
+        tools: Sequence[Tool | Callable[..., Any]] = (),
+        *,
+        parser: str | ToolCallParser = "xml",
+        reward: str | Callable[..., float] = "em",
+        require_boxed: bool = True,
+        max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
+        max_turns: int | None = None,
+        max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
+        prompt_template: str = PROMPT_TEMPLATE,
+        render_mode: str | None = None,
+    ) -> None:
+        super().__init__(render_mode=render_mode)
+        if not tasks:
+            raise ValueError("ToolEnv needs at least one task")
+        if max_tool_calls < 0 or (max_turns is not None and max_turns < 1) or max_obs_chars < 1:
+            raise ValueError("max_tool_calls must be >= 0, max_turns >= 1 and max_obs_chars >= 1")
+        self.tasks = tasks
+        self.tools: dict[str, Tool] = {}
+        for t in map(as_tool, tools):
+            if t.name in self.tools or t.name == "answer":
+                raise ValueError(f"tool name {t.name!r} is used twice (or is the reserved `answer`)")
+            self.tools[t.name] = t
+        self.parser = get_parser(parser)
+        self.reward_fn = get_reward(reward)
+        self.require_boxed = require_boxed
+        self.max_tool_calls = max_tool_calls
+        self.max_turns = max_turns if max_turns is not None else max_tool_calls + 2
+        self.max_obs_chars = max_obs_chars
+        self.prompt_template = prompt_template
+        self.state: EpisodeState | None = None
+
+    # -- what the model is told -------------------------------------------------------------
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """Where a turn's generation must stop: the end of a tool call."""
+        return self.parser.stop_strings(self.tools)
+
+    def prompt(self, task: Example) -> str:
+        """The first observation for ``task``: instructions, tool syntax and the question."""
+        return self.prompt_template.format(
+            question=task.question, tools=self.parser.describe(self.tools), max_tool_calls=self.max_tool_calls
+        )
+
+    # -- the episode --------------------------------------------------------------------------
+
+    def select_task(self, seed: int | None, options: Mapping[str, Any] | None) -> Example:
+        """``options={"index": i}`` poses task i; otherwise one drawn from ``np_random``."""
+        if options and "index" in options:
+            index = options["index"]
+            if not isinstance(index, int) or not 0 <= index < len(self.tasks):
+                raise ValueError(f"options['index'] must be an int in [0, {len(self.tasks)}), got {index!r}")
+            return self.tasks[index]
+        return self.tasks[int(self.np_random.integers(len(self.tasks)))]
+
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        self.reset_rng(seed)
+        task = self.select_task(seed, options)
+        for t in self.tools.values():
+            t.reset()
+        self.state = EpisodeState(task=task, prompt=self.prompt(task))
+        return self.state.prompt, self._info(self.state)
+
+    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        state = self.state
+        if state is None:
+            raise RuntimeError("call reset() before step()")
+        if state.done:
+            raise RuntimeError("the episode is over: call reset(), or fork() an earlier state to branch")
+        if not isinstance(action, str):
+            raise TypeError(f"an action is the text of one model turn (str), got {type(action).__name__}")
+
+        parsed = self.parser.parse(action, self.tools)
+        turns = state.turns + 1
+        tool_calls, tool_counts = state.tool_calls, state.tool_counts
+        tool_name = parsed.call.name if parsed.call else None
+        if parsed.answer is not None:
+            observation = ""
+        elif parsed.call is not None and parsed.call.name not in self.tools:
+            observation = (f"There is no tool called `{parsed.call.name}`; available tools: "
+                           f"{', '.join(self.tools) or 'none'}.")
+        elif parsed.call is not None and state.tool_calls >= self.max_tool_calls:
+            observation = (f"You have reached the limit of {self.max_tool_calls} tool calls; this call was "
+                           "not run. Give your final answer now, inside <answer> and </answer>.")
+        elif parsed.call is not None:
+            observation = await self._run_tool(parsed)
+            tool_calls += 1
+            tool_counts = MappingProxyType({**tool_counts, tool_name: tool_counts.get(tool_name, 0) + 1})
+        else:
+            observation = parsed.error or ""
+
+        terminated = parsed.answer is not None
+        truncated = not terminated and turns >= self.max_turns
+        observation = self._truncate(observation)
+        state = replace(
+            state,
+            last_turn=Turn(action, observation, tool_name, state.last_turn),
+            turns=turns,
+            tool_calls=tool_calls,
+            tool_counts=tool_counts,
+            done=terminated or truncated,
+        )
+        if state.done:
+            state = self._graded(state, parsed)
+        self.state = state
+        return observation, state.reward, terminated, truncated, self._info(state, parsed)
+
+    async def _run_tool(self, parsed: Action) -> str:
+        assert parsed.call is not None
+        tool = self.tools[parsed.call.name]
+        try:
+            return await tool.acall(parsed.call.arguments)
+        except ToolError as e:
+            return f"Error: {e}"
+        except Exception as e:  # a failing tool is the model's observation, never a crash of step()
+            return f"Error: the tool `{tool.name}` failed: {type(e).__name__}: {e}"
+
+    def _truncate(self, text: str) -> str:
+        if len(text) <= self.max_obs_chars:
+            return text
+        return text[: self.max_obs_chars] + f"\n[… truncated {len(text) - self.max_obs_chars} characters]"
+
+    def _graded(self, state: EpisodeState, parsed: Action) -> EpisodeState:
+        result = grade(parsed.answer, state.task.answers, require_boxed=self.require_boxed)
+        reward = call_reward(self.reward_fn, {
+            "answer": result.answer,
+            "answers": list(state.task.answers),
+            "grade": result,
+            "response": parsed.answer,
+            "tool_counts": dict(state.tool_counts),
+            "task": state.task,
+            "actions": [t.action for t in state.history()],
+        })
+        return replace(state, reward=reward, grade={**result.as_dict(), "reward": reward})
+
+    def _info(self, state: EpisodeState, parsed: Action | None = None) -> dict[str, Any]:
+        # Fresh containers every call: callers may keep and mutate what they receive.
+        info: dict[str, Any] = {
+            "id": state.task.id,
+            "question": state.task.question,
+            "answers": list(state.task.answers),
+            "turn": state.turns,
+            "tool_calls": state.tool_calls,
+        }
+        if parsed is not None:
+            info["tool"] = parsed.call.name if parsed.call else None
+            info["error"] = parsed.error
+        if state.grade is not None:
+            info["grade"] = dict(state.grade)
+        return info
+
+    # -- forking and the rest of the contract -------------------------------------------------
+
+    def fork(self) -> ToolEnv:
+        """Copy-on-write: the immutable episode state and history are shared, O(1)."""
+        child = copy.copy(self)
+        child.tools = {name: t.fork() for name, t in self.tools.items()}
+        child._np_random = self._fork_rng()
+        return child
+
+    def transcript(self) -> str:
+        """The episode so far as text, observations inline as ``<result>…</result>``."""
+        if self.state is None:
+            return ""
+        parts = [self.state.prompt]
+        for turn in self.state.history():
+            parts.append(turn.action)
+            if turn.observation:
+                parts.append(f"<result>\n{turn.observation}\n</result>")
+        return "\n".join(parts)
+
+    def render(self) -> str | None:
+        if self.render_mode == "ansi":
+            return self.transcript()
+        return None
+
+    def demo_actions(self) -> Iterator[str]:
+        """Valid actions for the current task: one call per tool, then the gold answer.
+
+        Used by :func:`agentenv.testing.check_env` and demos to exercise the tools.
+        """
+        task = self.state.task if self.state is not None else self.tasks[0]
+        for t in self.tools.values():
+            yield self._call_text(t, self.example_argument(t, task))
+        yield f"<answer> \\boxed{{{task.answers[0]}}} </answer>"
+
+    def example_argument(self, tool: Tool, task: Example) -> str:
+        """An argument for ``tool`` that makes sense for ``task`` (override for custom tools)."""
+        return task.question
+
+    def _call_text(self, tool: Tool, argument: str) -> str:
+        if self.parser.name == "json":
+            args = {tool.primary_parameter: argument} if tool.primary_parameter else {}
+            return f'<tool_call>{json.dumps({"name": tool.name, "arguments": args})}</tool_call>'
+        return f"<think>I will use {tool.name}.</think>\n<{tool.name}>{argument}</{tool.name}>"
+
+    def close(self) -> None:
+        for t in self.tools.values():
+            close = getattr(t.fn, "close", None)
+            if t.stateful and callable(close):
+                close()
+        super().close()

@@ -1,0 +1,179 @@
+"""TokenEnv: the token-in-token-out view of a text environment.
+
+The episode is one token sequence, exactly::
+
+    prompt_ids + action_ids_1 + obs_ids_1 + action_ids_2 + obs_ids_2 + … + action_ids_n
+
+Action ids are taken as the sampler returned them and never re-encoded (decoding then encoding
+a model's output does not give back its ids: the trainer would compute log-probs of tokens the
+model never sampled). Only the new observation segment is tokenised, wrapped either
+
+- ``observations="inline"``: inside the assistant turn, as the papers do: ``\\n<result>\\n…\\n</result>\\n``;
+- ``observations="turn"``: as a chat turn of ``observation_role`` with the chat template's own
+  delimiters (end of the assistant turn, the observation turn, the start of the next assistant
+  turn), derived once from the template.
+
+``info`` of each step gives the spans of the action and the observation in the sequence;
+:meth:`TokenEnv.sequence` gives the whole sequence and its action mask.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from agentenv.core import Env, run_sync
+
+__all__ = ["TokenEnv"]
+
+_ACTION, _OBSERVATION = "AGENTENV-ACTION-SENTINEL", "AGENTENV-OBSERVATION-SENTINEL"
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """A run of tokens that are all action or all non-action; linked to the one before (shared by forks)."""
+
+    ids: tuple[int, ...]
+    is_action: bool
+    previous: _Segment | None
+    end: int  # length of the whole sequence up to and including this segment
+
+
+class TokenEnv:
+    """Wrap an :class:`~agentenv.core.Env` so that it takes and returns token ids.
+
+    Args:
+        env: The text environment.
+        tokenizer: A Hugging Face tokenizer with a chat template.
+        chat_template: A Jinja chat template to use instead of the tokenizer's own.
+        observations: ``"inline"`` (papers' ``<result>`` inside the assistant turn) or ``"turn"``.
+        observation_role: The role of observation turns when ``observations="turn"``.
+        system_prompt: A system message to put before the task, if any.
+    """
+
+    def __init__(
+        self,
+        env: Env,
+        tokenizer: Any,
+        *,
+        chat_template: str | None = None,
+        observations: Literal["inline", "turn"] = "inline",
+        observation_role: str = "user",
+        system_prompt: str | None = None,
+    ) -> None:
+        if observations not in ("inline", "turn"):
+            raise ValueError(f"observations must be 'inline' or 'turn', got {observations!r}")
+        self.env = env
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.observations = observations
+        self.system_prompt = system_prompt
+        if observations == "turn":
+            self._before_obs, self._after_obs = self._turn_delimiters(observation_role)
+            self._end_of_turn = self._encode(self._before_obs)[:1]
+        self._last: _Segment | None = None
+
+    # -- tokenisation of what the environment says (never of what the model sampled) --------
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _turn_delimiters(self, role: str) -> tuple[str, str]:
+        """The template's text between an assistant message and an observation, and after it."""
+        messages = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _ACTION},
+                    {"role": role, "content": _OBSERVATION}]
+        try:
+            text = self._render(messages, add_generation_prompt=True)
+        except Exception as e:
+            raise ValueError(f"the chat template cannot render a {role!r} turn ({e}); "
+                             "choose another observation_role (e.g. 'user')") from e
+        if _ACTION not in text or _OBSERVATION not in text:
+            raise ValueError("the chat template drops message contents; pass chat_template= explicitly")
+        action_end = text.index(_ACTION) + len(_ACTION)
+        obs_start = text.index(_OBSERVATION)
+        return text[action_end:obs_start], text[obs_start + len(_OBSERVATION):]
+
+    def observation_ids(self, observation: str, action_ids: Sequence[int]) -> list[int]:
+        """The ids of the segment that follows an action: the observation with its delimiters."""
+        if self.observations == "inline":
+            return self._encode(f"\n<result>\n{observation}\n</result>\n")
+        ids = self._encode(self._before_obs + observation + self._after_obs)
+        end_of_turn = self._end_of_turn[0] if self._end_of_turn else None
+        closed = bool(action_ids) and action_ids[-1] == end_of_turn
+        if closed and end_of_turn in set(getattr(self.tokenizer, "all_special_ids", ())):
+            ids = ids[1:]  # the model already closed its turn: do not close it twice
+        return ids
+
+    # -- the episode ------------------------------------------------------------------------
+
+    def _append(self, ids: Sequence[int], is_action: bool) -> tuple[int, int]:
+        start = self._last.end if self._last else 0
+        self._last = _Segment(tuple(ids), is_action, self._last, start + len(ids))
+        return start, self._last.end
+
+    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[list[int], dict[str, Any]]:
+        """Reset the episode; returns the prompt ids (chat template applied) and the env's info."""
+        obs, info = await self.env.areset(seed=seed, options=options)
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        prompt_ids = self._encode(self._render([*messages, {"role": "user", "content": obs}], add_generation_prompt=True))
+        self._last = None
+        info["prompt_span"] = self._append(prompt_ids, is_action=False)
+        return prompt_ids, info
+
+    async def astep(self, action_ids: Sequence[int]) -> tuple[list[int], float, bool, bool, dict[str, Any]]:
+        """Apply the sampled action ids; returns the observation ids (empty once the episode is over)."""
+        if self._last is None:
+            raise RuntimeError("call reset() before step()")
+        action_ids = [int(i) for i in action_ids]
+        action_text = self.tokenizer.decode(action_ids, skip_special_tokens=True)
+        obs, reward, terminated, truncated, info = await self.env.astep(action_text)
+        info["action_span"] = self._append(action_ids, is_action=True)
+        obs_ids = [] if terminated or truncated else self.observation_ids(obs, action_ids)
+        info["obs_span"] = self._append(obs_ids, is_action=False)
+        info["length"] = self._last.end
+        return obs_ids, reward, terminated, truncated, info
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[list[int], dict[str, Any]]:
+        """Sync form of :meth:`areset`."""
+        return run_sync(self.areset(seed=seed, options=options))
+
+    def step(self, action_ids: Sequence[int]) -> tuple[list[int], float, bool, bool, dict[str, Any]]:
+        """Sync form of :meth:`astep`."""
+        return run_sync(self.astep(action_ids))
+
+    def sequence(self) -> tuple[list[int], list[int]]:
+        """The whole episode's token ids and its mask (1 on action tokens)."""
+        segments, seg = [], self._last
+        while seg is not None:
+            segments.append(seg)
+            seg = seg.previous
+        ids: list[int] = []
+        mask: list[int] = []
+        for seg in reversed(segments):
+            ids.extend(seg.ids)
+            mask.extend([int(seg.is_action)] * len(seg.ids))
+        return ids, mask
+
+    def __len__(self) -> int:
+        return self._last.end if self._last else 0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """Where generation of a turn must stop (from the wrapped environment)."""
+        return list(getattr(self.env, "stop_strings", []))
+
+    def fork(self) -> TokenEnv:
+        """An independent copy: the environment is forked, the token history shared (O(1))."""
+        child = copy.copy(self)
+        child.env = self.env.fork()
+        return child
+
+    def close(self) -> None:
+        self.env.close()
