@@ -163,7 +163,8 @@ def _flashrag(row: Mapping[str, Any], i: int) -> Example:
 
 
 def _plain(row: Mapping[str, Any], i: int) -> Example:
-    return Example(str(row.get("id", i)), row["question"], _as_answers(row.get("answers", row.get("answer"))))
+    answers = row["answers"] if "answers" in row or "answer" not in row else row["answer"]
+    return Example(str(row.get("id", i)), row["question"], _as_answers(answers))
 
 
 _READERS: dict[str, Callable[[Mapping[str, Any], int], Example]] = {
@@ -194,7 +195,7 @@ def _load(path: Path, mtime_ns: int) -> tuple[Example, ...]:
             if not isinstance(example.question, str) or not example.question.strip():
                 raise ValueError("empty question")
         except (KeyError, TypeError, ValueError) as e:
-            detail = f"missing field {e}" if type(e) is KeyError and fmt else str(e).strip("'\"")
+            detail = f"missing field {e.args[0]!r}" if type(e) is KeyError and fmt else str(e.args[0])
             raise DatasetError(f"{path}:{lineno}: {detail}" + (f" (format detected: {fmt})" if fmt else "")) from None
         examples.append(example)
     if not examples:

@@ -4,8 +4,10 @@ Ids follow Gymnasium's grammar ``[namespace/]name[-vN]`` (names may hold ``:`` f
 in ``multihop-qa:2wiki``). ``make("name")`` picks the highest registered version when only
 versioned ids exist.
 
-Every environment is also registered with Gymnasium, as ``agentenv/<id>`` (a namespaced id
-``ns/name`` becomes ``agentenv/ns.name``), so ``gymnasium.make("agentenv/multihop-qa")`` works.
+Every environment is also registered with Gymnasium, as ``agentenv/<id>`` with ``:`` and ``/``
+written as ``.`` (Gymnasium reads ``:`` as ``module:env``): ``gymnasium.make("agentenv/multihop-qa")``
+and ``gymnasium.make("agentenv/multihop-qa.2wiki")`` work once agentenv is imported, and
+``gymnasium.make("agentenv:agentenv/multihop-qa")`` imports it first.
 
 Other installed packages add environments through the entry-point group ``agentenv.envs``; an
 entry point may name an :class:`~agentenv.core.Env` subclass (registered under the entry
@@ -67,8 +69,12 @@ class EnvSpec:
 
     @property
     def gymnasium_id(self) -> str:
-        """The id under which Gymnasium knows this environment."""
-        return "agentenv/" + self.id.replace("/", ".")
+        """The id under which Gymnasium knows this environment.
+
+        Gymnasium reads ``a:b`` as ``module:env`` and allows one namespace, so ``:`` and ``/``
+        become ``.``: ``multihop-qa:2wiki`` is ``agentenv/multihop-qa.2wiki`` there.
+        """
+        return "agentenv/" + self.id.replace("/", ".").replace(":", ".")
 
     def load(self) -> Callable[..., Env]:
         """The class or factory named by ``entry_point``."""

@@ -1,0 +1,217 @@
+import asyncio
+
+import gymnasium
+import pytest
+
+import agentenv
+from agentenv import ToolError, tool
+from agentenv.testing import check_env
+
+QUESTION_0 = "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
+
+
+@pytest.fixture(scope="module")
+def env():
+    return agentenv.make("multihop-qa")
+
+
+def test_reset_poses_a_question_with_the_tool_syntax(env):
+    obs, info = env.reset(options={"index": 0})
+    assert obs.endswith(f"Question: {QUESTION_0}\n")
+    assert "- <search> query </search>: Search for passages relevant to a query." in obs
+    assert "at most 6 times" in obs and "<answer> \\boxed{Beijing} </answer>" in obs
+    assert info == {"id": "5a8c7595554299585d9e36b6", "question": QUESTION_0, "answers": ["Chief of Protocol"],
+                    "turn": 0, "tool_calls": 0}
+    assert env.stop_strings == ["</search>"]
+
+
+def test_seeded_reset_is_reproducible(env):
+    a = env.reset(seed=7)[1]["question"]
+    b = env.reset(seed=7)[1]["question"]
+    c = env.reset(seed=8)[1]["question"]
+    assert a == b != c
+
+
+def test_search_step_then_answer(env):
+    env.reset(options={"index": 0})
+    obs, reward, terminated, truncated, info = env.step(f"<think>Find the actress.</think>\n<search>{QUESTION_0}</search>")
+    assert obs.startswith("Page 1: Kiss and Tell (1945 film)\nKiss and Tell is a 1945 American comedy film starring then 17-year-old Shirley Temple")
+    assert obs.count("Page ") == 3
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    assert (info["turn"], info["tool_calls"], info["tool"], info["error"]) == (1, 1, "search", None)
+    obs, reward, terminated, truncated, info = env.step("<answer>She was \\boxed{Chief of Protocol}</answer>")
+    assert (obs, reward, terminated, truncated) == ("", 1.0, True, False)
+    assert info["grade"] == {"answer": "Chief of Protocol", "format_ok": True, "em": 1.0, "f1": 1.0, "cover_em": 1.0, "reward": 1.0}
+    with pytest.raises(RuntimeError, match="the episode is over"):
+        env.step("<answer>\\boxed{x}</answer>")
+
+
+def test_step_before_reset_and_wrong_types():
+    fresh = agentenv.make("multihop-qa")
+    with pytest.raises(RuntimeError, match=r"call reset\(\) before step\(\)"):
+        fresh.step("<search>x</search>")
+    fresh.reset(seed=0)
+    with pytest.raises(TypeError, match=r"an action is the text of one model turn \(str\), got list"):
+        fresh.step([1, 2])
+    with pytest.raises(ValueError, match=r"options\['index'\] must be an int in \[0, 500\), got 500"):
+        fresh.reset(options={"index": 500})
+
+
+def test_malformed_calls_are_observations_not_exceptions(env):
+    env.reset(options={"index": 0})
+    obs, reward, terminated, truncated, info = env.step("<search>unclosed")
+    assert obs == "The <search> tag was opened but never closed: write <search>…</search>."
+    assert (reward, terminated, truncated, info["tool_calls"], info["turn"]) == (0.0, False, False, 0, 1)
+    obs, *_ = env.step("<browse>http://example.com</browse>")
+    assert obs.startswith("There is no tool called <browse>.")
+    obs, *_ = env.step("I do not know.")
+    assert obs.startswith("No tool call or answer was found in your turn.")
+
+
+def test_tool_call_limit_then_turn_limit():
+    env = agentenv.make("multihop-qa", max_tool_calls=2)
+    assert env.max_turns == 4
+    env.reset(options={"index": 0})
+    for _ in range(2):
+        assert env.step("<search>Shirley Temple</search>")[0].startswith("Page 1:")
+    obs, reward, terminated, truncated, info = env.step("<search>Shirley Temple</search>")
+    assert obs == ("You have reached the limit of 2 tool calls; this call was not run. "
+                   "Give your final answer now, inside <answer> and </answer>.")
+    assert (terminated, truncated, info["tool_calls"]) == (False, False, 2)
+    obs, reward, terminated, truncated, info = env.step("<search>again</search>")
+    assert (reward, terminated, truncated) == (0.0, False, True)  # 4 turns: truncated, graded as unanswered
+    assert info["grade"]["format_ok"] is False
+
+
+def test_format_penalty_and_aepo_rewards():
+    env = agentenv.make("multihop-qa", reward="at2po", max_turns=1)
+    env.reset(options={"index": 0})
+    assert env.step("<answer>Chief of Protocol</answer>")[1] == -1.0  # no \boxed{}: bad format
+    env.reset(options={"index": 0})
+    assert env.step("<search>x</search>")[1:4] == (-1.0, False, True)  # truncated without an answer
+    env = agentenv.make("multihop-qa", reward="f1")
+    env.reset(options={"index": 0})
+    # "protocol chief officer" vs "chief of protocol": 2 common words of 3 each -> F1 = 2/3
+    assert env.step("<answer>\\boxed{Protocol chief officer}</answer>")[1] == pytest.approx(2 / 3)
+
+
+def test_observations_are_truncated():
+    env = agentenv.make("multihop-qa", max_obs_chars=50)
+    env.reset(options={"index": 0})
+    obs = env.step("<search>Shirley Temple</search>")[0]
+    assert obs == "Page 1: Shirley Temple\nShirley Temple Black (April\n[… truncated 1145 characters]"
+
+
+def test_custom_tool_plugs_into_an_environment():
+    @tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: Digits and + - * / only.
+        """
+        if set(expression) - set("0123456789+-*/ ()."):
+            raise ToolError("only digits and + - * / are allowed")
+        return str(eval(expression))  # noqa: S307 (checked above)
+
+    env = agentenv.make("multihop-qa", tools=[calculator])
+    obs, _ = env.reset(options={"index": 0})
+    assert "- <calculator> expression </calculator>: Evaluate an arithmetic expression." in obs
+    assert env.stop_strings == ["</search>", "</calculator>"]
+    assert env.step("<calculator>6 * 7</calculator>")[0] == "42"
+    assert env.step("<calculator>__import__('os')</calculator>")[0] == "Error: only digits and + - * / are allowed"
+    check_env(env)
+
+
+def test_json_tool_call_format():
+    env = agentenv.make("multihop-qa", parser="json")
+    obs, _ = env.reset(options={"index": 0})
+    assert '<tools>\n{"type": "function", "function": {"name": "search"' in obs
+    assert env.stop_strings == ["</tool_call>"]
+    obs = env.step('<tool_call>{"name": "search", "arguments": {"query": "Kiss and Tell 1945"}}</tool_call>')[0]
+    assert obs.startswith("Page 1: Kiss and Tell (1945 film)")
+    assert env.step('<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>')[0] == (
+        "Error: invalid arguments for `search`: query: Field required; q: Extra inputs are not permitted")
+    assert env.step('<tool_call>{"name": "browse", "arguments": {}}</tool_call>')[0] == (
+        "There is no tool called `browse`; available tools: search.")
+    check_env(env)
+
+
+def test_failing_tool_becomes_an_observation():
+    @tool
+    def broken(x: str) -> str:
+        """Always fails."""
+        raise KeyError(x)
+
+    env = agentenv.make("multihop-qa", tools=[broken])
+    env.reset(seed=0)
+    assert env.step("<broken>k</broken>")[0] == "Error: the tool `broken` failed: KeyError: 'k'"
+
+
+def test_user_corpus_and_data_overrides(tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "Who drums in Rush?", "answers": ["Neil Peart"]}\n')
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"title": "Rush", "text": "Neil Peart was the drummer of Rush."}\n'
+                      '{"title": "Queen", "text": "Roger Taylor drums in Queen."}\n')
+    env = agentenv.make("singlehop-qa:nq", data=str(data), corpus=str(corpus), topk=1)
+    env.reset(seed=0)
+    assert env.step("<search>drummer of Rush</search>")[0] == "Page 1: Rush\nNeil Peart was the drummer of Rush."
+
+
+def test_singlehop_sets_search_the_pooled_multihop_corpus():
+    env = agentenv.make("singlehop-qa:popqa")
+    assert len(env.backend.passages) == 9490
+    env2 = agentenv.make("multihop-qa:bamboogle")
+    assert env2.backend is env.backend  # one index shared in-process
+
+
+REGISTERED = sorted(agentenv.registry)
+
+
+def test_registered_ids():
+    assert REGISTERED == [
+        "multihop-qa", "multihop-qa:2wiki", "multihop-qa:bamboogle", "multihop-qa:hotpotqa", "multihop-qa:musique",
+        "singlehop-qa", "singlehop-qa:nq", "singlehop-qa:popqa", "singlehop-qa:triviaqa",
+    ]
+
+
+@pytest.mark.parametrize("env_id", REGISTERED)
+def test_check_env_passes_for_every_registered_id(env_id):
+    check_env(agentenv.make(env_id))
+
+
+def test_gymnasium_make():
+    env = gymnasium.make("agentenv/multihop-qa")
+    obs, info = env.reset(seed=3)
+    assert info["question"] in obs
+    assert isinstance(env.unwrapped, agentenv.ToolEnv)
+    # Gymnasium reads "a:b" as "module:env", so variants use "." there.
+    assert agentenv.spec("multihop-qa:2wiki").gymnasium_id == "agentenv/multihop-qa.2wiki"
+    env = gymnasium.make("agentenv/multihop-qa.2wiki", max_tool_calls=1)
+    assert env.unwrapped.max_tool_calls == 1
+
+
+async def test_async_steps_do_not_block_each_other():
+    """Two episodes whose tool waits on the other: only an event loop that interleaves them finishes."""
+    gate = asyncio.Event()
+
+    @tool
+    async def wait_for_other(who: str) -> str:
+        """Wait until the other episode arrives."""
+        if who == "first":
+            await gate.wait()
+        else:
+            gate.set()
+        return who
+
+    envs = [agentenv.make("multihop-qa", tools=[wait_for_other]) for _ in range(2)]
+    for e in envs:
+        await e.areset(seed=0)
+    first, second = await asyncio.wait_for(asyncio.gather(
+        envs[0].astep("<wait_for_other>first</wait_for_other>"),
+        envs[1].astep("<wait_for_other>second</wait_for_other>"),
+    ), timeout=5)
+    assert (first[0], second[0]) == ("first", "second")
+    with pytest.raises(RuntimeError, match=r"use the async form instead"):
+        envs[0].step("<search>x</search>")

@@ -1,0 +1,90 @@
+import json
+from pathlib import Path
+
+import pytest
+
+import agentenv
+from agentenv.datasets import DatasetError, Paragraph, load_examples
+from agentenv.search import BM25Search, Passage, format_results, load_corpus, search_tool
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "qa"
+
+CORPUS = [
+    Paragraph("Paris", "Paris is the capital and largest city of France."),
+    Paragraph("Berlin", "Berlin is the capital of Germany."),
+    Paragraph("Rush (band)", "Rush was a Canadian rock band formed in Toronto. Neil Peart was its drummer."),
+]
+
+
+def test_bm25_ranks_and_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path))
+    index = BM25Search(CORPUS)
+    hits = index.search_sync("capital of France", topk=2)
+    assert [p.title for p in hits] == ["Paris", "Berlin"]
+    assert hits[0].score > hits[1].score > 0
+    assert index.search_sync("capital of France", topk=2) == hits
+    assert index.search_sync("drummer", topk=3) == [Passage("Rush (band)", CORPUS[2].text, None, hits_score(index, "drummer"))]
+    assert index.search_sync("zebra", topk=3) == []  # nothing scores: no results, not random ones
+    assert index.search_sync("the of", topk=3) == []  # only stop words
+    assert len(index.search_sync("capital", topk=50)) == 2
+
+
+def hits_score(index, query):
+    return index.search_sync(query, 1)[0].score
+
+
+def test_index_is_cached_on_disk_by_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path))
+    first = BM25Search(CORPUS)
+    index_dir = tmp_path / "bm25" / first.key
+    assert (index_dir / "params.index.json").exists()
+    stamp = (index_dir / "params.index.json").stat().st_mtime_ns
+    second = BM25Search(CORPUS)  # loads, does not rebuild
+    assert (index_dir / "params.index.json").stat().st_mtime_ns == stamp
+    assert second.search_sync("Toronto drummer", 3) == first.search_sync("Toronto drummer", 3)
+    assert BM25Search(CORPUS[:2]).key != first.key
+    assert BM25Search.for_corpus(CORPUS) is BM25Search.for_corpus(list(CORPUS))
+
+
+def test_format_results_as_the_papers_do():
+    passages = [Passage("A", "one two three four"), Passage("B", "short")]
+    assert format_results(passages, max_chars=9) == "Page 1: A\none two …\n\nPage 2: B\nshort"
+    assert format_results([]) == "No results found."
+
+
+async def test_search_tool():
+    t = search_tool(BM25Search(CORPUS, cache=False), topk=1)
+    assert t.name == "search" and t.primary_parameter == "query"
+    assert await t.acall({"query": "German capital"}) == "Page 1: Berlin\nBerlin is the capital of Germany."
+
+
+def test_load_corpus_formats(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"title": "T", "text": "body"}\n{"id": "1", "contents": "\\"Quoted\\"\\nText here"}\n')
+    assert load_corpus(tmp_path / "a.jsonl") == [Paragraph("T", "body"), Paragraph("Quoted", "Text here")]
+    (tmp_path / "b.json").write_text(json.dumps([{"title": "T", "text": "x"}]))
+    assert load_corpus(tmp_path / "b.json") == [Paragraph("T", "x")]
+    (tmp_path / "c.jsonl").write_text('{"title": "T"}\n')
+    with pytest.raises(DatasetError, match=r"c.jsonl:1: a corpus row needs `text`"):
+        load_corpus(tmp_path / "c.jsonl")
+
+
+def test_unseen_official_hotpotqa_file_end_to_end(tmp_path):
+    """Done-means: an official-format HotpotQA file the project has never seen (a JSON list)."""
+    rows = [json.loads(line) for line in (SHARED / "hotpotqa_dev.official_sample20.jsonl").read_text().splitlines()]
+    rows += [json.loads(line) for line in (SHARED / "2wikimultihopqa_dev164.jsonl").read_text().splitlines()]
+    path = tmp_path / "hotpot_dev_distractor_unseen.json"
+    path.write_text(json.dumps(rows))
+    env = agentenv.make("multihop-qa", data=str(path))
+    examples = load_examples(path)
+    found = 0
+    for i, example in enumerate(examples):
+        env.reset(options={"index": i})
+        obs, *_ = env.step(f"<search>{example.question}</search>")
+        gold_titles = {p.title for p in example.paragraphs if p.is_supporting}
+        found += any(f": {title}\n" in obs for title in gold_titles)
+    assert found / len(examples) >= 0.85, found / len(examples)
+
+    env.reset(options={"index": 0})
+    assert env.step("<answer>\\boxed{Rush}</answer>")[1:3] == (1.0, True)
+    env.reset(options={"index": 0})
+    assert env.step("<answer>\\boxed{Queen}</answer>")[1:3] == (0.0, True)
