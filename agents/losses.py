@@ -257,10 +257,11 @@ def _segment_ratio_loss(
     # Segment index of every token in row-major order; tokens off the mask go to a spare bucket.
     segments = int(segment_start.sum())
     index = torch.where(mask, segment_start.long().cumsum(-1) + _row_offsets(segment_start) - 1, segments).flatten()
-    counts = torch.zeros(segments + 1, dtype=log_ratio.dtype, device=log_ratio.device)
-    counts.index_add_(0, index, mask.flatten().to(log_ratio.dtype))
-    sums = torch.zeros_like(counts).index_add_(0, index, log_ratio.detach().flatten())
-    segment_mean = (sums / counts.clamp(min=1))[index].view_as(log_ratio)
+    # float64 statistics: a bfloat16 count or sum would be inexact for turns of a few hundred tokens
+    counts = torch.zeros(segments + 1, dtype=torch.float64, device=log_ratio.device)
+    counts.index_add_(0, index, mask.flatten().to(torch.float64))
+    sums = torch.zeros_like(counts).index_add_(0, index, log_ratio.detach().flatten().to(torch.float64))
+    segment_mean = (sums / counts.clamp(min=1))[index].view_as(log_ratio).to(log_ratio.dtype)
     # log s_t = sg(mean_{u∈segment} log r_u) + log π_θ(t) − sg(log π_θ(t))   (GSPO token form)
     log_s = segment_mean + torch.where(mask, logprobs - logprobs.detach(), 0.0)
     s = torch.exp(torch.clamp(log_s, max=_MAX_LOG_SEGMENT_RATIO))
