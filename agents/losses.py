@@ -99,9 +99,9 @@ def aepo_loss(
     mask: torch.Tensor,
     *,
     entropy: torch.Tensor | None = None,
-    eps_low: float = 0.2,  # AEPO paper (ε = 0.2)
-    eps_high: float = 0.2,  # AEPO paper (ε = 0.2)
-    dual_clip: float | None = 3.0,  # AEPO code keeps verl's dual clip c = 3
+    eps_low: float = 0.2,  # AEPO (ALGORITHMS.md: ε = 0.2)
+    eps_high: float = 0.2,  # AEPO (ALGORITHMS.md: ε = 0.2)
+    dual_clip: float | None = 3.0,  # AEPO (ALGORITHMS.md: dual clip c = 3 when Ã < 0)
     clip_balanced: bool = True,  # AEPO entropy clipping-balanced upper bound
     entropy_aware_advantage: bool = True,  # AEPO entropy-aware advantage Ã
     entropy_advantage_coef: float = 0.2,  # AEPO paper: Ã = Â·(1 + 0.2·sg(z))
@@ -120,7 +120,8 @@ def aepo_loss(
     With ``entropy_aware_advantage`` (on whenever the flag is on, bonus or not) the advantages
     are first rescaled by :func:`entropy_aware_advantages`; this needs ``entropy``, the per-token
     entropy of the full next-token distribution from the training forward pass. The same tensor
-    feeds the optional entropy bonus. With both flags off this is :func:`ppo_clip_loss`.
+    feeds the optional entropy bonus. With both flags off this is :func:`ppo_clip_loss` with the same
+    hyper-parameters.
     """
     if entropy_aware_advantage and entropy is None:
         raise ValueError("aepo_loss with entropy_aware_advantage=True needs `entropy`, the per-token entropy "
