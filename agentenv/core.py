@@ -113,7 +113,7 @@ class Env(gym.Env[str, str]):
     never does (it becomes an observation explaining the problem).
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     #: How :meth:`fork` is implemented (see :data:`ForkStrategy`).
     fork_strategy: ClassVar[ForkStrategy] = "deepcopy"
 

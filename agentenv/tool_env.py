@@ -93,6 +93,7 @@ class ToolEnv(Env):
         prompt_template: ``str.format`` template with ``{question}``, ``{tools}``, ``{max_tool_calls}``.
     """
 
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
     fork_strategy: ClassVar[ForkStrategy] = "copy-on-write"
 
     def __init__(

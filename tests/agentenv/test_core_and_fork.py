@@ -1,0 +1,154 @@
+import asyncio
+import copy
+
+import pytest
+
+import agentenv
+from agentenv import Env, Text
+from agentenv.core import run_sync
+from agentenv.testing import EnvCheckError, check_env
+
+
+def test_text_space_admits_any_string():
+    space = Text(max_length=5)
+    assert "é€ 漢" in space and "toolong" not in space and 5 not in space
+    space.seed(0)
+    assert all(isinstance(s, str) and 1 <= len(s) <= 5 for s in (space.sample() for _ in range(20)))
+
+
+class AsyncOnly(Env):
+    """An environment written with the async pair only."""
+
+    async def areset(self, *, seed=None, options=None):
+        self.reset_rng(seed)
+        self.total = 0
+        return "add numbers", {}
+
+    async def astep(self, action):
+        await asyncio.sleep(0)
+        self.total += int(action) if action.isdigit() else 0
+        return str(self.total), 0.0, self.total >= 10, False, {}
+
+    def demo_actions(self):
+        return ["3", "4", "5"]
+
+
+def test_sync_pair_is_derived_from_the_async_pair():
+    env = AsyncOnly()
+    assert env.reset(seed=1) == ("add numbers", {})
+    assert env.step("4")[0] == "4"
+    assert env.step("7")[:3] == ("11", 0.0, True)
+    check_env(env)
+
+
+def test_an_env_must_implement_one_pair():
+    class Nothing(Env):
+        pass
+
+    with pytest.raises(TypeError, match="Nothing must implement step\\(\\) or astep\\(\\)"):
+        Nothing().step("x")
+    with pytest.raises(TypeError, match="Nothing must implement step\\(\\) or astep\\(\\)"):
+        asyncio.run(Nothing().astep("x"))
+
+
+async def test_run_sync_refuses_inside_a_running_loop():
+    async def coro():
+        return 1
+
+    with pytest.raises(RuntimeError, match=r"use the async form instead \(`await env.areset\(...\)`"):
+        run_sync(coro())
+
+
+def test_render_mode_is_validated():
+    with pytest.raises(ValueError, match=r"render_mode='human' is not supported by QAEnv; choose one of \['ansi'\] or None"):
+        agentenv.make("multihop-qa", render_mode="human")
+    env = agentenv.make("multihop-qa", render_mode="ansi")
+    env.reset(options={"index": 0})
+    env.step("<search>Kiss and Tell</search>")
+    assert env.render().split("\n")[-1] == "</result>"
+
+
+def test_fork_is_copy_on_write_and_independent():
+    env = agentenv.make("multihop-qa", max_tool_calls=60, max_turns=60)
+    env.reset(options={"index": 0})
+    for i in range(50):
+        env.step(f"<search>query {i}</search>")
+    child = env.fork()
+    # The history is shared, not copied: the fork costs the same at any episode length.
+    assert child.state is env.state and child.state.last_turn is env.state.last_turn
+    child.step("<search>only in the child</search>")
+    assert env.state.turns == 50 and child.state.turns == 51
+    assert child.state.last_turn.previous is env.state.last_turn
+    assert "only in the child" not in env.transcript()
+    assert env.step("<answer>\\boxed{Chief of Protocol}</answer>")[1:3] == (1.0, True)
+    assert child.state.done is False
+    late = env.fork()  # after the end
+    assert late.state.done and late.state.reward == 1.0
+    with pytest.raises(RuntimeError, match="the episode is over"):
+        late.step("<search>x</search>")
+
+
+def test_fork_forks_stateful_tools():
+    class Notebook:
+        """Remember notes within an episode."""
+
+        def __init__(self):
+            self.notes = []
+
+        def __call__(self, note: str) -> str:
+            """Write a note and read all notes back."""
+            self.notes.append(note)
+            return " | ".join(self.notes)
+
+        def reset(self):
+            self.notes = []
+
+    env = agentenv.make("multihop-qa", tools=[Notebook()])
+    env.reset(seed=0)
+    assert env.step("<Notebook>before</Notebook>")[0] == "before"
+    child = env.fork()
+    assert child.step("<Notebook>child</Notebook>")[0] == "before | child"
+    assert env.step("<Notebook>parent</Notebook>")[0] == "before | parent"
+    env.reset(seed=0)
+    assert env.step("<Notebook>fresh</Notebook>")[0] == "fresh"
+    check_env(env)
+
+
+class SharedStateFork(Env):
+    """A broken environment: its fork shares a mutable list with the parent."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.log = []
+        return "start", {}
+
+    def step(self, action):
+        self.log.append(action)
+        return " ".join(self.log), 0.0, len(self.log) >= 3, False, {}
+
+    def fork(self):
+        child = copy.copy(self)  # the bug: self.log is shared
+        return child
+
+    def demo_actions(self):
+        return ["a", "b", "c"]
+
+
+def test_check_env_catches_a_fork_that_shares_state():
+    with pytest.raises(EnvCheckError, match="SharedStateFork: stepping a fork must not change its parent"):
+        check_env(SharedStateFork())
+
+
+class ForkReturnsSelf(SharedStateFork):
+    def fork(self):
+        return self
+
+
+def test_check_env_catches_fork_returning_self():
+    with pytest.raises(EnvCheckError, match="fork\\(\\) must return a new object"):
+        check_env(ForkReturnsSelf())
+
+
+def test_check_env_needs_a_first_action_that_does_not_end_the_episode():
+    with pytest.raises(EnvCheckError, match="the first check action must not end the episode"):
+        check_env(agentenv.make("multihop-qa"), actions=["<answer>\\boxed{x}</answer>", "<search>y</search>"])
