@@ -19,7 +19,6 @@ import copy
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any, ClassVar
 
 from agentenv.core import Env, ForkStrategy
@@ -63,7 +62,7 @@ class EpisodeState:
     last_turn: Turn | None = None
     turns: int = 0
     tool_calls: int = 0
-    tool_counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    tool_counts: Mapping[str, int] = field(default_factory=dict)  # replaced, never mutated
     done: bool = False
     reward: float = 0.0
     grade: Mapping[str, Any] | None = None
@@ -188,7 +187,7 @@ class ToolEnv(Env):
         elif parsed.call is not None:
             observation = await self._run_tool(parsed)
             tool_calls += 1
-            tool_counts = MappingProxyType({**tool_counts, tool_name: tool_counts.get(tool_name, 0) + 1})
+            tool_counts = {**tool_counts, tool_name: tool_counts.get(tool_name, 0) + 1}
         else:
             observation = parsed.error or ""
 
