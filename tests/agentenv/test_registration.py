@@ -115,3 +115,15 @@ def test_entry_point_plugins_are_discovered(tmp_path, monkeypatch, clean_registr
 def test_malformed_id():
     with pytest.raises(gymnasium.error.Error, match="Malformed environment ID"):
         agentenv.register("bad id!", Countdown)
+
+
+def test_command_line_lists_and_checks(capsys):
+    from agentenv.__main__ import main
+
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("multihop-qa ") and "singlehop-qa:popqa" in out
+    assert main(["check", "multihop-qa:2wiki", "multihop_qa"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "ok   multihop-qa:2wiki"
+    assert out[1].startswith("FAIL multihop_qa: No environment registered as 'multihop_qa'. Did you mean: multihop-qa")
