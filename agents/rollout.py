@@ -1,0 +1,491 @@
+"""The async token-in-token-out rollout loop and the :class:`Trajectory` it records.
+
+Many episodes run concurrently over :class:`~agentenv.wrappers.TokenEnv`s and one
+:class:`~agents.engines.base.Engine`. Each turn of an episode is::
+
+    completion = await engine.generate(ids_so_far, SamplingParams(stop=env.stop_strings, ...))
+    obs_ids, reward, terminated, truncated, info = await env.astep(completion.token_ids)
+    ids_so_far += completion.token_ids + obs_ids
+
+so the next prompt is the episode's running id list (prompt + action + observation + …), never
+decoded and re-tokenised, and every action id is exactly what the sampler drew, with its
+log-prob. A trainer can recompute log-probs on exactly these ids.
+
+The loop bounds how many episodes run at once (an :class:`asyncio.Semaphore`; with a batching
+engine this is the largest batch it can form), gives each episode an optional wall-clock
+timeout, and records a failing episode (an exception in the env or the engine, a timeout) with
+its error instead of stopping the others. Cancelling the caller cancels every running episode.
+
+Token budget (the papers' limits, ALGORITHMS.md "Limits"): a prompt longer than
+``max_prompt_tokens`` (2000) is an error; the response, tool results included, is capped at
+``max_response_tokens`` (6192): each turn may sample at most what is left, an observation that
+would overrun the budget is cut to fit, and the episode then ends with status ``"budget"``.
+
+Example::
+
+    env = TokenEnv(agentenv.make("multihop-qa"), tokenizer)
+    episodes = [Episode(env.fork(), options={"index": i}) for i in range(8)]
+    trajectories = await run_episodes(engine, episodes, RolloutConfig(concurrency=8))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from agentenv.wrappers import TokenEnv
+from agents.engines.base import Completion, Engine, SamplingParams
+
+if TYPE_CHECKING:
+    from agents.tree import Node, RolloutTree
+
+__all__ = [
+    "DEFAULT_MAX_PROMPT_TOKENS",
+    "DEFAULT_MAX_RESPONSE_TOKENS",
+    "Episode",
+    "EpisodeStatus",
+    "RolloutConfig",
+    "Trajectory",
+    "TurnRecord",
+    "episodes_for",
+    "run_episode",
+    "run_episodes",
+    "stream_episodes",
+]
+
+DEFAULT_MAX_PROMPT_TOKENS = 2000  # AT²PO / AEPO: max prompt length 2000 tokens
+DEFAULT_MAX_RESPONSE_TOKENS = 6192  # AT²PO / AEPO: max response length, tool results included
+DEFAULT_CONCURRENCY = 64  # episodes in flight; the loop reaches >= 90% of ideal throughput here
+
+#: How an episode ended: the env ended it (``terminated``: an answer; ``truncated``: a turn
+#: limit), the token budget ran out (``budget``), the timeout passed (``timeout``), or an
+#: exception was raised by the env or the engine (``error``).
+EpisodeStatus = Literal["terminated", "truncated", "budget", "timeout", "error"]
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the loop runs episodes; every field has the papers' or a measured default.
+
+    Attributes:
+        sampling: Sampling parameters of every turn. The env's stop strings are added to
+            ``sampling.stop``; ``max_new_tokens`` is lowered to what the budget leaves. With
+            ``sampling.seed`` set, turn t of episode i samples with a seed derived from
+            ``(seed, i, t)``, so episodes differ from each other and a rerun repeats them.
+        concurrency: Episodes in flight at once.
+        episode_timeout: Seconds one episode may take (``None``: no limit); waiting for a
+            concurrency slot does not count.
+        max_prompt_tokens: Longest prompt accepted (2000 in AT²PO and AEPO).
+        max_response_tokens: Token budget of everything after the prompt, actions and tool
+            results together (6192 in AT²PO and AEPO).
+        keep_states: Keep a fork of the env at each turn boundary (:attr:`TurnRecord.state`),
+            so a rollout tree can branch from any turn later. Forks of the shipped envs are
+            O(1); switch off for evaluation, which never branches.
+    """
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    concurrency: int = DEFAULT_CONCURRENCY
+    episode_timeout: float | None = None
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    max_response_tokens: int = DEFAULT_MAX_RESPONSE_TOKENS
+    keep_states: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency!r}")
+        if self.episode_timeout is not None and not self.episode_timeout > 0:
+            raise ValueError(f"episode_timeout must be > 0 seconds or None, got {self.episode_timeout!r}")
+        if self.max_prompt_tokens < 1 or self.max_response_tokens < 1:
+            raise ValueError(
+                f"max_prompt_tokens and max_response_tokens must be >= 1, got "
+                f"{self.max_prompt_tokens!r} and {self.max_response_tokens!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One episode to run: the env it runs in and how that env is reset.
+
+    The loop resets and steps ``env``; it does not close it. Give each episode its own env
+    (``base_env.fork()`` is O(1) for the shipped envs).
+
+    Attributes:
+        env: The token-level environment.
+        seed: ``env.reset(seed=...)``.
+        options: ``env.reset(options=...)``, e.g. ``{"index": 3}`` for task 3 of a QA env.
+        key: Any label of the caller's, copied into the trajectory (e.g. ``(env_id, question, sample)``).
+    """
+
+    env: TokenEnv
+    seed: int | None = None
+    options: Mapping[str, Any] | None = None
+    key: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.env, TokenEnv):
+            raise TypeError(
+                f"Episode.env must be an agentenv TokenEnv, got {type(self.env).__name__}; wrap a text "
+                f"env with TokenEnv(env, tokenizer) so the loop can exchange token ids with it"
+            )
+
+
+@dataclass
+class TurnRecord:
+    """One turn: the sampled action and the observation the env returned for it.
+
+    Attributes:
+        action_ids: The ids the engine sampled, exactly.
+        logprobs: The sampler's log-prob of each action id.
+        obs_ids: The observation ids that follow the action (empty when the episode ended;
+            cut when the token budget ran out, see ``info["obs_cut"]``).
+        action_span: ``(start, end)`` of the action in :attr:`Trajectory.ids`.
+        obs_span: ``(start, end)`` of the observation in :attr:`Trajectory.ids`.
+        reward: The env's reward for this step.
+        finish_reason: Why the engine stopped (``"stop"``, ``"length"``, ``"eos"``).
+        stop_reason: The stop string or token id that matched, if any.
+        entropies: Full-distribution entropy per action token, when the engine gave them.
+        top_logprobs: Top log-probs per action token, when asked for (``sampling.logprobs_topk``).
+        state: A fork of the env taken just before this action was applied (``None`` unless
+            ``keep_states``): ``state.sequence()`` is the context the action was sampled from, and
+            stepping ``state`` with another action branches a sibling of this turn.
+        info: The env's step info (tool used, parse error, grade on the last turn).
+    """
+
+    action_ids: list[int]
+    logprobs: list[float]
+    obs_ids: list[int]
+    action_span: tuple[int, int]
+    obs_span: tuple[int, int]
+    reward: float
+    finish_reason: str
+    stop_reason: str | int | None = None
+    entropies: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    state: TokenEnv | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """One episode as the loop recorded it.
+
+    ``ids`` is the prompt followed by each turn's action and observation ids; :attr:`mask` is 1
+    on action ids; :attr:`logprobs` is aligned with ``ids`` (``None`` off the mask).
+
+    Attributes:
+        index: Position of the episode in the list given to the loop.
+        key: The :attr:`Episode.key`.
+        prompt_ids: The prompt (chat template applied).
+        turns: The turns, first to last.
+        status: How the episode ended (see :data:`EpisodeStatus`).
+        error: ``"ExceptionType: message"`` when ``status`` is ``"error"`` or ``"timeout"``.
+        info: The env's reset info updated by its last step info (question, answers, grade …).
+        seconds: Wall-clock time of the episode (excluding the wait for a concurrency slot).
+    """
+
+    index: int
+    key: Any
+    prompt_ids: list[int]
+    turns: list[TurnRecord]
+    status: EpisodeStatus
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def reward(self) -> float:
+        """The episode's return: the sum of its step rewards."""
+        return math.fsum(turn.reward for turn in self.turns)
+
+    @property
+    def ids(self) -> list[int]:
+        """The whole episode's token ids: prompt, then each turn's action and observation."""
+        ids = list(self.prompt_ids)
+        for turn in self.turns:
+            ids += turn.action_ids
+            ids += turn.obs_ids
+        return ids
+
+    @property
+    def mask(self) -> list[int]:
+        """1 on action (sampled) tokens, 0 on prompt and observation tokens; aligned with :attr:`ids`."""
+        mask = [0] * len(self.prompt_ids)
+        for turn in self.turns:
+            mask += [1] * len(turn.action_ids) + [0] * len(turn.obs_ids)
+        return mask
+
+    @property
+    def logprobs(self) -> list[float | None]:
+        """The sampler's log-prob of each token, ``None`` where :attr:`mask` is 0."""
+        logprobs: list[float | None] = [None] * len(self.prompt_ids)
+        for turn in self.turns:
+            logprobs += turn.logprobs
+            logprobs += [None] * len(turn.obs_ids)
+        return logprobs
+
+    @property
+    def response_length(self) -> int:
+        """Tokens after the prompt (actions and observations), the quantity the budget caps."""
+        return sum(len(turn.action_ids) + len(turn.obs_ids) for turn in self.turns)
+
+    @property
+    def num_action_tokens(self) -> int:
+        """Tokens the engine sampled in this episode."""
+        return sum(len(turn.action_ids) for turn in self.turns)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the episode ran without an exception or timeout."""
+        return self.status not in ("error", "timeout")
+
+    def to_dict(self, tokenizer: Any = None) -> dict[str, Any]:
+        """A JSON-ready record (one line of a trajectories JSONL file).
+
+        Keys: ``ids``, ``mask``, ``logprobs`` (null off the mask), ``reward``, ``status``,
+        ``error``, ``question``, ``answers``, ``grade``, ``turns`` (spans, finish reasons,
+        tools), ``entropies`` when the engine gave them, and ``text`` (the decoded episode,
+        special tokens kept) when a tokenizer is given.
+        """
+        record: dict[str, Any] = {
+            "index": self.index,
+            "key": self.key if _json_scalar_or_list(self.key) else repr(self.key),
+            "id": self.info.get("id"),
+            "question": self.info.get("question"),
+            "answers": self.info.get("answers"),
+            "grade": self.info.get("grade"),
+            "reward": self.reward,
+            "status": self.status,
+            "error": self.error,
+            "ids": self.ids,
+            "mask": self.mask,
+            "logprobs": self.logprobs,
+            "turns": [
+                {
+                    "action_span": list(turn.action_span),
+                    "obs_span": list(turn.obs_span),
+                    "finish_reason": turn.finish_reason,
+                    "stop_reason": turn.stop_reason,
+                    "reward": turn.reward,
+                    "tool": turn.info.get("tool"),
+                }
+                for turn in self.turns
+            ],
+            "seconds": self.seconds,
+        }
+        if self.turns and all(turn.entropies is not None for turn in self.turns):
+            entropies: list[float | None] = [None] * len(self.prompt_ids)
+            for turn in self.turns:
+                entropies += turn.entropies + [None] * len(turn.obs_ids)  # type: ignore[operator]
+            record["entropies"] = entropies
+        if tokenizer is not None:
+            record["text"] = tokenizer.decode(record["ids"], skip_special_tokens=False)
+        return record
+
+    def add_to(self, tree: RolloutTree, parent: Node | None = None) -> Node:
+        """Append this trajectory's turns to ``tree`` as one chain and return its last node.
+
+        The chain hangs under ``parent`` (default: the root, whose prompt must equal this
+        trajectory's). A trajectory whose env ended it (``terminated``/``truncated``) becomes a
+        leaf with its reward; any other stays open (a strategy decides, e.g. ``tree.prune``).
+        Each node's ``env`` is the turn's :attr:`TurnRecord.state`.
+        """
+        node = tree.root if parent is None else parent
+        if parent is None and tree.prompt_ids != self.prompt_ids:
+            raise ValueError("the tree's prompt differs from this trajectory's prompt; pass the parent node explicitly")
+        if not self.turns:
+            raise ValueError(f"trajectory {self.index} has no turns ({self.status}: {self.error}); nothing to add")
+        previous_obs: list[int] = []
+        for position, turn in enumerate(self.turns):
+            last = position == len(self.turns) - 1
+            terminal = last and self.status in ("terminated", "truncated")
+            node = tree.add_turn(
+                node,
+                obs_ids=previous_obs,
+                action_ids=turn.action_ids,
+                logprobs=turn.logprobs,
+                token_entropies=turn.entropies,
+                env=turn.state,
+                terminal=terminal,
+                reward=self.reward if terminal else None,
+                info={"finish_reason": turn.finish_reason, "tool": turn.info.get("tool"), "status": self.status},
+            )
+            previous_obs = turn.obs_ids
+        return node
+
+    def close_states(self) -> None:
+        """Close the env forks kept at the turn boundaries (releases stateful tools, e.g. sandboxes)."""
+        for turn in self.turns:
+            if turn.state is not None:
+                turn.state.close()
+                turn.state = None
+
+
+def _json_scalar_or_list(value: Any) -> bool:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    return isinstance(value, (list, tuple)) and all(_json_scalar_or_list(v) for v in value)
+
+
+def _turn_seed(base: int, episode: int, turn: int) -> int:
+    """A seed for turn ``turn`` of episode ``episode``, independent streams per (episode, turn)."""
+    return int(np.random.SeedSequence([base, episode, turn]).generate_state(1)[0])
+
+
+async def run_episode(engine: Engine, episode: Episode, config: RolloutConfig | None = None, *, index: int = 0) -> Trajectory:
+    """Run one episode to its end; never raises for a failure of the env or the engine.
+
+    An exception becomes ``status="error"`` and a timeout ``status="timeout"``, with the turns
+    recorded so far. Cancellation (:class:`asyncio.CancelledError`) propagates.
+    """
+    config = config or RolloutConfig()
+    trajectory = Trajectory(index=index, key=episode.key, prompt_ids=[], turns=[], status="error")
+    start = time.perf_counter()
+    try:
+        async with asyncio.timeout(config.episode_timeout):
+            await _play(engine, episode, config, trajectory)
+    except TimeoutError:
+        trajectory.status = "timeout"
+        trajectory.error = f"TimeoutError: the episode took longer than episode_timeout={config.episode_timeout} s"
+    except Exception as error:  # a failing episode is recorded and never stops the others
+        trajectory.status = "error"
+        trajectory.error = f"{type(error).__name__}: {error}"
+    trajectory.seconds = time.perf_counter() - start
+    return trajectory
+
+
+async def _play(engine: Engine, episode: Episode, config: RolloutConfig, trajectory: Trajectory) -> None:
+    """The turns of one episode, recorded into ``trajectory`` as they happen."""
+    env = episode.env
+    prompt_ids, info = await env.areset(seed=episode.seed, options=dict(episode.options) if episode.options else None)
+    trajectory.prompt_ids = list(prompt_ids)
+    trajectory.info = info
+    if len(prompt_ids) > config.max_prompt_tokens:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={config.max_prompt_tokens}; "
+            f"raise RolloutConfig.max_prompt_tokens or shorten the prompt"
+        )
+    base = config.sampling
+    stop = base.stop + tuple(s for s in env.stop_strings if s not in base.stop)
+    ids = list(prompt_ids)  # the running context: prompt + action + observation + …
+    while True:
+        budget = config.max_response_tokens - (len(ids) - len(prompt_ids))
+        if budget < 1:
+            trajectory.status = "budget"
+            return
+        params = dataclasses.replace(
+            base,
+            stop=stop,
+            max_new_tokens=min(base.max_new_tokens, budget),
+            seed=None if base.seed is None else _turn_seed(base.seed, trajectory.index, len(trajectory.turns)),
+        )
+        state = env.fork() if config.keep_states else None
+        completion = await engine.generate(ids, params)
+        _check_completion(completion, params)
+        action_ids = list(completion.token_ids)
+        obs_ids, reward, terminated, truncated, step_info = await env.astep(action_ids)
+        action_span = (len(ids), len(ids) + len(action_ids))
+        if tuple(step_info.get("action_span", action_span)) != action_span:
+            raise RuntimeError(
+                f"the env places the action at {step_info['action_span']} but the loop at {action_span}: "
+                "the env was stepped outside the loop"
+            )
+        ids += action_ids
+        left = config.max_response_tokens - (len(ids) - len(prompt_ids))
+        if len(obs_ids) > left:
+            step_info["obs_cut"] = len(obs_ids) - max(left, 0)
+            obs_ids = obs_ids[: max(left, 0)]
+        obs_span = (len(ids), len(ids) + len(obs_ids))
+        ids += obs_ids
+        trajectory.turns.append(TurnRecord(
+            action_ids=action_ids,
+            logprobs=list(completion.logprobs),
+            obs_ids=list(obs_ids),
+            action_span=action_span,
+            obs_span=obs_span,
+            reward=float(reward),
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            entropies=None if completion.entropies is None else list(completion.entropies),
+            top_logprobs=completion.top_logprobs,
+            state=state,
+            info=step_info,
+        ))
+        trajectory.info.update({k: v for k, v in step_info.items() if k not in ("action_span", "obs_span", "length")})
+        if terminated or truncated:
+            trajectory.status = "terminated" if terminated else "truncated"
+            return
+        if "obs_cut" in step_info:
+            trajectory.status = "budget"
+            return
+
+
+def _check_completion(completion: Completion, params: SamplingParams) -> None:
+    if not isinstance(completion, Completion):
+        raise TypeError(f"the engine returned {type(completion).__name__}, not a Completion")
+    if not completion.token_ids:
+        raise RuntimeError("the engine returned no tokens; a turn needs at least one sampled token")
+    if len(completion.token_ids) > params.max_new_tokens:
+        raise RuntimeError(
+            f"the engine returned {len(completion.token_ids)} tokens for max_new_tokens={params.max_new_tokens}"
+        )
+
+
+async def stream_episodes(
+    engine: Engine, episodes: Iterable[Episode], config: RolloutConfig | None = None
+) -> AsyncIterator[Trajectory]:
+    """Run episodes concurrently and yield each trajectory as soon as its episode ends.
+
+    At most ``config.concurrency`` episodes run at once. Closing the iterator early, or
+    cancelling the task that iterates, cancels the episodes still running.
+    """
+    config = config or RolloutConfig()
+    episodes = list(episodes)
+    for position, episode in enumerate(episodes):
+        if not isinstance(episode, Episode):
+            raise TypeError(f"episodes[{position}] is a {type(episode).__name__}, not an agents.rollout.Episode")
+    slots = asyncio.Semaphore(config.concurrency)
+
+    async def guarded(index: int, episode: Episode) -> Trajectory:
+        async with slots:
+            return await run_episode(engine, episode, config, index=index)
+
+    tasks = [asyncio.create_task(guarded(index, episode)) for index, episode in enumerate(episodes)]
+    try:
+        for finished in asyncio.as_completed(tasks):
+            yield await finished
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_episodes(
+    engine: Engine, episodes: Iterable[Episode], config: RolloutConfig | None = None
+) -> list[Trajectory]:
+    """Run episodes concurrently; returns their trajectories in the order of ``episodes``."""
+    trajectories = [trajectory async for trajectory in stream_episodes(engine, episodes, config)]
+    return sorted(trajectories, key=lambda trajectory: trajectory.index)
+
+
+def episodes_for(env: TokenEnv, tasks: Sequence[int], samples: int = 1, key_prefix: Any = None) -> list[Episode]:
+    """Episodes posing task ``i`` of a QA-style env ``samples`` times each, every one on its own fork.
+
+    The key of each episode is ``(key_prefix, task, sample)`` (``(task, sample)`` without a prefix).
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples!r}")
+    return [
+        Episode(env.fork(), options={"index": task},
+                key=(task, sample) if key_prefix is None else (key_prefix, task, sample))
+        for task in tasks
+        for sample in range(samples)
+    ]
