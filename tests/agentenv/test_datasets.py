@@ -40,6 +40,7 @@ def test_shipped_datasets_load(name, count, first_answers, paragraphs, supportin
     assert sum(p.is_supporting for p in first.paragraphs) == supporting
 
 
+@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data (the project's data source) is not beside this checkout")
 def test_shipped_files_are_the_shared_data_unmodified():
     for name in BUILTIN_DATASETS.values():
         assert (Path(__file__).resolve().parents[2] / "agentenv" / "data" / "qa" / name).read_bytes() == (SHARED / name).read_bytes()

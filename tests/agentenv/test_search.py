@@ -1,13 +1,10 @@
 import json
-from pathlib import Path
 
 import pytest
 
 import agentenv
-from agentenv.datasets import DatasetError, Paragraph, load_examples
+from agentenv.datasets import DatasetError, Paragraph, builtin_path, load_examples
 from agentenv.search import BM25Search, Passage, format_results, load_corpus, search_tool
-
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "qa"
 
 CORPUS = [
     Paragraph("Paris", "Paris is the capital and largest city of France."),
@@ -70,8 +67,9 @@ def test_load_corpus_formats(tmp_path):
 
 def test_unseen_official_hotpotqa_file_end_to_end(tmp_path):
     """Done-means: an official-format HotpotQA file the project has never seen (a JSON list)."""
-    rows = [json.loads(line) for line in (SHARED / "hotpotqa_dev.official_sample20.jsonl").read_text().splitlines()]
-    rows += [json.loads(line) for line in (SHARED / "2wikimultihopqa_dev164.jsonl").read_text().splitlines()]
+    # Official-format records (HotpotQA and 2Wiki share it), written as one JSON list like the
+    # official dev file, at a path no environment has loaded.
+    rows = [json.loads(line) for name in ("hotpotqa-official", "2wiki") for line in builtin_path(name).read_text().splitlines()]
     path = tmp_path / "hotpot_dev_distractor_unseen.json"
     path.write_text(json.dumps(rows))
     env = agentenv.make("multihop-qa", data=str(path))
