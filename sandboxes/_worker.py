@@ -1,0 +1,739 @@
+"""The code that runs inside a sandbox: the anchor, the interpreters and the wire format.
+
+This module uses the standard library only, because it is started as
+``python -I -B -c <this file's source> MODE CONFIG`` inside the sandbox (where the project
+itself is not importable) and may run in a Docker image with another Python. The host imports
+its wire helpers and its process-table helpers, so both sides share one implementation.
+
+Process model of one *family* (one container):
+
+* the **anchor** (PID 1 of the sandbox's PID namespace under bubblewrap, a child subreaper
+  without it) imports the warm modules once, never runs user code, forks fresh interpreters
+  on request, reaps every process and reports each interpreter's death to the host;
+* each **interpreter** holds one Python session (a globals dict) and talks to the host over
+  its own ``SOCK_SEQPACKET`` channel; ``fork`` double-forks it, so every interpreter is a direct
+  child of the anchor and the copy-on-write child shares nothing later with its parent.
+
+The host ``->`` anchor *control* channel carries one-way commands; the anchor answers on the
+interpreter's own channel (it keeps a copy of the interpreter's end), so the host never has to
+demultiplex. The kernel attaches the sender's PID to every packet (``SO_PASSCRED``), which
+lets the host tell the anchor's notices from anything the (untrusted) interpreter sends.
+"""
+
+import ast
+import ctypes
+import io
+import json
+import linecache
+import os
+import resource
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+import warnings
+
+# ---------------------------------------------------------------------------------------------
+# Wire format
+# ---------------------------------------------------------------------------------------------
+
+CHUNK_BYTES = 32 * 1024  # payload per packet; well under the default socket buffer (~208 KiB)
+MORE, END = b"M", b"E"  # first byte of a packet: more packets follow / last packet of a message
+CREDS = struct.Struct("iII")  # struct ucred: pid, uid, gid
+FRAME = struct.Struct(">I")  # length prefix of the stream format (Docker's stdin/stdout)
+MAX_FDS_PER_PACKET = 4
+
+
+def encode(message):
+    """One message as JSON bytes (ASCII only, so any code or output survives the trip)."""
+    return json.dumps(message, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def decode(data):
+    """The message encoded by ``encode``; raises ValueError on anything else."""
+    message = json.loads(data.decode("ascii"))
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise ValueError("a message must be a JSON object with a string 'op'")
+    return message
+
+
+def packets(message):
+    """Split an encoded message into packets for a SOCK_SEQPACKET channel."""
+    data = encode(message)
+    chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+    return [(MORE if i < len(chunks) - 1 else END) + chunk for i, chunk in enumerate(chunks)]
+
+
+def recv_packet(sock, want_fds=False):
+    """Receive one packet: (payload with its flag byte, sender pid or None, fds). b'' at EOF."""
+    ancillary = socket.CMSG_SPACE(CREDS.size) + socket.CMSG_SPACE(4 * MAX_FDS_PER_PACKET)
+    data, ancdata, _flags, _addr = sock.recvmsg(CHUNK_BYTES + 1, ancillary)
+    pid, fds = None, []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            pid = CREDS.unpack(payload[: CREDS.size])[0]
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            count = len(payload) // 4
+            fds.extend(struct.unpack("%di" % count, payload[: 4 * count]))
+    if not want_fds:  # never keep descriptors nobody asked for (a flood would exhaust ours)
+        for fd in fds:
+            os.close(fd)
+        fds = []
+    return data, pid, fds
+
+
+def send_message(sock, message, fds=(), timeout=None):
+    """Send a message on a blocking SOCK_SEQPACKET socket, descriptors on its first packet.
+    With ``timeout`` (seconds) give up with TimeoutError instead of blocking longer."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for i, packet in enumerate(packets(message)):
+        rights = []
+        if i == 0 and fds:
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("%di" % len(fds), *fds))]
+        while True:
+            try:
+                sock.sendmsg([packet], rights, socket.MSG_DONTWAIT if deadline else 0)
+                break
+            except BlockingIOError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("the receiver is not reading") from None
+                poller = selectors.PollSelector()
+                poller.register(sock, selectors.EVENT_WRITE)
+                poller.select(remaining)
+                poller.close()
+
+
+def recv_message(sock, want_fds=False):
+    """Receive a whole message from a blocking SOCK_SEQPACKET socket: (message, fds), or
+    (None, []) at end of file."""
+    buffer, all_fds = [], []
+    while True:
+        data, _pid, fds = recv_packet(sock, want_fds)
+        all_fds.extend(fds)
+        if not data:
+            for fd in all_fds:
+                os.close(fd)
+            return None, []
+        buffer.append(data[1:])
+        if data[:1] == END:
+            return decode(b"".join(buffer)), all_fds
+
+
+# ---------------------------------------------------------------------------------------------
+# Process table (inside a PID namespace this lists only the sandbox's own processes)
+# ---------------------------------------------------------------------------------------------
+
+
+def process_table(proc="/proc"):
+    """{pid: (parent pid, state letter)} of every process visible in ``proc``."""
+    table = {}
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open("%s/%s/stat" % (proc, name), "rb") as f:
+                stat = f.read()
+        except OSError:  # exited while we looked
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may contain spaces
+        table[int(name)] = (int(fields[1]), fields[0].decode())
+    return table
+
+
+def descendants(root, table):
+    """Every pid below ``root`` in ``table`` (children first), ``root`` excluded."""
+    children = {}
+    for pid, (ppid, _state) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = [], list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def kill_tree(root, include_root, spare=(), proc="/proc"):
+    """SIGKILL ``root``'s descendants (and ``root`` itself if asked), skipping ``spare`` and
+    the subtrees under them, until none is left alive. Repeats because a process may fork
+    while we look; each round kills what the last one missed. Returns how many were killed."""
+    killed = 0
+    for _round in range(100):
+        table = process_table(proc)
+        spared = set()
+        for pid in spare:
+            spared.add(pid)
+            spared.update(descendants(pid, table))
+        targets = [p for p in descendants(root, table) if p not in spared]
+        if include_root and root in table:
+            targets.append(root)
+        alive = [p for p in targets if table[p][1] not in "ZX"]
+        if not alive:
+            return killed
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        time.sleep(0.0005 * _round)  # let the kernel deliver before we look again
+    return killed
+
+
+def reap_children():
+    """Collect every exited child without blocking: [(pid, exit code or -signal)]."""
+    reaped = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        reaped.append((pid, os.waitstatus_to_exitcode(status)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pieces of Linux that the standard library does not wrap
+# ---------------------------------------------------------------------------------------------
+
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+
+
+def prctl(option, value):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(%d) failed" % option)
+
+
+def set_limits(limits):
+    """Apply the sandbox's setrlimit limits to this process (inherited by its children).
+    ``limits``: {"memory": bytes, "processes": n, "open_files": n, "file_size": bytes}."""
+    for name, value in (
+        ("RLIMIT_AS", limits.get("memory")),
+        ("RLIMIT_NPROC", limits.get("processes")),
+        ("RLIMIT_NOFILE", limits.get("open_files")),
+        ("RLIMIT_FSIZE", limits.get("file_size")),
+        ("RLIMIT_CORE", 0),  # a crash must not leave a core file behind
+    ):
+        if value is not None:
+            resource.setrlimit(getattr(resource, name), (value, value))
+
+
+def cpu_seconds_used():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ---------------------------------------------------------------------------------------------
+# The interpreter: one persistent Python session
+# ---------------------------------------------------------------------------------------------
+
+
+class CappedWriter(io.TextIOBase):
+    """sys.stdout / sys.stderr during a run: writes through to a file descriptor until
+    ``limit`` bytes, then only counts, so a flood costs neither memory nor the session."""
+
+    def __init__(self, fd, limit):
+        self._fd, self._limit, self.written, self.dropped = fd, limit, 0, 0
+
+    @property
+    def encoding(self):
+        return "utf-8"
+
+    def writable(self):
+        return True
+
+    def fileno(self):
+        return self._fd
+
+    def write(self, text):
+        data = str(text).encode("utf-8", "backslashreplace")
+        keep = data[: max(0, self._limit - self.written)]
+        self.dropped += len(data) - len(keep)
+        while keep:
+            n = os.write(self._fd, keep)
+            self.written += n
+            keep = keep[n:]
+        return len(text)
+
+
+class Output:
+    """A memfd behind a standard file descriptor: collects everything written to the fd
+    (also by C code and child processes) and is emptied after each run."""
+
+    def __init__(self, target_fd, name):
+        self.target_fd = target_fd
+        self.fd = os.memfd_create(name, 0)  # non-inheritable; dup2 below makes the copy inheritable
+        os.dup2(self.fd, target_fd)
+
+    def take(self, limit):
+        """(text of at most ``limit`` bytes, whether more was written); empties the file."""
+        try:
+            size = os.fstat(self.fd).st_size
+            data = os.pread(self.fd, min(size, limit), 0)
+            os.ftruncate(self.fd, 0)
+            os.lseek(self.fd, 0, os.SEEK_SET)  # shares the offset with target_fd
+        except OSError:  # the user closed or replaced it; report nothing rather than fail
+            return "", False
+        return data.decode("utf-8", "replace"), size > limit
+
+
+def trim_traceback(exc):
+    """The exception as the user should see it: only frames of the user's cells."""
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    pending, seen = [te], set()
+    while pending:
+        node = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        node.stack = traceback.StackSummary.from_list(
+            [frame for frame in node.stack if frame.filename.startswith("<cell ")]
+        )
+        pending.extend(n for n in (node.__cause__, node.__context__) if n is not None)
+    return "".join(te.format())
+
+
+def clip(text, limit):
+    """(text cut to ``limit`` UTF-8 bytes, whether it was cut)."""
+    data = text.encode("utf-8", "backslashreplace")
+    if len(data) <= limit:
+        return text, False
+    return data[:limit].decode("utf-8", "ignore"), True
+
+
+class Interpreter:
+    """One Python session. ``channel`` sends and receives messages to and from the host."""
+
+    def __init__(self, channel, output_bytes, sid):
+        self.channel, self.output_bytes, self.sid = channel, output_bytes, sid
+        self.namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+        self.cells = 0
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        self.stdout, self.stderr = Output(1, "stdout"), Output(2, "stderr")
+
+    def serve(self):
+        """Answer requests until the host goes away."""
+        while True:
+            message, fds = self.channel.recv()
+            if message is None:
+                os._exit(0)
+            reap_children()  # processes killed after the previous run
+            op = message.get("op")
+            try:
+                if op == "run":
+                    reply = self.run(str(message.get("code", "")), float(message.get("cpu", 10)))
+                elif op == "fork" and fds:
+                    reply = self.fork(str(message.get("sid")), fds[0])
+                else:
+                    reply = {"op": "error", "error": "unknown request %r" % (op,)}
+            except Exception as exc:  # a failure of ours, not of the user's code
+                reply = {"op": "error", "error": "%s: %s" % (type(exc).__name__, exc)}
+            if reply is not None:  # a fork child has switched channels and says hello itself
+                self.channel.send(reply)
+
+    def run(self, code, cpu):
+        start = time.monotonic()
+        self.cells += 1
+        name = "<cell %d>" % self.cells
+        linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+        out, err = CappedWriter(1, self.output_bytes), CappedWriter(2, self.output_bytes)
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = out, err
+        value = error = error_type = None
+        # CPU seconds for this run on top of what the session already used (soft limit:
+        # SIGXCPU ends the process; the wall-clock timeout is enforced from outside anyway).
+        soft = int(cpu_seconds_used()) + max(1, int(cpu + 0.999))
+        try:
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
+        except (ValueError, OSError):
+            pass
+        try:
+            tree = ast.parse(code, filename=name)
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            exec(compile(tree, name, "exec"), self.namespace)
+            if last is not None:
+                result = eval(compile(ast.Expression(last.value), name, "eval"), self.namespace)
+                if result is not None:
+                    value = repr(result)
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the session stays
+            error_type = type(exc).__name__
+            try:
+                error = trim_traceback(exc)
+            except BaseException:  # a hostile __str__ must not take the session down
+                error = error_type + "\n"
+        finally:
+            sys.stdout, sys.stderr = saved
+        kill_tree(os.getpid(), include_root=False)  # processes do not outlive the call
+        reap_children()
+        stdout, stdout_cut = self.stdout.take(self.output_bytes)
+        stderr, stderr_cut = self.stderr.take(self.output_bytes)
+        value, value_cut = clip(value, self.output_bytes) if value is not None else (None, False)
+        error, error_cut = clip(error, self.output_bytes) if error is not None else (None, False)
+        return {
+            "op": "result",
+            "stdout": stdout,
+            "stderr": stderr,
+            "value": value,
+            "error": error,
+            "error_type": error_type,
+            "truncated": bool(stdout_cut or stderr_cut or value_cut or error_cut
+                              or out.dropped or err.dropped),
+            "seconds": time.monotonic() - start,
+        }
+
+    def fork(self, sid, fd):
+        """Double-fork so that the child becomes the anchor's child, not ours; None in the
+        child. Nobody waits for the intermediate process: tearing down its copy of the
+        address space takes longer than the forks themselves, and we reap it later."""
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.close(fd)
+            return {"op": "error", "error": "fork failed: %s" % exc}
+        if pid == 0:
+            try:
+                try:
+                    grandchild = os.fork()
+                except OSError as exc:
+                    send_message(socket.socket(fileno=fd), {"op": "error", "error": str(exc)})
+                    os._exit(1)
+                if grandchild != 0:
+                    os._exit(0)
+                self.become_fork(sid, fd)
+            except BaseException:
+                os._exit(70)
+            return None
+        os.close(fd)
+        return {"op": "forked"}
+
+    def become_fork(self, sid, fd):
+        os.dup2(fd, self.channel.fileno())  # replaces (and so closes) the parent's channel
+        os.close(fd)
+        os.setpgid(0, 0)
+        parent_sid, self.sid = self.sid, sid
+        enter_scratch(sid, copy_from=parent_sid)
+        os.close(self.stdout.fd)
+        os.close(self.stderr.fd)
+        self.stdout, self.stderr = Output(1, "stdout"), Output(2, "stderr")
+        if ANCHOR_PID != 1:  # as PID 1 of our namespace, the anchor's exit kills us anyway
+            watch_anchor()
+        self.channel.send({"op": "hello"})
+
+
+def enter_scratch(sid, copy_from=None):
+    """Make <scratch>/<sid> the working, home and temp folder of this interpreter; for a fork,
+    a copy of the parent's folder ``copy_from`` (a sid), at the same relative working folder."""
+    root = os.environ["SANDBOX_SCRATCH"]
+    path = os.path.join(root, sid)
+    shutil.rmtree(path, ignore_errors=True)
+    relative = "."
+    if copy_from is not None:
+        source = os.path.join(root, copy_from)
+        try:
+            relative = os.path.relpath(os.getcwd(), source)
+        except OSError:  # the working folder was deleted
+            pass
+        if relative.startswith(".."):
+            relative = "."
+        try:
+            shutil.copytree(source, path, symlinks=True)
+        except OSError:  # a file the code made unreadable; the fork gets what could be copied
+            pass
+    os.makedirs(path, exist_ok=True)
+    os.chdir(path)
+    if os.path.isdir(relative):
+        os.chdir(relative)
+    os.environ["HOME"] = os.environ["TMPDIR"] = path
+
+
+ANCHOR_PID = None
+
+
+def watch_anchor():
+    """Die with the anchor: wait until we are its child (the intermediate of a double fork
+    has exited), then ask for SIGKILL when it goes away."""
+    deadline = time.monotonic() + 10.0
+    while os.getppid() != ANCHOR_PID:
+        if time.monotonic() > deadline:  # adopted by someone else: the anchor is gone
+            os._exit(0)
+        time.sleep(0.0002)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != ANCHOR_PID:
+        os._exit(0)
+
+
+class PacketChannel:
+    """A blocking SOCK_SEQPACKET channel (local sandboxes)."""
+
+    def __init__(self, sock):
+        self.sock = sock
+
+    def fileno(self):
+        return self.sock.fileno()
+
+    def send(self, message, fds=()):
+        send_message(self.sock, message, fds)
+
+    def recv(self):
+        return recv_message(self.sock, want_fds=True)
+
+
+class StreamChannel:
+    """Length-prefixed messages on two file descriptors (a Docker container's stdin/stdout)."""
+
+    def __init__(self, read_fd, write_fd):
+        self.read_fd, self.write_fd = read_fd, write_fd
+
+    def fileno(self):
+        return self.read_fd
+
+    def _read_exactly(self, n):
+        data = b""
+        while len(data) < n:
+            chunk = os.read(self.read_fd, n - len(data))
+            if not chunk:
+                return None
+            data += chunk
+        return data
+
+    def send(self, message, fds=()):
+        data = encode(message)
+        data = FRAME.pack(len(data)) + data
+        while data:
+            data = data[os.write(self.write_fd, data) :]
+
+    def recv(self):
+        header = self._read_exactly(FRAME.size)
+        if header is None:
+            return None, []
+        body = self._read_exactly(FRAME.unpack(header)[0])
+        return (None, []) if body is None else (decode(body), [])
+
+
+# ---------------------------------------------------------------------------------------------
+# The anchor: warm imports, fresh interpreters, reaping, death notices
+# ---------------------------------------------------------------------------------------------
+
+
+def drop_privileges(uid):
+    """Become ``uid`` (a user of its own, so RLIMIT_NPROC counts this sandbox alone)."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
+def warm_imports(names):
+    """Import the pre-import list; returns the names that failed with why."""
+    failed = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            try:
+                __import__(name)
+            except BaseException as exc:  # a broken package must not stop the sandbox
+                failed[name] = "%s: %s" % (type(exc).__name__, exc)
+    return failed
+
+
+class Anchor:
+    def __init__(self, config):
+        self.config = config
+        self.control = socket.socket(fileno=config["control_fd"])
+        self.channels = {}  # sid -> socket: our copy of the interpreter's end of its channel
+        self.pids = {}  # sid -> pid of the live interpreter
+        self.unclaimed_exits = {}  # pid -> exit code of children that no sid claimed (yet)
+        self.pending_forks = 0
+
+    def notify(self, sid, message, close=False):
+        channel = self.channels.get(sid)
+        if channel is None:
+            return
+        try:
+            send_message(channel, message, timeout=2.0)
+        except OSError:  # the host closed its end or stopped reading (TimeoutError included)
+            pass
+        if close:
+            channel.close()
+            del self.channels[sid]
+
+    def spawn(self, sid, fd):
+        self.channels[sid] = socket.socket(fileno=fd)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            self.notify(sid, {"op": "exit", "code": None, "error": "spawn failed: %s" % exc},
+                        close=True)
+            return
+        if pid == 0:
+            self.become_interpreter(sid)
+        self.pids[sid] = pid
+
+    def become_interpreter(self, sid):
+        """In the child of ``spawn``: keep only our channel (as fd 3) and serve it."""
+        global ANCHOR_PID
+        try:
+            ANCHOR_PID = os.getppid()
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            keep = self.channels.pop(sid).detach()
+            for other in [self.control, *self.channels.values()]:
+                other.detach()  # their fds go with closerange below, never twice
+            if keep != 3:
+                os.dup2(keep, 3)
+            os.closerange(4, os.sysconf("SC_OPEN_MAX"))
+            os.setpgid(0, 0)
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            set_limits(self.config["limits"])
+            enter_scratch(sid)
+            interpreter = Interpreter(PacketChannel(socket.socket(fileno=3)),
+                                      self.config["output_bytes"], sid)
+            interpreter.channel.send({"op": "hello"})
+            interpreter.serve()
+        except BaseException:
+            traceback.print_exc()
+        os._exit(70)
+
+    def adopt(self, sid, pid, fd):
+        """Take responsibility for an interpreter made by ``fork`` (the host read its pid)."""
+        self.pending_forks = max(0, self.pending_forks - 1)
+        self.channels[sid] = socket.socket(fileno=fd)
+        if pid in self.unclaimed_exits:
+            self.notify(sid, {"op": "exit", "code": self.unclaimed_exits.pop(pid)}, close=True)
+            return
+        if pid in self.pids.values() or not self.is_fork(pid):
+            self.notify(sid, {"op": "exit", "code": None, "error": "not a fork of this sandbox"},
+                        close=True)
+            return
+        self.pids[sid] = pid
+
+    def is_fork(self, pid):
+        """Whether ``pid`` is our child, or still the grandchild of an interpreter through the
+        intermediate process of its double fork."""
+        table = process_table()
+        parent = table.get(pid, (None, ""))[0]
+        return parent == os.getpid() or table.get(parent, (None, ""))[0] in self.pids.values()
+
+    def kill_orphans(self):
+        """Kill processes that left an interpreter's tree (re-parented to us) — unless a fork
+        is in flight, whose child would look exactly like one."""
+        if self.pending_forks:
+            return
+        kill_tree(os.getpid(), include_root=False, spare=list(self.pids.values()))
+
+    def cleanup(self, sid):
+        pid = self.pids.get(sid)
+        if pid is not None:
+            kill_tree(pid, include_root=False)
+        self.kill_orphans()
+        self.notify(sid, {"op": "cleaned"})
+
+    def kill(self, sid):
+        pid = self.pids.get(sid)
+        if pid is None:
+            self.notify(sid, {"op": "exit", "code": None}, close=True)
+            return
+        kill_tree(pid, include_root=True)
+        self.kill_orphans()
+        self.reap()
+
+    def reap(self):
+        claimed = {pid: sid for sid, pid in self.pids.items()}
+        for pid, code in reap_children():
+            sid = claimed.get(pid)
+            if sid is None:
+                self.unclaimed_exits[pid] = code
+                while len(self.unclaimed_exits) > 4096:
+                    self.unclaimed_exits.pop(next(iter(self.unclaimed_exits)))
+                continue
+            del self.pids[sid]
+            self.kill_orphans()  # what it left running is ours now
+            shutil.rmtree(os.path.join(self.config["scratch"], sid), ignore_errors=True)
+            self.notify(sid, {"op": "exit", "code": code}, close=True)
+
+    def handle(self, message, fds):
+        op, sid = message.get("op"), str(message.get("sid"))
+        if op == "spawn" and fds:
+            self.spawn(sid, fds[0])
+        elif op == "adopt" and fds:
+            self.adopt(sid, int(message["pid"]), fds[0])
+        elif op == "fork_begin":
+            self.pending_forks += 1
+        elif op == "fork_abort":
+            self.pending_forks = max(0, self.pending_forks - 1)
+        elif op == "cleanup":
+            self.cleanup(sid)
+        elif op == "kill":
+            self.kill(sid)
+        else:
+            for fd in fds:
+                os.close(fd)
+
+    def shutdown(self):
+        """The host closed the control channel (or died): nothing of ours may outlive it."""
+        kill_tree(os.getpid(), include_root=False)
+        reap_children()
+        if not self.config["pid1"]:  # under bubblewrap the scratch is a tmpfs that dies with us
+            shutil.rmtree(self.config["scratch"], ignore_errors=True)
+        os._exit(0)
+
+    def serve(self):
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        selector = selectors.DefaultSelector()
+        selector.register(self.control, selectors.EVENT_READ)
+        selector.register(wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _events in selector.select():
+                if key.fileobj is self.control:
+                    try:
+                        message, fds = recv_message(self.control, want_fds=True)
+                    except (OSError, ValueError):
+                        message, fds = None, []
+                    if message is None:
+                        self.shutdown()
+                    self.handle(message, fds)
+                else:
+                    os.read(wake_r, 4096)
+            self.reap()
+
+
+def anchor_main(config):
+    if config.get("uid") is not None:
+        drop_privileges(config["uid"])
+    prctl(PR_SET_NO_NEW_PRIVS, 1)  # nothing below may gain privileges through exec
+    prctl(PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access between interpreters
+    if not config["pid1"]:
+        prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans come to us, not to the host's init
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.environ["SANDBOX_SCRATCH"] = config["scratch"]
+    anchor = Anchor(config)
+    failed = warm_imports(config["preimport"])
+    send_message(anchor.control, {"op": "ready", "failed_imports": failed})
+    anchor.serve()
+
+
+def stdio_main(config):
+    """A single interpreter speaking the stream format on stdin/stdout (Docker)."""
+    read_fd, write_fd = os.dup(0), os.dup(1)
+    prctl(PR_SET_DUMPABLE, 0)
+    set_limits(config["limits"])
+    os.environ["SANDBOX_SCRATCH"] = config["scratch"]
+    warm_imports(config["preimport"])
+    enter_scratch("session")
+    Interpreter(StreamChannel(read_fd, write_fd), config["output_bytes"], "session").serve()
+
+
+if __name__ == "__main__":
+    _config = json.loads(sys.argv[2])
+    {"anchor": anchor_main, "stdio": stdio_main}[sys.argv[1]](_config)
