@@ -11,9 +11,12 @@ Supported (JSONL, or a JSON list, or a JSON object with a ``data`` list):
                ``paragraphs [{title, paragraph_text, is_supporting}]``
 ``flashrag``   FlashRAG JSONL: ``question``, ``golden_answers``
 ``plain``      ``{"question": …, "answers": [...]}`` (``answer`` as one string also accepted)
+``gsm8k``      GSM8K: ``question``, ``answer`` (the solution; the gold follows ``#### ``)
+``math``       MATH / MATH-500: ``problem``, ``answer``, ``solution``, ``subject``, ``level``
 =============  ===================================================================================
 
-The shipped benchmark files are under ``agentenv/data/qa`` (attribution in ``agentenv/data/NOTICE.md``).
+The shipped benchmark files are under ``agentenv/data/qa`` and ``agentenv/data/math``
+(attribution in ``agentenv/data/NOTICE.md``).
 """
 
 from __future__ import annotations
@@ -63,16 +66,18 @@ class Example:
 
 
 DATA_DIR = Path(__file__).parent / "data"
-#: Shipped benchmark files: name -> file under agentenv/data/qa.
+#: Shipped benchmark files: name -> file under agentenv/data.
 BUILTIN_DATASETS: dict[str, str] = {
-    "hotpotqa": "hotpotqa_dev500.ircot.jsonl",
-    "hotpotqa-official": "hotpotqa_dev.official_sample20.jsonl",
-    "2wiki": "2wikimultihopqa_dev164.jsonl",
-    "musique": "musique_dev200.jsonl",
-    "bamboogle": "bamboogle_test.jsonl",
-    "nq": "nq_test1k.jsonl",
-    "triviaqa": "triviaqa_test1k.jsonl",
-    "popqa": "popqa_test1k.jsonl",
+    "hotpotqa": "qa/hotpotqa_dev500.ircot.jsonl",
+    "hotpotqa-official": "qa/hotpotqa_dev.official_sample20.jsonl",
+    "2wiki": "qa/2wikimultihopqa_dev164.jsonl",
+    "musique": "qa/musique_dev200.jsonl",
+    "bamboogle": "qa/bamboogle_test.jsonl",
+    "nq": "qa/nq_test1k.jsonl",
+    "triviaqa": "qa/triviaqa_test1k.jsonl",
+    "popqa": "qa/popqa_test1k.jsonl",
+    "math500": "math/math500_test.jsonl",
+    "gsm8k": "math/gsm8k_test.jsonl",
 }
 #: The multi-hop sets whose paragraphs, pooled, form the offline corpus for sets without any.
 MULTIHOP_DATASETS = ("hotpotqa", "hotpotqa-official", "2wiki", "musique")
@@ -82,7 +87,7 @@ def builtin_path(name: str) -> Path:
     """Path of a shipped dataset file by name (see :data:`BUILTIN_DATASETS`)."""
     if name not in BUILTIN_DATASETS:
         raise DatasetError(f"no shipped dataset {name!r}; shipped: {sorted(BUILTIN_DATASETS)}")
-    return DATA_DIR / "qa" / BUILTIN_DATASETS[name]
+    return DATA_DIR / BUILTIN_DATASETS[name]
 
 
 def read_rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -123,6 +128,10 @@ def detect_format(row: Mapping[str, Any]) -> str:
         return "hotpotqa"
     if "golden_answers" in row and "question" in row:
         return "flashrag"
+    if "problem" in row and "answer" in row:
+        return "math"
+    if "question" in row and isinstance(row.get("answer"), str) and "\n#### " in row["answer"]:
+        return "gsm8k"
     if "question" in row and ("answers" in row or "answer" in row):
         return "plain"
     raise KeyError(f"unrecognised fields {sorted(row)[:8]}; expected one of the formats "
@@ -167,8 +176,21 @@ def _plain(row: Mapping[str, Any], i: int) -> Example:
     return Example(str(row.get("id", i)), row["question"], _as_answers(answers))
 
 
+def _gsm8k(row: Mapping[str, Any], i: int) -> Example:
+    solution, _, gold = row["answer"].rpartition("\n#### ")
+    if not gold.strip():
+        raise ValueError("the GSM8K answer has no gold value after '#### '")
+    return Example(str(row.get("id", i)), row["question"], (gold.strip().replace(",", ""),), (), {"solution": solution})
+
+
+def _math(row: Mapping[str, Any], i: int) -> Example:
+    meta = {k: row[k] for k in ("solution", "subject", "level") if k in row}
+    return Example(str(row.get("unique_id", i)), row["problem"], _as_answers(row["answer"]), (), meta)
+
+
 _READERS: dict[str, Callable[[Mapping[str, Any], int], Example]] = {
     "hotpotqa": _hotpotqa, "ircot": _ircot, "musique": _musique, "flashrag": _flashrag, "plain": _plain,
+    "gsm8k": _gsm8k, "math": _math,
 }
 
 

@@ -1,5 +1,6 @@
 """Answer grading: SQuAD-normalised exact match, F1 and cover-EM over several gold answers,
-and extraction of the final answer from a model's ``<answer>…\\boxed{…}…</answer>``.
+mathematical equivalence (math-verify), and extraction of the final answer from a model's
+``<answer>…\\boxed{…}…</answer>``.
 
 The normalisation is SQuAD's (Rajpurkar et al. 2016, the official evaluation script) as used by
 the QA agent-RL papers: lower-case, drop punctuation, drop the articles a/an/the, collapse spaces.
@@ -7,11 +8,16 @@ the QA agent-RL papers: lower-case, drop punctuation, drop the articles a/an/the
 
 from __future__ import annotations
 
+import logging
 import re
 import string
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+
+from math_verify import parse as math_parse
+from math_verify import verify as math_verify
 
 __all__ = [
     "Grade",
@@ -21,6 +27,7 @@ __all__ = [
     "extract_boxed",
     "f1_score",
     "grade",
+    "math_equal",
     "normalize_answer",
 ]
 
@@ -58,6 +65,26 @@ def f1_score(prediction: str, golds: Iterable[str]) -> float:
         precision, recall = common / len(pred_tokens), common / len(gold_tokens)
         best = max(best, 2 * precision * recall / (precision + recall))
     return best
+
+
+def math_equal(prediction: str, golds: Iterable[str]) -> float:
+    """1.0 if the prediction is mathematically equal to any gold answer (math-verify), else 0.0.
+
+    ``\\frac{1}{2}``, ``1/2`` and ``0.5`` are equal; so are ``x^2+1`` and ``1+x^2``.
+    """
+    # math-verify's timeouts use SIGALRM, which only the main thread receives; elsewhere they are off.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    target = math_parse(f"${prediction}$", parsing_timeout=timeout)
+    if not target:
+        return 0.0
+    return float(any(
+        math_verify(math_parse(f"${gold}$", parsing_timeout=timeout), target, timeout_seconds=timeout)
+        for gold in golds
+    ))
+
+
+# math-verify logs a warning on every call made with its timeouts off; once is enough to know.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def extract_boxed(text: str) -> str | None:
@@ -98,15 +125,24 @@ class Grade:
     em: float
     f1: float
     cover_em: float
+    math_equal: float | None = None  # graded only when asked (math tasks)
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The fields as a dict (``math_equal`` only where it was graded)."""
+        fields = asdict(self)
+        if fields["math_equal"] is None:
+            del fields["math_equal"]
+        return fields
 
 
-def grade(response: str | None, golds: Iterable[str], *, require_boxed: bool = True) -> Grade:
-    """Grade the content of an ``<answer>`` tag (None: the model gave no answer)."""
+def grade(response: str | None, golds: Iterable[str], *, require_boxed: bool = True, math: bool = False) -> Grade:
+    """Grade the content of an ``<answer>`` tag (None: the model gave no answer).
+
+    With ``math=True`` the grade also holds ``math_equal`` (mathematical equivalence).
+    """
     golds = list(golds)
     answer = extract_answer(response, require_boxed=require_boxed)
     if answer is None:
-        return Grade(None, False, 0.0, 0.0, 0.0)
-    return Grade(answer, True, exact_match(answer, golds), f1_score(answer, golds), cover_exact_match(answer, golds))
+        return Grade(None, False, 0.0, 0.0, 0.0, 0.0 if math else None)
+    return Grade(answer, True, exact_match(answer, golds), f1_score(answer, golds), cover_exact_match(answer, golds),
+                 math_equal(answer, golds) if math else None)

@@ -6,6 +6,7 @@ Named schemes (``reward="…"`` in ``make``):
 ``em``      exact match of the last ``\\boxed{}`` (0 or 1); no answer scores 0
 ``f1``      word-level F1 of the answer
 ``cover_em`` 1 if a gold answer occurs in the answer
+``math``    1 if the answer is mathematically equal to the gold (math-verify; needs a math grade)
 ``at2po``   AT²PO (Zong et al. 2026): EM, and −1 for a bad format (no ``<answer>…\\boxed{}``)
 ``aepo``    AEPO (Dong et al. 2025): F1, −1 for a bad format, +0.1 when the answer is right
             (EM) and every tool in ``bonus_tools`` was used
@@ -33,7 +34,7 @@ __all__ = ["REWARD_SCHEMES", "RewardScheme", "call_reward", "get_reward"]
 class RewardScheme:
     """A metric of the grade, an optional format penalty and an optional tool-use bonus."""
 
-    metric: str = "em"  # "em" | "f1" | "cover_em"
+    metric: str = "em"  # "em" | "f1" | "cover_em" | "math_equal"
     format_penalty: float | None = None  # AT²PO and AEPO: -1.0 for a bad format
     bonus: float = 0.0  # AEPO: +0.1
     bonus_tools: tuple[str, ...] = ("search", "python")  # AEPO: both tools used
@@ -42,7 +43,10 @@ class RewardScheme:
         if not grade.format_ok:
             return self.format_penalty if self.format_penalty is not None else 0.0
         reward = getattr(grade, self.metric)
-        if self.bonus and grade.em == 1.0 and all(tool_counts.get(t, 0) > 0 for t in self.bonus_tools):
+        if reward is None:
+            raise ValueError(f"the grade has no {self.metric!r}: this environment does not grade it")
+        right = grade.math_equal if self.metric == "math_equal" else grade.em
+        if self.bonus and right == 1.0 and all(tool_counts.get(t, 0) > 0 for t in self.bonus_tools):
             reward += self.bonus
         return float(reward)
 
@@ -51,6 +55,7 @@ REWARD_SCHEMES: dict[str, RewardScheme] = {
     "em": RewardScheme("em"),
     "f1": RewardScheme("f1"),
     "cover_em": RewardScheme("cover_em"),
+    "math": RewardScheme("math_equal"),
     "at2po": RewardScheme("em", format_penalty=-1.0),
     "aepo": RewardScheme("f1", format_penalty=-1.0, bonus=0.1),
 }

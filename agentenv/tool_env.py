@@ -16,6 +16,7 @@ stateful tools are copied (by their own ``fork``).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ from typing import Any, ClassVar
 
 from agentenv.core import Env, ForkStrategy
 from agentenv.datasets import Example
-from agentenv.graders import grade
+from agentenv.graders import Grade, grade
 from agentenv.parsers import Action, ToolCallParser, get_parser
 from agentenv.rewards import call_reward, get_reward
 from agentenv.tools import Tool, ToolError, as_tool
@@ -85,6 +86,8 @@ class ToolEnv(Env):
         parser: Tool-call syntax, ``"xml"`` (the papers' tags) or ``"json"`` (``<tool_call>``).
         reward: A scheme name (see :mod:`agentenv.rewards`) or a callable.
         require_boxed: The answer must be in ``\\boxed{}`` inside ``<answer>`` (the papers' format).
+        grader: ``grader(response, answers) -> Grade`` for the ``<answer>`` content; default
+            :func:`agentenv.graders.grade` (EM, F1, cover-EM) with ``require_boxed``.
         max_tool_calls: Tool calls allowed per episode (default 6, AT²PO).
         max_turns: Turns before truncation (default ``max_tool_calls + 2``: every call, one turn
             told the limit is reached, and the answer).
@@ -103,6 +106,7 @@ class ToolEnv(Env):
         parser: str | ToolCallParser = "xml",
         reward: str | Callable[..., float] = "em",
         require_boxed: bool = True,
+        grader: Callable[[str | None, Sequence[str]], Grade] | None = None,
         max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
         max_turns: int | None = None,
         max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
@@ -122,7 +126,7 @@ class ToolEnv(Env):
             self.tools[t.name] = t
         self.parser = get_parser(parser)
         self.reward_fn = get_reward(reward)
-        self.require_boxed = require_boxed
+        self.grader = grader or functools.partial(grade, require_boxed=require_boxed)
         self.max_tool_calls = max_tool_calls
         self.max_turns = max_turns if max_turns is not None else max_tool_calls + 2
         self.max_obs_chars = max_obs_chars
@@ -223,7 +227,7 @@ class ToolEnv(Env):
         return text[: self.max_obs_chars] + f"\n[… truncated {len(text) - self.max_obs_chars} characters]"
 
     def _graded(self, state: EpisodeState, parsed: Action) -> EpisodeState:
-        result = grade(parsed.answer, state.task.answers, require_boxed=self.require_boxed)
+        result = self.grader(parsed.answer, state.task.answers)
         reward = call_reward(self.reward_fn, {
             "answer": result.answer,
             "answers": list(state.task.answers),

@@ -14,7 +14,7 @@ from agentenv.datasets import (
     union_corpus,
 )
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "qa"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 @pytest.mark.parametrize(
@@ -28,6 +28,8 @@ SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "qa"
         ("nq", 1000, ("Jesus Christ",), 0, 0),
         ("triviaqa", 1000, None, 0, 0),
         ("popqa", 1000, ("Ralph Rainger", "Ralph Reichenthal"), 0, 0),
+        ("math500", 500, ("\\left( 3, \\frac{\\pi}{2} \\right)",), 0, 0),
+        ("gsm8k", 1319, ("18",), 0, 0),
     ],
 )
 def test_shipped_datasets_load(name, count, first_answers, paragraphs, supporting):
@@ -43,7 +45,7 @@ def test_shipped_datasets_load(name, count, first_answers, paragraphs, supportin
 @pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data (the project's data source) is not beside this checkout")
 def test_shipped_files_are_the_shared_data_unmodified():
     for name in BUILTIN_DATASETS.values():
-        assert (Path(__file__).resolve().parents[2] / "agentenv" / "data" / "qa" / name).read_bytes() == (SHARED / name).read_bytes()
+        assert (Path(__file__).resolve().parents[2] / "agentenv" / "data" / name).read_bytes() == (SHARED / name).read_bytes()
 
 
 def test_hotpotqa_official_paragraphs_join_sentences():
@@ -75,7 +77,14 @@ def test_formats_are_detected(tmp_path):
                "paragraphs": [{"idx": 0, "title": "T", "paragraph_text": "P", "is_supporting": False}]}
     flashrag = {"id": "f1", "question": "Q?", "golden_answers": ["A"]}
     plain = {"question": "Q?", "answers": ["A"]}
-    assert [detect_format(r) for r in (hotpot, ircot, musique, flashrag, plain)] == ["hotpotqa", "ircot", "musique", "flashrag", "plain"]
+    gsm8k = {"question": "Q?", "answer": "2+2=<<2+2=4>>4 apples, 1,000 pears\n#### 1,004"}
+    math = {"problem": "Q?", "answer": "\\frac{1}{2}", "solution": "S", "subject": "Algebra", "level": 2, "unique_id": "u"}
+    assert [detect_format(r) for r in (hotpot, ircot, musique, flashrag, plain, gsm8k, math)] == [
+        "hotpotqa", "ircot", "musique", "flashrag", "plain", "gsm8k", "math"]
+    assert load_examples(_write(tmp_path, "gsm8k.jsonl", [gsm8k]))[0] == Example(
+        "1", "Q?", ("1004",), (), {"solution": "2+2=<<2+2=4>>4 apples, 1,000 pears"})
+    assert load_examples(_write(tmp_path, "math.jsonl", [math]))[0] == Example(
+        "u", "Q?", ("\\frac{1}{2}",), (), {"solution": "S", "subject": "Algebra", "level": 2})
     # The official HotpotQA file is one JSON list, not JSONL.
     assert load_examples(_write(tmp_path, "hotpot.json", [hotpot], as_list=True)) == [
         Example("h1", "Q?", ("A",), (Paragraph("T1", "First. Second.", True), Paragraph("T2", "Other.", False)), {})

@@ -8,6 +8,7 @@ from agentenv.graders import (
     extract_boxed,
     f1_score,
     grade,
+    math_equal,
     normalize_answer,
 )
 from agentenv.rewards import REWARD_SCHEMES, call_reward, get_reward
@@ -59,6 +60,32 @@ def test_extract_answer_formats():
     assert extract_answer(None) is None
 
 
+@pytest.mark.parametrize(
+    "prediction, gold, equal",
+    [
+        ("0.5", "\\frac{1}{2}", 1.0),
+        ("1/2", "\\frac{1}{2}", 1.0),
+        ("1+x^2", "x^2+1", 1.0),
+        ("\\left(3, \\frac{\\pi}{2}\\right)", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
+        ("Evelyn", "\\text{Evelyn}", 1.0),
+        ("18.0", "18", 1.0),
+        ("7", "8", 0.0),
+        ("", "8", 0.0),
+    ],
+)
+def test_math_equal(prediction, gold, equal):
+    assert math_equal(prediction, [gold]) == equal
+
+
+def test_math_grade_and_reward():
+    g = grade("\\boxed{0.5}", ["\\frac{1}{2}"], math=True)
+    assert g == Grade("0.5", True, 0.0, 0.0, 0.0, 1.0)
+    assert g.as_dict()["math_equal"] == 1.0 and "math_equal" not in grade("\\boxed{a}", ["a"]).as_dict()
+    assert call_reward(get_reward("math"), {"grade": g, "tool_counts": {}}) == 1.0
+    with pytest.raises(ValueError, match="the grade has no 'math_equal'"):
+        get_reward("math")(grade("\\boxed{a}", ["a"]), {})
+
+
 def test_grade():
     assert grade("\\boxed{the Rush}", ["Rush"]) == Grade("the Rush", True, 1.0, 1.0, 1.0)
     assert grade("Rush", ["Rush"]) == Grade(None, False, 0.0, 0.0, 0.0)
@@ -96,6 +123,6 @@ def test_custom_reward_receives_only_named_arguments():
 
 
 def test_unknown_reward_scheme():
-    with pytest.raises(ValueError, match=r"unknown reward scheme 'bleu'; choose one of \['aepo', 'at2po', 'cover_em', 'em', 'f1'\]"):
+    with pytest.raises(ValueError, match=r"unknown reward scheme 'bleu'; choose one of \['aepo', 'at2po', 'cover_em', 'em', 'f1', 'math'\]"):
         get_reward("bleu")
-    assert sorted(REWARD_SCHEMES) == ["aepo", "at2po", "cover_em", "em", "f1"]
+    assert sorted(REWARD_SCHEMES) == ["aepo", "at2po", "cover_em", "em", "f1", "math"]
