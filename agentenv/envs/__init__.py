@@ -15,3 +15,11 @@ register("singlehop-qa", QA_ENTRY_POINT, dataset="nq", description=f"NQ-open tes
 register("singlehop-qa:nq", QA_ENTRY_POINT, dataset="nq", description=f"NQ-open test 1k, {_POOLED}")
 register("singlehop-qa:triviaqa", QA_ENTRY_POINT, dataset="triviaqa", description=f"TriviaQA test 1k, {_POOLED}")
 register("singlehop-qa:popqa", QA_ENTRY_POINT, dataset="popqa", description=f"PopQA test 1k, {_POOLED}")
+
+MATH_ENTRY_POINT = "agentenv.envs.math:MathEnv"
+_MATH = "sandboxed Python tool; math-verify equivalence reward"
+register("python-math", MATH_ENTRY_POINT, dataset="math500", description=f"MATH-500, {_MATH}")
+register("python-math:math500", MATH_ENTRY_POINT, dataset="math500", description=f"MATH-500, {_MATH}")
+register("python-math:gsm8k", MATH_ENTRY_POINT, dataset="gsm8k", description=f"GSM8K test 1319, {_MATH}")
+register("tool-qa", "agentenv.envs.qa:tool_qa", dataset="hotpotqa",
+         description="HotpotQA dev 500 with search and a sandboxed Python tool; AEPO reward (F1, tool bonus)")

@@ -13,11 +13,12 @@ from typing import Any
 
 from agentenv.datasets import Example, Paragraph, load_examples, union_corpus
 from agentenv.parsers import ToolCallParser
+from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
 from agentenv.search import BM25Search, SearchBackend, load_corpus, search_tool
 from agentenv.tool_env import DEFAULT_MAX_OBS_CHARS, DEFAULT_MAX_TOOL_CALLS, PROMPT_TEMPLATE, ToolEnv
 from agentenv.tools import Tool
 
-__all__ = ["QAEnv", "make_search_backend"]
+__all__ = ["QAEnv", "make_search_backend", "tool_qa"]
 
 DEFAULT_TOPK = 3  # AT²PO: top-3 passages per search
 DEFAULT_RESULT_CHARS = 1000  # each passage cut to about 1000 characters
@@ -89,3 +90,20 @@ class QAEnv(ToolEnv):
             prompt_template=prompt_template,
             render_mode=render_mode,
         )
+
+
+def tool_qa(
+    dataset: str = "hotpotqa",
+    *,
+    sandbox: SandboxKind = "local",
+    timeout: float = DEFAULT_TIMEOUT,
+    reward: str | Callable[..., float] = "aepo",
+    tools: Sequence[Tool | Callable[..., Any]] = (),
+    **kwargs: Any,
+) -> QAEnv:
+    """Multi-hop QA with both ``search`` and ``python``, as in ARPO/AEPO.
+
+    The default reward is AEPO's: F1, −1 for a bad format, +0.1 when the answer is right and both
+    tools were used. Other arguments as in :class:`QAEnv`.
+    """
+    return QAEnv(dataset, tools=[python_tool(sandbox, timeout=timeout), *tools], reward=reward, **kwargs)

@@ -172,7 +172,8 @@ REGISTERED = sorted(agentenv.registry)
 def test_registered_ids():
     assert REGISTERED == [
         "multihop-qa", "multihop-qa:2wiki", "multihop-qa:bamboogle", "multihop-qa:hotpotqa", "multihop-qa:musique",
-        "singlehop-qa", "singlehop-qa:nq", "singlehop-qa:popqa", "singlehop-qa:triviaqa",
+        "python-math", "python-math:gsm8k", "python-math:math500",
+        "singlehop-qa", "singlehop-qa:nq", "singlehop-qa:popqa", "singlehop-qa:triviaqa", "tool-qa",
     ]
 
 

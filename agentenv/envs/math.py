@@ -1,0 +1,83 @@
+"""Math with a Python interpreter: ``python-math`` (MATH-500 by default, or GSM8K).
+
+The model reasons, runs code in a sandboxed persistent Python session through the ``python``
+tool, and answers in ``<answer>…\\boxed{…}…</answer>``; the answer is graded by mathematical
+equivalence (math-verify), so ``\\frac{1}{2}`` and ``0.5`` are the same answer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sandboxes import Limits, Sandbox
+
+from agentenv.datasets import load_examples
+from agentenv.graders import grade
+from agentenv.parsers import ToolCallParser
+from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
+from agentenv.tool_env import DEFAULT_MAX_OBS_CHARS, DEFAULT_MAX_TOOL_CALLS, ToolEnv
+from agentenv.tools import Tool
+
+__all__ = ["MATH_PROMPT_TEMPLATE", "MathEnv"]
+
+MATH_PROMPT_TEMPLATE = (
+    "Solve the given problem. You must conduct reasoning inside <think> and </think> every time "
+    "you get new information. You can write Python code to compute or check intermediate results; "
+    "you can use tools at most {max_tool_calls} times.\n{tools}\n"
+    "When you are done, give the final answer inside <answer> and </answer>, with the answer "
+    "itself in \\boxed{{}}, for example <answer> \\boxed{{\\frac{{1}}{{2}}}} </answer>.\n"
+    "Problem: {question}\n"
+)
+
+
+class MathEnv(ToolEnv):
+    """Solve a math problem with a sandboxed Python session; graded by math-verify equivalence.
+
+    Args:
+        dataset: ``"math500"`` (default) or ``"gsm8k"``.
+        data: A MATH- or GSM8K-format file; overrides ``dataset``.
+        sandbox: ``"local"`` or ``"docker"`` (or a callable returning a Sandbox).
+        limits: The sandbox's resource limits.
+        timeout: Wall-clock seconds per code call.
+        tools: Extra tools besides ``python``.
+        reward: ``"math"`` (1 if equivalent) by default; any scheme of :mod:`agentenv.rewards`.
+        The rest as in :class:`~agentenv.tool_env.ToolEnv`.
+    """
+
+    def __init__(
+        self,
+        dataset: str = "math500",
+        *,
+        data: str | Path | None = None,
+        sandbox: SandboxKind | Callable[[], Sandbox] = "local",
+        limits: Limits | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        tools: Sequence[Tool | Callable[..., Any]] = (),
+        parser: str | ToolCallParser = "xml",
+        reward: str | Callable[..., float] = "math",
+        max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
+        max_turns: int | None = None,
+        max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
+        prompt_template: str = MATH_PROMPT_TEMPLATE,
+        render_mode: str | None = None,
+    ) -> None:
+        super().__init__(
+            load_examples(data if data is not None else dataset),
+            [python_tool(sandbox, limits=limits, timeout=timeout), *tools],
+            parser=parser,
+            reward=reward,
+            grader=functools.partial(grade, math=True),
+            max_tool_calls=max_tool_calls,
+            max_turns=max_turns,
+            max_obs_chars=max_obs_chars,
+            prompt_template=prompt_template,
+            render_mode=render_mode,
+        )
+
+    def example_argument(self, tool: Tool, task: Any) -> str:
+        if tool.name == "python":
+            return "import math\nx = 6 * 7\nprint(x)\nmath.sqrt(x * x)"
+        return super().example_argument(tool, task)

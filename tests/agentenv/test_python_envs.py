@@ -1,0 +1,96 @@
+"""The python tool over a real LocalSandbox, and the python-math and tool-qa environments."""
+
+import json
+import subprocess
+
+import pytest
+from sandboxes import SandboxError
+
+import agentenv
+from agentenv.python_tool import PythonSession
+
+
+@pytest.fixture
+def math_env(tmp_path):
+    data = tmp_path / "half.jsonl"
+    data.write_text(json.dumps({"problem": "What is 1 divided by 2?", "answer": "\\frac{1}{2}"}) + "\n")
+    env = agentenv.make("python-math", data=str(data))
+    yield env
+    env.close()
+
+
+def test_python_math_prompt_and_tool(math_env):
+    obs, info = math_env.reset(seed=0)
+    assert obs.endswith("Problem: What is 1 divided by 2?\n")
+    assert "- <python> code </python>: Execute Python code in a persistent session" in obs
+    assert math_env.stop_strings == ["</python>"]
+    assert math_env.step("<python>import numpy as np\nx = np.arange(5)\nprint('sum', x.sum())\nx.mean()</python>")[0] == (
+        "sum 10\nnp.float64(2.0)")
+    assert math_env.step("<python>x.max()</python>")[0] == "np.int64(4)"  # the session persists
+    assert math_env.step("<python>```python\nx.min()\n```</python>")[0] == "np.int64(0)"  # fences stripped
+    err = math_env.step("<python>1/0</python>")[0]
+    assert err.startswith("Traceback") and err.endswith("ZeroDivisionError: division by zero")
+
+
+@pytest.mark.parametrize("answer, reward", [("\\frac{1}{2}", 1.0), ("0.5", 1.0), ("1/2", 1.0), ("0.6", 0.0)])
+def test_python_math_grades_by_mathematical_equivalence(math_env, answer, reward):
+    math_env.reset(seed=0)
+    obs, r, terminated, _, info = math_env.step(f"<answer>The result is \\boxed{{{answer}}}</answer>")
+    assert (r, terminated, info["grade"]["math_equal"]) == (reward, True, reward)
+
+
+def test_fork_mid_episode_branches_the_python_session(math_env):
+    math_env.reset(seed=0)
+    math_env.step("<python>before = 1</python>")
+    branch = math_env.fork()
+    assert branch.step("<python>after = 'branch'; before</python>")[0] == "1"
+    assert math_env.step("<python>after = 'main'; before</python>")[0] == "1"
+    assert branch.step("<python>after</python>")[0] == "'branch'"
+    assert math_env.step("<python>after</python>")[0] == "'main'"
+    branch.close()
+    assert math_env.step("<python>before + 1</python>")[0] == "2"  # closing a fork leaves its parent alive
+
+
+def test_reset_starts_a_fresh_session_and_close_stops_it(math_env):
+    math_env.reset(seed=0)
+    math_env.step("<python>secret = 42</python>")
+    session = math_env.tools["python"].fn
+    pid = session.sandbox.pid
+    math_env.reset(seed=0)
+    assert session.sandbox is None  # the old interpreter was closed
+    assert math_env.step("<python>secret</python>")[0].endswith("NameError: name 'secret' is not defined")
+    math_env.close()
+    assert subprocess.run(["ps", "-p", str(pid)], capture_output=True).returncode == 1
+
+
+def test_python_tool_json_form_and_limits(math_env):
+    env = agentenv.make("python-math", parser="json", timeout=1.0)
+    env.reset(seed=0)
+    call = {"name": "python", "arguments": {"code": "print(6 * 7)"}}
+    assert env.step(f"<tool_call>{json.dumps(call)}</tool_call>")[0] == "42"
+    obs = env.step('<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>')[0]
+    assert "killed: the call exceeded its wall-clock timeout of 1 s" in obs
+    obs = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>')[0]
+    assert obs.startswith("1") and "restarted" in obs  # the next call says the state was lost
+    env.close()
+
+
+def test_tool_qa_offers_search_and_python_with_the_aepo_bonus():
+    env = agentenv.make("tool-qa")
+    obs, info = env.reset(options={"index": 0})
+    assert env.stop_strings == ["</search>", "</python>"]
+    assert "<search> query </search>" in obs and "<python> code </python>" in obs
+    env.step("<search>Kiss and Tell 1945 Shirley Temple</search>")
+    answer = "<answer>\\boxed{Chief of Protocol}</answer>"
+    only_search = env.fork()
+    assert only_search.step(answer)[1] == 1.0  # right, one tool: F1 only
+    env.step("<python>'Chief of Protocol'.upper()</python>")
+    assert env.step(answer)[1] == pytest.approx(1.1)  # right with both tools: +0.1
+    env.close()
+
+
+def test_docker_sandbox_without_an_engine_fails_clearly_at_make():
+    with pytest.raises(SandboxError, match="DockerSandbox needs a running Docker engine"):
+        agentenv.make("python-math", sandbox="docker")
+    with pytest.raises(ValueError, match="sandbox must be 'local', 'docker' or a callable"):
+        PythonSession("vm")
