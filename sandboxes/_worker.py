@@ -22,9 +22,12 @@ lets the host tell the anchor's notices from anything the (untrusted) interprete
 
 import ast
 import ctypes
+import gc
 import io
+import itertools
 import json
 import linecache
+import math
 import os
 import resource
 import selectors
@@ -162,8 +165,8 @@ def kill_tree(root, include_root, spare=(), proc="/proc"):
     """SIGKILL ``root``'s descendants (and ``root`` itself if asked), skipping ``spare`` and
     the subtrees under them, until none is left alive. Repeats because a process may fork
     while we look; each round kills what the last one missed. Returns how many were killed."""
-    killed = 0
-    for _round in range(100):
+    killed, deadline = 0, time.monotonic() + 30.0
+    for _round in itertools.count():
         table = process_table(proc)
         spared = set()
         for pid in spare:
@@ -173,7 +176,7 @@ def kill_tree(root, include_root, spare=(), proc="/proc"):
         if include_root and root in table:
             targets.append(root)
         alive = [p for p in targets if table[p][1] not in "ZX"]
-        if not alive:
+        if not alive or time.monotonic() > deadline:
             return killed
         for pid in alive:
             try:
@@ -181,8 +184,7 @@ def kill_tree(root, include_root, spare=(), proc="/proc"):
                 killed += 1
             except ProcessLookupError:
                 pass
-        time.sleep(0.0005 * _round)  # let the kernel deliver before we look again
-    return killed
+        time.sleep(min(0.01, 0.0002 * _round))  # let the kernel deliver before we look again
 
 
 def reap_children():
@@ -351,7 +353,7 @@ class Interpreter:
         value = error = error_type = None
         # CPU seconds for this run on top of what the session already used (soft limit:
         # SIGXCPU ends the process; the wall-clock timeout is enforced from outside anyway).
-        soft = int(cpu_seconds_used()) + max(1, int(cpu + 0.999))
+        soft = math.ceil(cpu_seconds_used() + cpu)
         try:
             resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
         except (ValueError, OSError):
@@ -372,8 +374,11 @@ class Interpreter:
                 error = error_type + "\n"
         finally:
             sys.stdout, sys.stderr = saved
-        kill_tree(os.getpid(), include_root=False)  # processes do not outlive the call
-        reap_children()
+        try:
+            kill_tree(os.getpid(), include_root=False)  # processes do not outlive the call
+            reap_children()
+        except OSError:  # e.g. no file descriptor left to read /proc; the anchor cleans up too
+            pass
         stdout, stdout_cut = self.stdout.take(self.output_bytes)
         stderr, stderr_cut = self.stderr.take(self.output_bytes)
         value, value_cut = clip(value, self.output_bytes) if value is not None else (None, False)
@@ -544,9 +549,24 @@ def warm_imports(names):
     return failed
 
 
+def ignore_signals():
+    """Ignore every signal we may (the anchor must not die of a KeyboardInterrupt someone sent
+    it); returns the previous handlers, which interpreters restore."""
+    previous = {}
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            continue
+        try:
+            previous[sig] = signal.signal(sig, signal.SIG_IGN)
+        except (OSError, ValueError):  # signals the runtime reserves
+            pass
+    return previous
+
+
 class Anchor:
     def __init__(self, config):
         self.config = config
+        self.default_handlers = ignore_signals()
         self.control = socket.socket(fileno=config["control_fd"])
         self.channels = {}  # sid -> socket: our copy of the interpreter's end of its channel
         self.pids = {}  # sid -> pid of the live interpreter
@@ -584,6 +604,8 @@ class Anchor:
             ANCHOR_PID = os.getppid()
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for sig, handler in self.default_handlers.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
             keep = self.channels.pop(sid).detach()
             for other in [self.control, *self.channels.values()]:
                 other.detach()  # their fds go with closerange below, never twice
@@ -719,6 +741,7 @@ def anchor_main(config):
     os.environ["SANDBOX_SCRATCH"] = config["scratch"]
     anchor = Anchor(config)
     failed = warm_imports(config["preimport"])
+    gc.freeze()  # what we imported is shared by every interpreter: keep the GC off its pages
     send_message(anchor.control, {"op": "ready", "failed_imports": failed})
     anchor.serve()
 

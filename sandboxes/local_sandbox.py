@@ -463,7 +463,10 @@ class LocalSandbox(Sandbox):
             yield from session.channel.send({"op": "run", "code": code,
                                                              "cpu": limits.cpu_for(timeout)},
                                             deadline=start + timeout)
-            reply = yield from session.next(start + timeout, {("interpreter", "result")})
+            reply = yield from session.next(start + timeout, {("interpreter", "result"),
+                                                              ("interpreter", "error")})
+            if reply["op"] == "error":  # only code that tampered with the worker gets here
+                raise _ProtocolError(session.pid)
         except _Expired:
             killed_by = "timeout"
         except _ProtocolError:
