@@ -58,6 +58,7 @@ __all__ = [
     "run_episode",
     "run_episodes",
     "stream_episodes",
+    "take_turn",
 ]
 
 DEFAULT_MAX_PROMPT_TOKENS = 2000  # AT²PO / AEPO: max prompt length 2000 tokens
@@ -373,59 +374,98 @@ async def _play(engine: Engine, episode: Episode, config: RolloutConfig, traject
             f"the prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={config.max_prompt_tokens}; "
             f"raise RolloutConfig.max_prompt_tokens or shorten the prompt"
         )
-    base = config.sampling
-    stop = base.stop + tuple(s for s in env.stop_strings if s not in base.stop)
+    base_seed = config.sampling.seed
     ids = list(prompt_ids)  # the running context: prompt + action + observation + …
     while True:
-        budget = config.max_response_tokens - (len(ids) - len(prompt_ids))
-        if budget < 1:
-            trajectory.status = "budget"
-            return
-        params = dataclasses.replace(
-            base,
-            stop=stop,
-            max_new_tokens=min(base.max_new_tokens, budget),
-            seed=None if base.seed is None else _turn_seed(base.seed, trajectory.index, len(trajectory.turns)),
-        )
         state = env.fork() if config.keep_states else None
-        completion = await engine.generate(ids, params)
-        _check_completion(completion, params)
-        action_ids = list(completion.token_ids)
-        obs_ids, reward, terminated, truncated, step_info = await env.astep(action_ids)
-        action_span = (len(ids), len(ids) + len(action_ids))
-        if tuple(step_info.get("action_span", action_span)) != action_span:
-            raise RuntimeError(
-                f"the env places the action at {step_info['action_span']} but the loop at {action_span}: "
-                "the env was stepped outside the loop"
-            )
-        ids += action_ids
-        left = config.max_response_tokens - (len(ids) - len(prompt_ids))
-        if len(obs_ids) > left:
-            step_info["obs_cut"] = len(obs_ids) - max(left, 0)
-            obs_ids = obs_ids[: max(left, 0)]
-        obs_span = (len(ids), len(ids) + len(obs_ids))
-        ids += obs_ids
-        trajectory.turns.append(TurnRecord(
-            action_ids=action_ids,
-            logprobs=list(completion.logprobs),
-            obs_ids=list(obs_ids),
-            action_span=action_span,
-            obs_span=obs_span,
-            reward=float(reward),
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-            entropies=None if completion.entropies is None else list(completion.entropies),
-            top_logprobs=completion.top_logprobs,
-            state=state,
-            info=step_info,
-        ))
-        trajectory.info.update({k: v for k, v in step_info.items() if k not in ("action_span", "obs_span", "length")})
-        if terminated or truncated:
-            trajectory.status = "terminated" if terminated else "truncated"
+        seed = None if base_seed is None else _turn_seed(base_seed, trajectory.index, len(trajectory.turns))
+        turn, status = await take_turn(engine, env, ids, config, prompt_length=len(prompt_ids), seed=seed, state=state)
+        ids += turn.action_ids
+        ids += turn.obs_ids
+        trajectory.turns.append(turn)
+        trajectory.info.update({k: v for k, v in turn.info.items() if k not in ("action_span", "obs_span", "length")})
+        if status is not None:
+            trajectory.status = status
             return
-        if "obs_cut" in step_info:
-            trajectory.status = "budget"
-            return
+
+
+async def take_turn(
+    engine: Engine,
+    env: TokenEnv,
+    ids: Sequence[int],
+    config: RolloutConfig,
+    *,
+    prompt_length: int,
+    seed: int | None = None,
+    max_new_tokens: int | None = None,
+    state: TokenEnv | None = None,
+) -> tuple[TurnRecord, EpisodeStatus | None]:
+    """One turn of an episode in progress: sample an action after ``ids`` and apply it to ``env``.
+
+    This is the loop's turn, exposed so that a rollout tree can resume an episode from a fork
+    of its env (``fork.sequence()[0]`` is the context to pass as ``ids``).
+
+    Args:
+        engine: Samples the action.
+        env: The episode's env, positioned after ``ids``; it is stepped with the action.
+        ids: The running context (prompt + actions + observations so far); not modified. The
+            caller appends ``turn.action_ids + turn.obs_ids`` to continue.
+        config: Sampling parameters and the token budget (``config.keep_states`` is the
+            caller's business: pass the fork it took as ``state``).
+        prompt_length: How many of ``ids`` are the prompt (the budget counts what follows).
+        seed: The sampling seed of this turn (replaces ``config.sampling.seed``).
+        max_new_tokens: A further cap on this turn's tokens (e.g. a tree's token budget).
+        state: Stored as :attr:`TurnRecord.state`.
+
+    Returns:
+        The turn, and how the episode ended: ``"terminated"``/``"truncated"`` (the env ended
+        it), ``"budget"`` (no response tokens left after this turn), or ``None`` (it goes on).
+    """
+    budget = config.max_response_tokens - (len(ids) - prompt_length)
+    if budget < 1:
+        raise ValueError(f"the episode has used its max_response_tokens={config.max_response_tokens}; no turn is left")
+    base = config.sampling
+    stop = base.stop + tuple(s for s in env.stop_strings if s not in base.stop)
+    cap = min(base.max_new_tokens, budget)
+    if max_new_tokens is not None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
+        cap = min(cap, max_new_tokens)
+    params = dataclasses.replace(base, stop=stop, max_new_tokens=cap, seed=seed)
+    completion = await engine.generate(ids, params)
+    _check_completion(completion, params)
+    action_ids = list(completion.token_ids)
+    obs_ids, reward, terminated, truncated, step_info = await env.astep(action_ids)
+    action_span = (len(ids), len(ids) + len(action_ids))
+    if tuple(step_info.get("action_span", action_span)) != action_span:
+        raise RuntimeError(
+            f"the env places the action at {step_info['action_span']} but the loop at {action_span}: "
+            "the env was stepped outside the loop"
+        )
+    left = budget - len(action_ids)
+    if len(obs_ids) > left:
+        step_info["obs_cut"] = len(obs_ids) - max(left, 0)
+        obs_ids = obs_ids[: max(left, 0)]
+    obs_start = action_span[1]
+    turn = TurnRecord(
+        action_ids=action_ids,
+        logprobs=list(completion.logprobs),
+        obs_ids=list(obs_ids),
+        action_span=action_span,
+        obs_span=(obs_start, obs_start + len(obs_ids)),
+        reward=float(reward),
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+        entropies=None if completion.entropies is None else list(completion.entropies),
+        top_logprobs=completion.top_logprobs,
+        state=state,
+        info=step_info,
+    )
+    if terminated or truncated:
+        return turn, "terminated" if terminated else "truncated"
+    if left - len(obs_ids) < 1:
+        return turn, "budget"
+    return turn, None
 
 
 def _check_completion(completion: Completion, params: SamplingParams) -> None:
