@@ -23,3 +23,15 @@ register("python-math:math500", MATH_ENTRY_POINT, dataset="math500", description
 register("python-math:gsm8k", MATH_ENTRY_POINT, dataset="gsm8k", description=f"GSM8K test 1319, {_MATH}")
 register("tool-qa", "agentenv.envs.qa:tool_qa", dataset="hotpotqa",
          description="HotpotQA dev 500 with search and a sandboxed Python tool; AEPO reward (F1, tool bonus)")
+
+WEB_ENTRY_POINT = "agentenv.envs.web:WebResearchEnv"
+_WEB_POOLED = "search + browse over an offline web of the pooled multi-hop paragraphs; F1 reward"
+_WEB_OWN = "search + browse over an offline web of its own paragraphs; F1 reward"
+register("web-research", WEB_ENTRY_POINT, dataset="bamboogle", description=f"Bamboogle 125, {_WEB_POOLED}")
+register("web-research:bamboogle", WEB_ENTRY_POINT, dataset="bamboogle", description=f"Bamboogle 125, {_WEB_POOLED}")
+register("web-research:nq", WEB_ENTRY_POINT, dataset="nq", description=f"NQ-open test 1k, {_WEB_POOLED}")
+register("web-research:triviaqa", WEB_ENTRY_POINT, dataset="triviaqa", description=f"TriviaQA test 1k, {_WEB_POOLED}")
+register("web-research:popqa", WEB_ENTRY_POINT, dataset="popqa", description=f"PopQA test 1k, {_WEB_POOLED}")
+register("web-research:hotpotqa", WEB_ENTRY_POINT, dataset="hotpotqa", description=f"HotpotQA dev 500, {_WEB_OWN}")
+register("web-research:2wiki", WEB_ENTRY_POINT, dataset="2wiki", description=f"2WikiMultihopQA dev 164, {_WEB_OWN}")
+register("web-research:musique", WEB_ENTRY_POINT, dataset="musique", description=f"MuSiQue dev 200, {_WEB_OWN}")

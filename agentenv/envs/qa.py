@@ -17,26 +17,44 @@ from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
 from agentenv.search import BM25Search, SearchBackend, load_corpus, search_tool
 from agentenv.tool_env import DEFAULT_MAX_OBS_CHARS, DEFAULT_MAX_TOOL_CALLS, PROMPT_TEMPLATE, ToolEnv
 from agentenv.tools import Tool
+from agentenv.web_search import CachedSearch, CacheMode, DuckDuckGoSearch, RemoteSearch, ResultCache
 
-__all__ = ["QAEnv", "make_search_backend", "tool_qa"]
+__all__ = ["QAEnv", "local_passages", "make_search_backend", "tool_qa"]
 
 DEFAULT_TOPK = 3  # AT²PO: top-3 passages per search
 DEFAULT_RESULT_CHARS = 1000  # each passage cut to about 1000 characters
 
 
-def make_search_backend(search: str | SearchBackend, examples: Sequence[Example], corpus: str | Path | None) -> SearchBackend:
-    """The backend for ``search=``: ``"local"`` (BM25, the default) or a :class:`SearchBackend`."""
+def local_passages(examples: Sequence[Example], corpus: str | Path | None) -> list[Paragraph]:
+    """The offline corpus: the ``corpus`` file, else the examples' own paragraphs, else the pooled multi-hop ones."""
+    if corpus is not None:
+        return load_corpus(corpus)
+    seen = {(p.title, p.text): p for e in examples for p in e.paragraphs}
+    return list(seen.values()) or union_corpus()
+
+
+def make_search_backend(search: str | SearchBackend, examples: Sequence[Example], corpus: str | Path | None,
+                        *, cache: CacheMode = "use") -> SearchBackend:
+    """The backend for ``search=``.
+
+    ``"local"`` (BM25 over :func:`local_passages`, the default), ``"duckduckgo"`` (the real web
+    through ``ddgs``), the ``http(s)://`` URL of a Search-R1-style retrieval server, or a
+    :class:`SearchBackend` as it is. The remote ones keep their results in the on-disk
+    :class:`~agentenv.web_search.ResultCache` in mode ``cache`` (``use``, ``record``, ``replay``, ``off``).
+    """
     if isinstance(search, SearchBackend):
         return search
-    if search != "local":
-        raise ValueError(f"unknown search backend {search!r}: use 'local' (offline BM25) or pass a SearchBackend")
-    passages: list[Paragraph]
-    if corpus is not None:
-        passages = load_corpus(corpus)
+    if search == "local":
+        return BM25Search.for_corpus(local_passages(examples, corpus))
+    remote: SearchBackend
+    if search == "duckduckgo":
+        remote = DuckDuckGoSearch()
+    elif isinstance(search, str) and search.startswith(("http://", "https://")):
+        remote = RemoteSearch(search)
     else:
-        seen = {(p.title, p.text): p for e in examples for p in e.paragraphs}
-        passages = list(seen.values()) or union_corpus()
-    return BM25Search.for_corpus(passages)
+        raise ValueError(f"unknown search backend {search!r}: use 'local' (offline BM25), 'duckduckgo', "
+                         "the http(s):// URL of a retrieval server, or pass a SearchBackend")
+    return CachedSearch(remote, ResultCache.default(cache))
 
 
 class QAEnv(ToolEnv):
@@ -48,7 +66,8 @@ class QAEnv(ToolEnv):
         data: A QA file in any supported format; overrides ``dataset``.
         corpus: A passage file (JSONL/JSON of ``{title, text}`` or ``{id, contents}``) to search
             instead of the dataset's paragraphs.
-        search: ``"local"`` or a :class:`~agentenv.search.SearchBackend`.
+        search: ``"local"``, ``"duckduckgo"``, a retrieval server URL or a
+            :class:`~agentenv.search.SearchBackend` (see :func:`make_search_backend`).
         topk: Passages per search (AT²PO: 3).
         result_chars: Each passage cut to about this many characters.
         tools: Extra tools besides ``search``.

@@ -174,6 +174,8 @@ def test_registered_ids():
         "multihop-qa", "multihop-qa:2wiki", "multihop-qa:bamboogle", "multihop-qa:hotpotqa", "multihop-qa:musique",
         "python-math", "python-math:gsm8k", "python-math:math500",
         "singlehop-qa", "singlehop-qa:nq", "singlehop-qa:popqa", "singlehop-qa:triviaqa", "tool-qa",
+        "web-research", "web-research:2wiki", "web-research:bamboogle", "web-research:hotpotqa",
+        "web-research:musique", "web-research:nq", "web-research:popqa", "web-research:triviaqa",
     ]
 
 

