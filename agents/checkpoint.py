@@ -1,0 +1,199 @@
+"""Checkpoints of a training run: everything needed to continue it exactly where it stopped.
+
+One checkpoint is a folder (``step_000003`` under the run's ``checkpoints/``) holding:
+
+- ``model/``: the policy as a transformers checkpoint (``config.json``, ``model.safetensors``,
+  the tokenizer when one is given), loadable by ``agents.models.load_model(path / "model")``;
+  for a LoRA policy, the adapter instead (``adapter_config.json``, ``adapter_model.safetensors``,
+  the format ``peft`` reads; its base model is the one named in ``adapter_config.json``);
+- ``trainer_state.pt``: optimiser and learning-rate scheduler state and the Python, NumPy and
+  torch random-number generator states (read back with ``torch.load(weights_only=True)``);
+- ``trainer_state.json``: the format tag, the step, the caller's data position (an opaque
+  JSON dict, e.g. the index of the next dataset row) and the trainer's configuration.
+
+A checkpoint is written to a temporary folder and renamed into place, so a crash never leaves
+half of one under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "Checkpoint",
+    "checkpoint_name",
+    "get_rng_state",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
+#: Written into every ``trainer_state.json``; :func:`load_checkpoint` refuses other formats.
+FORMAT = "agents.Checkpoint/1"
+
+_MODEL, _STATE_PT, _STATE_JSON = "model", "trainer_state.pt", "trainer_state.json"
+_NAME = re.compile(r"step_(\d+)")
+
+
+@dataclass
+class Checkpoint:
+    """What :func:`load_checkpoint` read besides the tensors it loaded in place."""
+
+    path: Path
+    step: int
+    data_position: dict[str, Any]
+    config: dict[str, Any]
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder name of the checkpoint taken after ``step`` steps: ``step_000003``."""
+    return f"step_{step:06d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint folder under ``root`` with the highest step, or ``None`` if there is none."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = [(int(match.group(1)), path) for path in root.iterdir()
+             if (match := _NAME.fullmatch(path.name)) and (path / _STATE_JSON).is_file()]
+    return max(found)[1] if found else None
+
+
+def save_checkpoint(
+    path: str | Path,
+    *,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    step: int,
+    data_position: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Path:
+    """Write a checkpoint folder at ``path`` (replacing one already there) and return it."""
+    path = Path(path)
+    state = {"format": FORMAT, "step": int(step), "data_position": data_position or {}, "config": config or {}}
+    try:
+        state_text = json.dumps(state, indent=2)
+    except TypeError as error:
+        raise ValueError(f"data_position and config must be JSON-serialisable (str, numbers, bool, None, "
+                         f"lists, dicts): {error}") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        model.save_pretrained(tmp / _MODEL)  # safetensors; a PeftModel writes only its adapter
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / _MODEL)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": get_rng_state()}, tmp / _STATE_PT)
+        (tmp / _STATE_JSON).write_text(state_text + "\n")
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    restore_rng: bool = True,
+) -> Checkpoint:
+    """Load a checkpoint's weights into ``model`` (and state into ``optimizer``, ``scheduler``).
+
+    ``model`` must have the architecture the checkpoint was taken from (a PeftModel for a LoRA
+    checkpoint). With ``restore_rng`` the global random generators continue where they were.
+    """
+    path = Path(path)
+    state_json = path / _STATE_JSON
+    if not state_json.is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint folder (no {_STATE_JSON}); "
+                                f"give a folder such as runs/NAME/checkpoints/{checkpoint_name(1)}")
+    state = json.loads(state_json.read_text())
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{path} holds a checkpoint of format {state.get('format')!r}, expected {FORMAT!r}")
+    _load_weights(model, path / _MODEL)
+    tensors = torch.load(path / _STATE_PT, weights_only=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(tensors["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(tensors["scheduler"])
+    if restore_rng:
+        set_rng_state(tensors["rng"])
+    return Checkpoint(path, int(state["step"]), state["data_position"], state["config"])
+
+
+def get_rng_state() -> dict[str, Any]:
+    """The states of Python's, NumPy's and torch's global generators (CPU and every CUDA device)."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        # As a tensor, so that torch.load(weights_only=True) reads it back.
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the generators from :func:`get_rng_state`'s output."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    numpy = state["numpy"]
+    np.random.set_state((numpy["name"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
+                         numpy["has_gauss"], numpy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _load_weights(model: PreTrainedModel, folder: Path) -> None:
+    """Copy the safetensors weights of ``folder`` into ``model`` in place."""
+    from safetensors.torch import load_file
+
+    if (folder / "adapter_config.json").is_file():
+        from peft import PeftModel, set_peft_model_state_dict
+
+        if not isinstance(model, PeftModel):
+            raise ValueError(f"{folder} holds a LoRA adapter; load it into a LoRA policy (lora_rank > 0)")
+        result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        if result.unexpected_keys:
+            raise ValueError(f"the adapter in {folder} does not fit this model: {result.unexpected_keys[:5]}")
+        return
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    result = model.load_state_dict(weights, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"the checkpoint in {folder} has weights this model lacks: {result.unexpected_keys[:5]} "
+                         "(a different architecture?)")
+    # save_pretrained stores tied weights (lm_head tied to the embeddings) once; they need no file.
+    own = model.state_dict()
+    loaded = {own[name].data_ptr() for name in weights}
+    missing = [name for name in result.missing_keys if own[name].data_ptr() not in loaded]
+    if missing:
+        raise ValueError(f"the checkpoint in {folder} lacks weights of this model: {missing[:5]}")

@@ -1,0 +1,660 @@
+"""The trainer: policy-gradient updates of a transformers causal LM on a batch of training paths.
+
+One :meth:`Trainer.step` (read :meth:`Trainer._update` top to bottom):
+
+1. collate the paths (:func:`agents.tree.collate`) into right-padded ``[batch, tokens]`` tensors;
+2. old log-probs: recompute them with the current policy before any update (verl's
+   ``compute_log_prob``; the default), or take the sampler's. Either way the sampler's
+   log-probs are compared with the trainer's and the mismatch reported;
+3. reference log-probs, when a KL penalty to a reference policy is on;
+4. one epoch of ``mini_batches`` optimiser updates over the batch; each accumulates gradients
+   over micro-batches of ``micro_batch_size`` sequences (padded, or packed into one row), clips
+   the gradient norm, and steps AdamW and the learning-rate schedule;
+5. weight sync to the engine: nothing to copy when it shares the model object (``HFEngine``
+   built on ``trainer.model``), ``await engine.update_weights(state_dict)`` otherwise;
+6. metrics (:mod:`agents.metrics`), merged with the caller's rollout numbers, to JSONL and
+   TensorBoard.
+
+Every hyper-parameter is a field of :class:`TrainerConfig` with its default and source.
+
+Example::
+
+    trainer = Trainer("smollm2-135m", TrainerConfig(loss="atpo", mini_batches=2), out_dir="runs/a")
+    engine = HFEngine(trainer.model, trainer.tokenizer)      # shares the weights
+    trainer.engine = engine
+    ...                                                      # roll out trees, assign credit
+    metrics = await trainer.step(paths, {"time/rollout_s": 12.5, "tokens/generated": 3100})
+    trainer.save_checkpoint(data_position={"next_row": 64})  # model, optimiser, RNG, step
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import inspect
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+
+from agents.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
+from agents.losses import aepo_loss, atpo_loss, gspo_loss, ppo_clip_loss
+from agents.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog, plot_curves
+from agents.models import load_model, load_tokenizer
+from agents.tree import PathBatch, TrainingPath, collate
+
+__all__ = ["LOSSES", "LossFn", "Trainer", "TrainerConfig"]
+
+#: ``f(logprobs, old_logprobs, advantages, mask, **hyper) -> (loss, metrics)``, as in :mod:`agents.losses`.
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+#: The losses :class:`TrainerConfig` knows by name.
+LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "atpo": atpo_loss, "aepo": aepo_loss}
+
+# Tensors and coefficients the trainer hands to a loss that names them (never via loss_kwargs).
+_TRAINER_INPUTS = ("entropy", "ref_logprobs", "turn_ids", "kl_coef", "entropy_coef")
+# Loss metrics that count things (turns, sequences): summed over micro-batches, not averaged.
+_COUNT_METRICS = frozenset({"turns", "clipped_turns", "sequences", "clipped_sequences"})
+
+
+@dataclass
+class TrainerConfig:
+    """Every hyper-parameter of :class:`Trainer`, with its default and where the default comes from."""
+
+    # Optimiser. ALGORITHMS.md, "Optimiser in all papers": AdamW, lr 1e-6 constant, weight
+    # decay 0.01, grad-norm clip 1.0.
+    lr: float = 1e-6
+    weight_decay: float = 0.01  # applied to every parameter, as verl's actor optimiser does
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # torch.optim.AdamW default (verl's too)
+    adam_eps: float = 1e-8  # torch.optim.AdamW default
+    max_grad_norm: float = 1.0
+    lr_schedule: str = "constant"  # a transformers.get_scheduler name; every paper: constant
+    warmup_steps: int = 0  # optimiser updates of linear warm-up; the papers use none
+    # Steps (rollout batches) the run will take: needed by decaying schedules, and sizes the
+    # progress bar. None: unknown.
+    total_steps: int | None = None
+
+    # Batching. One epoch over each rollout batch, split into mini-batches (ALGORITHMS.md;
+    # AT²PO: 64 prompts × 22 leaves with mini-batches of 8 prompts = 8 updates per batch).
+    mini_batches: int = 1  # optimiser updates per epoch; the batch is split in order
+    epochs: int = 1  # passes over each rollout batch (verl ppo_epochs; every paper: 1)
+    micro_batch_size: int = 4  # sequences per forward/backward pass; gradients accumulate
+    packing: bool = False  # pack a micro-batch into one row (position ids restart) instead of padding
+
+    # Loss: a name in LOSSES or a callable with the agents.losses signature, and its
+    # hyper-parameters (each loss documents its own defaults and their sources).
+    loss: str | LossFn = "ppo_clip"
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Train a turn shared by k leaf paths once in total (advantages × TrainingPath.weights)
+    # instead of once per path. ALGORITHMS.md: the AT²PO code trains it once per path (False).
+    dedup_shared_turns: bool = False
+
+    # Old log-probs: "recompute" (verl's actor recomputes them before the update; every paper's
+    # code) or "sampler" (the engine's, skipping that forward pass).
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    temperature: float = 1.0  # the sampler's temperature: logits are divided by it (verl); papers: 1.0
+
+    # Regularisers. KL (k3) to a reference policy: 0 in AT²PO and AEPO, 0.001 in GRPO
+    # (DeepSeekMath); any value > 0 needs a reference (see Trainer). Entropy bonus: 0 everywhere.
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    # LoRA through peft, for small machines. 0: full fine-tuning (verl's lora_rank default).
+    lora_rank: int = 0
+    lora_alpha: int = 16  # verl default
+    lora_target_modules: str | list[str] = "all-linear"  # verl default
+
+    # Precision. Parameters and optimiser state stay float32; "auto" computes in bfloat16
+    # (autocast) on a GPU and in float32 on a CPU (bfloat16 is inexact and slow on these CPUs).
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: str | None = None  # where a model loaded by name goes; None: CUDA if present, else CPU
+
+    # Logging.
+    tensorboard: bool = True  # TensorBoard events besides metrics.jsonl (with out_dir)
+    progress: bool | None = None  # tqdm bars; None: only when writing to a terminal
+
+    def __post_init__(self) -> None:
+        positive = {"lr": self.lr, "max_grad_norm": self.max_grad_norm, "mini_batches": self.mini_batches,
+                    "epochs": self.epochs, "micro_batch_size": self.micro_batch_size,
+                    "temperature": self.temperature}
+        for name, value in positive.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"TrainerConfig.{name} must be a finite number > 0, got {value!r}")
+        non_negative = {"weight_decay": self.weight_decay, "warmup_steps": self.warmup_steps,
+                        "kl_coef": self.kl_coef, "entropy_coef": self.entropy_coef, "lora_rank": self.lora_rank}
+        for name, value in non_negative.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"TrainerConfig.{name} must be a finite number >= 0, got {value!r}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"TrainerConfig.total_steps must be >= 1 or None, got {self.total_steps!r}")
+        if self.old_logprobs not in ("recompute", "sampler"):
+            raise ValueError(f"TrainerConfig.old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
+        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"TrainerConfig.compute_dtype must be 'auto', 'float32' or 'bfloat16', "
+                             f"got {self.compute_dtype!r}")
+        if isinstance(self.loss, str) and self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)} or pass a callable")
+        if not isinstance(self.loss, str) and not callable(self.loss):
+            raise TypeError(f"TrainerConfig.loss must be a name or a callable, got {type(self.loss).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as JSON-ready values (a callable loss by its qualified name)."""
+        values = dataclasses.asdict(self)
+        if callable(self.loss):
+            values["loss"] = f"{self.loss.__module__}.{self.loss.__qualname__}"
+        values["adam_betas"] = list(self.adam_betas)
+        return values
+
+
+class Trainer:
+    """Trains a causal LM on :class:`~agents.tree.TrainingPath` batches with a policy-gradient loss.
+
+    Args:
+        model: a transformers causal LM with float32 parameters (the trainer changes it in
+            place), or a model name for :func:`agents.models.load_model`. With
+            ``lora_rank > 0`` it is wrapped in a peft LoRA model; the wrapping injects the
+            adapters into this very object, so an engine sharing it generates with them.
+        config: hyper-parameters (defaults: :class:`TrainerConfig`).
+        tokenizer: saved with checkpoints; loaded by name when ``model`` is a name.
+        engine: receives the new weights after every step: any object with a coroutine
+            ``update_weights(state_dict)``; an engine whose ``model`` is this model shares
+            the weights and needs no copy (its ``forward_lock``, if any, is held while the
+            weights change). Can be set later as ``trainer.engine``.
+        ref_model: the reference policy of the KL penalty. Without it, ``kl_coef > 0`` uses
+            the base model with the adapters switched off under LoRA, and otherwise a frozen
+            copy of the initial policy.
+        out_dir: the run folder for ``metrics.jsonl``, TensorBoard events, ``curves.png`` and
+            ``checkpoints/``; ``None`` keeps metrics in memory (``trainer.metrics.history``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str,
+        config: TrainerConfig | None = None,
+        *,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        engine: Any = None,
+        ref_model: PreTrainedModel | None = None,
+        out_dir: str | Path | None = None,
+    ) -> None:
+        self.config = cfg = config or TrainerConfig()
+        if isinstance(model, str):
+            device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            tokenizer = tokenizer or load_tokenizer(model)
+            model = load_model(model, dtype=torch.float32, device=device)
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.compute_dtype = _compute_dtype(cfg.compute_dtype, self.device)
+        # No dropout in RL (verl turns it off): the recomputed old log-probs and the training
+        # forward pass must score the same policy.
+        model.eval()
+        self.base_model: PreTrainedModel = model
+        self.model = _with_lora(model, cfg) if cfg.lora_rank else model
+        self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.trainable_parameters:
+            raise ValueError("the model has no parameter with requires_grad=True, so there is nothing to train")
+        wrong = {str(p.dtype) for p in self.trainable_parameters if p.dtype != torch.float32}
+        if wrong:
+            raise ValueError(f"trainable parameters are {', '.join(sorted(wrong))}; load the policy in float32 "
+                             "(the trainer computes in bfloat16 on a GPU through autocast)")
+        self.ref_model = ref_model
+        if ref_model is None and cfg.kl_coef > 0 and not cfg.lora_rank:
+            self.ref_model = copy.deepcopy(model)
+        if self.ref_model is not None:
+            self.ref_model.eval().requires_grad_(False)
+        self.loss_fn: LossFn = LOSSES[cfg.loss] if isinstance(cfg.loss, str) else cfg.loss
+        self._loss_params = _loss_parameters(self.loss_fn, cfg, uses_reference=self._uses_reference)
+        self._token_weighted = self._loss_params.get("agg") == "token-mean"
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay)
+        total_updates = None if cfg.total_steps is None else cfg.total_steps * cfg.mini_batches * cfg.epochs
+        if cfg.lr_schedule == "constant" and cfg.warmup_steps:
+            raise ValueError("lr_schedule 'constant' has no warm-up; use 'constant_with_warmup' with warmup_steps")
+        if cfg.lr_schedule not in ("constant", "constant_with_warmup") and total_updates is None:
+            raise ValueError(f"lr_schedule {cfg.lr_schedule!r} decays over the run; set TrainerConfig.total_steps")
+        self.scheduler = get_scheduler(cfg.lr_schedule, self.optimizer, num_warmup_steps=cfg.warmup_steps,
+                                       num_training_steps=total_updates)
+        self.engine = engine
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        #: Steps (rollout batches) trained so far; checkpoints and metrics are numbered by it.
+        self.step_count = 0
+        self.metrics: MetricsLog | None = None  # opened by the first step, or by resume()
+        self._steps_bar: tqdm | None = None
+
+    @property
+    def engine(self) -> Any:
+        """The engine that receives new weights after every step (``None``: none)."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Any) -> None:
+        if engine is not None and not inspect.iscoroutinefunction(getattr(engine, "update_weights", None)):
+            raise TypeError(f"engine must have a coroutine update_weights(state_dict); "
+                            f"{type(engine).__name__} has none")
+        self._engine = engine
+
+    @property
+    def shares_weights_with_engine(self) -> bool:
+        """Whether the engine generates with this very model object (no copy needed)."""
+        shared = getattr(self.engine, "model", None)
+        return shared is not None and (shared is self.model or shared is self.base_model)
+
+    @property
+    def _uses_reference(self) -> bool:
+        return self.ref_model is not None or self.config.kl_coef > 0
+
+    @property
+    def pad_id(self) -> int:
+        """The id that pads paths to one length (any id works: padding is never attended to)."""
+        for source in (self.tokenizer, self.base_model.config):
+            pad = getattr(source, "pad_token_id", None)
+            if isinstance(pad, int):
+                return pad
+        return 0
+
+    # ---- one training step ---------------------------------------------------------------
+
+    async def step(
+        self, paths: Sequence[TrainingPath] | PathBatch, rollout_metrics: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
+        """Train on one rollout batch, sync the engine, log and return the step's metrics.
+
+        Args:
+            paths: the batch's training paths (or an already collated :class:`PathBatch`),
+                with advantages from credit assignment and the sampler's log-probs.
+            rollout_metrics: the caller's numbers for this batch, merged into the record, for
+                instance ``time/rollout_s`` and ``tokens/generated`` (see :mod:`agents.metrics`)
+                or ``reward/em``; names must differ from the trainer's own.
+        """
+        batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
+        # The update runs in a worker thread so the event loop (and a shared engine) keeps going.
+        metrics = await asyncio.to_thread(self._update, batch)
+        start = time.perf_counter()
+        await self.sync_weights()
+        metrics["time/sync_s"] = time.perf_counter() - start
+        self.step_count += 1
+        record = _merge_rollout_metrics(metrics, rollout_metrics or {})
+        if self.metrics is None:
+            self.metrics = MetricsLog(self.out_dir, tensorboard=self.config.tensorboard)
+        self.metrics.log(self.step_count, record)
+        self._advance_steps_bar(record)
+        return record
+
+    def _update(self, batch: PathBatch) -> dict[str, float]:
+        """Steps 2-4 of the module docstring on one collated batch; returns the trainer's metrics."""
+        cfg = self.config
+        batch = batch.to(self.device)
+        mask = batch.mask.bool()
+        n = batch.ids.shape[0]
+        if mask[:, 0].any():
+            raise ValueError("a path starts with an action token, which has no context to be scored from; "
+                             "every path must start with at least one prompt token")
+        if cfg.mini_batches > n:
+            raise ValueError(f"mini_batches={cfg.mini_batches} but the batch has only {n} sequences")
+        micro_batches = [rows.split(cfg.micro_batch_size) for rows in torch.arange(n).tensor_split(cfg.mini_batches)]
+        bar = tqdm(total=cfg.epochs * sum(len(m) for m in micro_batches), desc=f"step {self.step_count + 1}",
+                   unit="micro-batch", leave=False, disable=self._progress_disabled)
+        mismatch = _Mismatch()
+
+        # 2-3. Old log-probs: the current policy before this step's updates, and the reference's.
+        start = time.perf_counter()
+        old_logprobs = batch.old_logprobs
+        if cfg.old_logprobs == "recompute":
+            old_logprobs = self._score(self.model, batch)
+            mismatch.add(old_logprobs, batch.old_logprobs, mask)
+        ref_logprobs = None
+        if self._uses_reference:
+            with self._reference_policy() as reference:
+                ref_logprobs = self._score(reference, batch)
+        time_old = time.perf_counter() - start
+
+        # 4. Updates: one optimiser step per mini-batch, gradients accumulated over its micro-batches.
+        start = time.perf_counter()
+        advantages = batch.advantages * batch.weights if cfg.dedup_shared_turns else batch.advantages
+        # The loss averages over action tokens (token-mean) or sequences (the seq-mean modes); a
+        # micro-batch's loss is weighted by its share of the mini-batch's, so that accumulating
+        # micro-batches gives the gradient of the whole mini-batch at once.
+        units = mask.sum(-1) if self._token_weighted else (mask.sum(-1) > 0)
+        loss_metrics, optim = _LossMetrics(), defaultdict(list)
+        for epoch in range(cfg.epochs):
+            for update, mini_batch in enumerate(micro_batches):
+                self.optimizer.zero_grad(set_to_none=True)
+                total = sum(int(units[rows].sum()) for rows in mini_batch)
+                for rows in mini_batch:
+                    width = int(batch.attention_mask[rows].sum(-1).max())  # trim the batch's padding
+                    cut = (rows, slice(0, width))
+                    logprobs, entropy = self._forward(self.model, batch.ids[cut], batch.attention_mask[cut],
+                                                      entropy_grad=cfg.entropy_coef > 0)
+                    if cfg.old_logprobs == "sampler" and epoch == update == 0:
+                        mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask[cut])
+                    optional = {"entropy": entropy, "turn_ids": batch.turn_ids[cut], "entropy_coef": cfg.entropy_coef,
+                                "ref_logprobs": None if ref_logprobs is None else ref_logprobs[cut],
+                                "kl_coef": cfg.kl_coef}
+                    loss, metrics = self.loss_fn(
+                        logprobs, old_logprobs[cut], advantages[cut], batch.mask[cut], **cfg.loss_kwargs,
+                        **{name: value for name, value in optional.items() if name in self._loss_params})
+                    share = int(units[rows].sum()) / max(total, 1)
+                    (loss * share).backward()
+                    if "loss" not in metrics:  # a callable loss may report nothing
+                        metrics["loss"] = float(loss.detach())
+                    if "entropy" not in metrics:
+                        metrics["entropy"] = _masked_mean(entropy.detach(), mask[cut])
+                    loss_metrics.add(metrics, share)
+                    bar.update()
+                optim["lr"].append(self.scheduler.get_last_lr()[0])
+                # Clip to max_grad_norm; the returned norm is the one before clipping.
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters, cfg.max_grad_norm))
+                optim["grad_norm"].append(grad_norm)
+                if math.isfinite(grad_norm):
+                    with self._weights_changing():
+                        self.optimizer.step()
+                else:  # verl skips an update whose gradient overflowed rather than corrupt the weights
+                    optim["skipped_updates"].append(1.0)
+                self.scheduler.step()
+                loss_metrics.end_update()
+        bar.close()
+        time_update = time.perf_counter() - start
+
+        trained_tokens = float(batch.attention_mask.sum())
+        rewards = batch.rewards.double()
+        return {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std(correction=0).item(),
+            "reward/min": rewards.min().item(),
+            "reward/max": rewards.max().item(),
+            **{f"policy/{name}": value for name, value in loss_metrics.result(cfg.epochs).items()},
+            **mismatch.result(),
+            "optim/grad_norm": sum(optim["grad_norm"]) / len(optim["grad_norm"]),
+            "optim/lr": optim["lr"][-1],
+            "optim/updates": float(len(optim["grad_norm"])),
+            "optim/skipped_updates": float(len(optim["skipped_updates"])),
+            "tokens/trained": trained_tokens,
+            "tokens/action": float(mask.sum()),
+            "batch/sequences": float(n),
+            "time/old_logprobs_s": time_old,
+            "time/update_s": time_update,
+            "throughput/update_tokens_per_s": trained_tokens * cfg.epochs / time_update,
+        }
+
+    # ---- log-probs -----------------------------------------------------------------------
+
+    def compute_logprobs(self, paths: Sequence[TrainingPath] | PathBatch) -> torch.Tensor:
+        """Log-probs of every token under the current policy, ``[batch, tokens]`` like the collated batch.
+
+        ``[b, t]`` scores token ``t`` of path ``b`` given the tokens before it (the
+        :class:`~agents.tree.PathBatch` convention); 0 at ``t = 0`` and on padding.
+        """
+        batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
+        return self._score(self.model, batch.to(self.device))
+
+    @torch.no_grad()
+    def _score(self, model: torch.nn.Module, batch: PathBatch) -> torch.Tensor:
+        """Log-probs of every token of ``batch`` under ``model`` ([batch, tokens]), micro-batched."""
+        scores = torch.zeros(batch.ids.shape, dtype=torch.float32, device=self.device)
+        for rows in torch.arange(batch.ids.shape[0]).split(self.config.micro_batch_size):
+            width = int(batch.attention_mask[rows].sum(-1).max())
+            scores[rows, :width] = self._forward(model, batch.ids[rows, :width], batch.attention_mask[rows, :width],
+                                                 entropy=False)[0]
+        return scores
+
+    def _forward(
+        self, model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor, *,
+        entropy: bool = True, entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs and full-vocabulary entropies of right-padded sequences.
+
+        ``logprobs[b, t] = log softmax(z / T)[ids[b, t]]`` with ``z`` the logits at ``t − 1``
+        (0 at ``t = 0`` and on padding); ``entropy[b, t]`` is the entropy of that distribution.
+        The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus).
+        """
+        if self.config.packing:
+            row, positions, index = _pack(ids, attention_mask)
+            inputs = {"input_ids": row, "position_ids": positions}  # no mask: restarts delimit the sequences
+        else:
+            inputs = {"input_ids": ids, "attention_mask": attention_mask}
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            logits = model(**inputs, use_cache=False).logits
+        logits = logits[:, :-1].float() / self.config.temperature
+        targets = inputs["input_ids"][:, 1:]
+        log_z = torch.logsumexp(logits, dim=-1)
+        token_logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z  # log softmax(z/T)[token]
+        token_entropy = None
+        if entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                token_entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = log Z − Σ_v p_v z_v
+        results = []
+        for values in (token_logprobs, token_entropy):
+            if values is None:
+                results.append(None)
+                continue
+            values = torch.nn.functional.pad(values, (1, 0))  # position 0 has no context: 0
+            if self.config.packing:
+                values = values[0, index]  # back to [batch, tokens]; index 0 holds the row's leading 0
+            results.append(values * attention_mask)
+        return results[0], results[1]
+
+    @contextlib.contextmanager
+    def _reference_policy(self):
+        """The reference policy of the KL penalty: ``ref_model``, or the LoRA base model."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        else:
+            with self.model.disable_adapter():
+                yield self.model
+
+    # ---- weights: engine sync and checkpoints --------------------------------------------
+
+    async def sync_weights(self) -> None:
+        """Hand the current weights to the engine (nothing to do when it shares the model)."""
+        if self.engine is None or self.shares_weights_with_engine:
+            return
+        await self.engine.update_weights(self.engine_state_dict())
+
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under the base transformers model's names.
+
+        Under LoRA, only the adapted layers' merged weights (``W + ΔW``); engines accept such a
+        partial state dict.
+        """
+        if not self.config.lora_rank:
+            return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+        from peft.tuners.lora import LoraLayer
+
+        merged = {}
+        with torch.no_grad():
+            for name, module in self.base_model.named_modules():
+                if isinstance(module, LoraLayer):
+                    base = module.get_base_layer()
+                    delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
+                    merged[f"{name}.weight"] = base.weight + delta  # W + (α/r)·B·A
+                    if getattr(base, "bias", None) is not None:
+                        merged[f"{name}.bias"] = base.bias.detach()
+        return merged
+
+    def save_checkpoint(self, path: str | Path | None = None, data_position: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint (weights, optimiser, schedule, RNG, step, ``data_position``) and the plot.
+
+        ``path`` defaults to ``out_dir/checkpoints/step_NNNNNN``. ``data_position`` is the caller's
+        opaque, JSON-serialisable place in its data, returned by :meth:`resume`. The curves of
+        every step so far are drawn into ``curves.png`` in the checkpoint and in ``out_dir``.
+        """
+        if path is None:
+            if self.out_dir is None:
+                raise ValueError("save_checkpoint needs a path, or a Trainer with out_dir")
+            path = self.out_dir / "checkpoints" / checkpoint_name(self.step_count)
+        path = save_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                               step=self.step_count, data_position=data_position, config=self.config.to_dict(),
+                               tokenizer=self.tokenizer)
+        if self.metrics is not None and self.metrics.history:
+            plot_curves(self.metrics.history, path / "curves.png")
+            if self.out_dir is not None:
+                plot_curves(self.metrics.history, self.out_dir / "curves.png")
+        return path
+
+    def resume(self, path: str | Path) -> dict[str, Any]:
+        """Continue from a checkpoint: weights, optimiser, schedule, RNG and step; returns its data position.
+
+        Metrics of later steps (from a run that went on past the checkpoint) are dropped from
+        ``out_dir``. The engine is not synced here; the next :meth:`step` or
+        :meth:`sync_weights` does it.
+        """
+        with self._weights_changing():
+            checkpoint = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.step_count = checkpoint.step
+        if self.metrics is not None:
+            self.metrics.close()
+        self.metrics = MetricsLog(self.out_dir, tensorboard=self.config.tensorboard, resume_step=checkpoint.step)
+        return checkpoint.data_position
+
+    def close(self) -> None:
+        """Close the metric writers and progress bars."""
+        if self.metrics is not None:
+            self.metrics.close()
+        if self._steps_bar is not None:
+            self._steps_bar.close()
+            self._steps_bar = None
+
+    def _weights_changing(self) -> contextlib.AbstractContextManager:
+        """Held while weights change in place: a sharing engine must not read them half-written."""
+        lock = getattr(self.engine, "forward_lock", None)
+        return lock if lock is not None and self.shares_weights_with_engine else contextlib.nullcontext()
+
+    # ---- progress ------------------------------------------------------------------------
+
+    @property
+    def _progress_disabled(self) -> bool | None:
+        return None if self.config.progress is None else not self.config.progress  # None: tty only
+
+    def _advance_steps_bar(self, record: Mapping[str, float]) -> None:
+        if self._steps_bar is None:
+            self._steps_bar = tqdm(total=self.config.total_steps, initial=self.step_count - 1, desc="train",
+                                   unit="step", disable=self._progress_disabled)
+        self._steps_bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['policy/loss']:.4f}",
+                                    refresh=False)
+        self._steps_bar.update()
+
+
+def _with_lora(model: PreTrainedModel, cfg: TrainerConfig) -> PreTrainedModel:
+    """``model`` with LoRA adapters injected in place (only the adapters train)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
+                      lora_dropout=0.0, task_type="CAUSAL_LM")  # no dropout in RL, as for the base model
+    return get_peft_model(model, lora).eval()
+
+
+def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _loss_parameters(loss_fn: LossFn, cfg: TrainerConfig, uses_reference: bool) -> dict[str, Any]:
+    """The loss's keyword parameters and the values it will run with; checks the config against them."""
+    signature = inspect.signature(loss_fn)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    params = {name: p.default for name, p in signature.parameters.items()
+              if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    name = getattr(loss_fn, "__name__", repr(loss_fn))
+    reserved = sorted(set(cfg.loss_kwargs) & set(_TRAINER_INPUTS))
+    if reserved:
+        raise ValueError(f"loss_kwargs sets {reserved}, which the trainer supplies; set kl_coef and entropy_coef "
+                         "on TrainerConfig, and leave the tensors to the trainer")
+    unknown = sorted(set(cfg.loss_kwargs) - set(params)) if not takes_any else []
+    if unknown:
+        raise ValueError(f"loss {name} has no parameter {', '.join(unknown)}; it takes {', '.join(list(params)[4:])}")
+    needed = {"kl_coef": uses_reference, "ref_logprobs": uses_reference,
+              "entropy": cfg.entropy_coef > 0, "entropy_coef": cfg.entropy_coef > 0}
+    missing = [param for param, need in needed.items() if need and param not in params and not takes_any]
+    if missing:
+        raise ValueError(f"loss {name} takes no {', '.join(missing)}, so it cannot apply the configured "
+                         "KL penalty or entropy bonus")
+    if takes_any:
+        params.update(dict.fromkeys(_TRAINER_INPUTS))
+    return {**params, **cfg.loss_kwargs}
+
+
+def _pack(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate right-padded sequences into one row.
+
+    Returns the row, its position ids (restarting at 0 for each sequence, which is how
+    transformers tells packed sequences apart) and, for each ``[b, t]``, the place in the row
+    whose score belongs there: 0 (the row's first place, scored 0) for ``t = 0`` and padding,
+    whose score in the row would come from the previous sequence or not exist.
+    """
+    lengths = attention_mask.sum(-1)
+    keep = attention_mask.bool()
+    row = ids[keep].unsqueeze(0)
+    positions = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths]).unsqueeze(0)
+    starts = lengths.cumsum(0) - lengths
+    columns = torch.arange(ids.shape[1], device=ids.device)
+    index = torch.where(keep & (columns > 0), starts.unsqueeze(-1) + columns, 0)
+    return row, positions, index
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((values * mask).sum() / mask.sum().clamp(min=1))
+
+
+def _merge_rollout_metrics(own: dict[str, float], rollout: Mapping[str, float]) -> dict[str, float]:
+    """The trainer's metrics with the caller's, plus what follows from both (step time, rollout tokens/s)."""
+    clash = sorted(set(own) & set(rollout))
+    if clash:
+        raise ValueError(f"rollout_metrics names {clash}, which the trainer computes itself; rename them")
+    record = {**own, **{name: float(value) for name, value in rollout.items()}}
+    record["time/step_s"] = sum(record.get(name, 0.0) for name in
+                                (ROLLOUT_TIME, "time/old_logprobs_s", "time/update_s", "time/sync_s"))
+    if ROLLOUT_TIME in rollout and GENERATED_TOKENS in rollout and rollout[ROLLOUT_TIME] > 0:
+        record["throughput/rollout_tokens_per_s"] = rollout[GENERATED_TOKENS] / rollout[ROLLOUT_TIME]
+    return record
+
+
+class _Mismatch:
+    """|sampler log-prob − trainer log-prob| over action tokens: max and mean."""
+
+    def __init__(self) -> None:
+        self.max, self.sum, self.tokens = 0.0, 0.0, 0
+
+    def add(self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> None:
+        difference = (trainer.double() - sampler.double()).abs()[mask]
+        if difference.numel():
+            self.max = max(self.max, float(difference.max()))
+            self.sum += float(difference.sum())
+            self.tokens += difference.numel()
+
+    def result(self) -> dict[str, float]:
+        return {"mismatch/max_abs": self.max, "mismatch/mean_abs": self.sum / max(self.tokens, 1),
+                "mismatch/tokens": float(self.tokens)}
+
+
+class _LossMetrics:
+    """Loss metrics of the micro-batches: weighted means per update (counts summed), then per step."""
+
+    def __init__(self) -> None:
+        self.update: dict[str, float] = defaultdict(float)
+        self.totals: dict[str, float] = defaultdict(float)
+        self.updates = 0
+
+    def add(self, metrics: Mapping[str, float], share: float) -> None:
+        for name, value in metrics.items():
+            self.update[name] += value if name in _COUNT_METRICS else value * share
+
+    def end_update(self) -> None:
+        for name, value in self.update.items():
+            self.totals[name] += value
+        self.update.clear()
+        self.updates += 1
+
+    def result(self, epochs: int) -> dict[str, float]:
+        """Averages over the updates; counts summed over one epoch's mini-batches."""
+        return {name: value / (epochs if name in _COUNT_METRICS else self.updates)
+                for name, value in self.totals.items()}

@@ -1,0 +1,380 @@
+"""Trainer logic on a tiny randomly initialised Llama: log-probs, updates, accumulation, LoRA, KL, sync, resume."""
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agents.losses import aepo_loss
+from agents.tree import RolloutTree, TrainingPath, collate
+from agents.trainer import Trainer, TrainerConfig
+
+VOCAB = 50
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    """A 2-layer Llama with tied embeddings (like SmolLM2), identical for the same seed."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def make_paths(seed: int = 1) -> list[TrainingPath]:
+    """Four paths of different lengths from two trees; the first tree shares a first turn."""
+    rng = random.Random(seed)
+
+    def ids(n):
+        return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+    def logprobs(n):
+        return [-rng.uniform(0.5, 4.0) for _ in range(n)]
+
+    trees = []
+    tree = RolloutTree(ids(6))
+    shared = tree.add_turn(tree.root, action_ids=ids(5), logprobs=logprobs(5))
+    tree.add_turn(shared, obs_ids=ids(3), action_ids=ids(4), logprobs=logprobs(4), terminal=True, reward=1.0)
+    tree.add_turn(shared, obs_ids=ids(3), action_ids=ids(7), logprobs=logprobs(7), terminal=True, reward=0.0)
+    trees.append(tree)
+    tree = RolloutTree(ids(4))
+    tree.add_turn(tree.root, action_ids=ids(9), logprobs=logprobs(9), terminal=True, reward=1.0)
+    tree.add_turn(tree.root, action_ids=ids(2), logprobs=logprobs(2), terminal=True, reward=-1.0)
+    trees.append(tree)
+    for tree in trees:
+        for node in tree.nodes():
+            node.advantage = node.reward if node.terminal else 0.5
+    return [path for tree in trees for path in tree.paths()]
+
+
+def direct_scores(model, path: TrainingPath) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(ids[t] | ids[<t]) and the entropy of that distribution, from one unpadded forward pass."""
+    ids = torch.tensor([path.ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    log_p = logits.log_softmax(-1)
+    logprobs = torch.cat([torch.zeros(1), log_p.gather(-1, ids[0, 1:, None]).squeeze(-1)])
+    entropy = torch.cat([torch.zeros(1), -(log_p.exp() * log_p).sum(-1)])
+    return logprobs, entropy
+
+
+def with_sampler_logprobs(paths, model, shift=lambda index: 0.0) -> list[TrainingPath]:
+    """The paths with old_logprobs set to the model's own log-probs plus ``shift(action token index)``."""
+    out, index = [], 0
+    for path in paths:
+        exact, _ = direct_scores(model, path)
+        old = []
+        for t, m in enumerate(path.mask):
+            old.append(float(exact[t]) + shift(index) if m else math.nan)
+            index += m
+        out.append(TrainingPath(path.ids, path.mask, path.advantages, old, path.turn_ids, path.weights,
+                                path.reward, path.leaf))
+    return out
+
+
+async def run_step(trainer, paths, **kwargs):
+    return await trainer.step(paths, **kwargs)
+
+
+def config(**overrides) -> TrainerConfig:
+    return TrainerConfig(**{"lr": 1e-3, "progress": False, "tensorboard": False, **overrides})
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_logprobs_equal_a_direct_forward_pass(packing):
+    model, paths = tiny_model(), make_paths()
+    trainer = Trainer(model, config(packing=packing, micro_batch_size=3))
+    scores = trainer.compute_logprobs(paths)
+    assert scores.shape == (4, max(len(p.ids) for p in paths))
+    for row, path in enumerate(paths):
+        expected, _ = direct_scores(model, path)
+        torch.testing.assert_close(scores[row, :len(path.ids)], expected, atol=1e-5, rtol=1e-5)
+        assert (scores[row, len(path.ids):] == 0).all()
+
+
+@pytest.mark.parametrize("packing", [False, True])
+async def test_entropy_metric_is_the_exact_token_mean_entropy_of_action_tokens(packing):
+    model, paths = tiny_model(), make_paths()
+    entropies = []
+    for path in paths:
+        _, entropy = direct_scores(model, path)
+        entropies += [float(h) for h, m in zip(entropy, path.mask) if m]
+    trainer = Trainer(model, config(packing=packing, micro_batch_size=3))  # ppo_clip: token-mean
+    metrics = await trainer.step(paths)
+    assert metrics["policy/entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-5)
+    assert metrics["tokens/action"] == len(entropies) == 32
+
+
+async def test_positive_advantage_raises_and_negative_lowers_a_sequences_logprob():
+    model = tiny_model()
+    paths = make_paths()[2:]  # rewards +1 and -1, one turn each: advantages +1 and -1
+    assert [p.reward for p in paths] == [1.0, -1.0]
+    trainer = Trainer(model, config(lr=1e-3))
+    before = trainer.compute_logprobs(paths)
+    await trainer.step(paths)
+    after = trainer.compute_logprobs(paths)
+    mask = collate(paths, 0).mask.bool()
+    change = [float((after[row] - before[row])[mask[row]].sum()) for row in range(2)]
+    assert change[0] > 0 > change[1]
+
+
+def gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "atpo", "gspo"])
+@pytest.mark.parametrize("packing", [False, True])
+async def test_gradient_accumulation_over_micro_batches_equals_one_big_batch(loss, packing):
+    # Sampler log-probs off by ±0.3 so that ratios differ from 1 and some tokens clip.
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
+    results = []
+    for micro_batch_size in (4, 1):
+        trainer = Trainer(tiny_model(), config(loss=loss, old_logprobs="sampler", micro_batch_size=micro_batch_size,
+                                               packing=packing, max_grad_norm=1e9))
+        metrics = await trainer.step(paths)
+        results.append((metrics, gradients(trainer)))
+    (one_metrics, one_grads), (accumulated_metrics, accumulated_grads) = results
+    assert one_grads.keys() == accumulated_grads.keys() and len(one_grads) > 10
+    for name in one_grads:
+        torch.testing.assert_close(accumulated_grads[name], one_grads[name], atol=1e-6, rtol=1e-4)
+    assert accumulated_metrics["policy/loss"] == pytest.approx(one_metrics["policy/loss"], abs=1e-6)
+    assert accumulated_metrics["optim/grad_norm"] == pytest.approx(one_metrics["optim/grad_norm"], rel=1e-5)
+    assert one_metrics["policy/clip_frac_low"] + one_metrics["policy/clip_frac_high"] > 0
+    if loss == "atpo":  # counts are summed over micro-batches: 3 distinct turns... per path: 2+2+1+1
+        assert accumulated_metrics["policy/turns"] == one_metrics["policy/turns"] == 6
+
+
+async def test_mini_batches_make_several_updates_and_later_ones_see_a_changed_policy():
+    trainer = Trainer(tiny_model(), config(loss="ppo_clip", mini_batches=2, micro_batch_size=1))
+    metrics = await trainer.step(make_paths())
+    assert metrics["optim/updates"] == 2
+    assert trainer.optimizer.state[trainer.trainable_parameters[0]]["step"] == 2
+    # The second mini-batch is trained against old log-probs of the policy before the first
+    # update, so its ratios are no longer exactly 1.
+    assert metrics["policy/ratio_mean"] != 1.0
+    with pytest.raises(ValueError, match="mini_batches=5 but the batch has only 4 sequences"):
+        await Trainer(tiny_model(), config(mini_batches=5)).step(make_paths())
+
+
+@pytest.mark.parametrize("mode", ["recompute", "sampler"])
+async def test_mismatch_report_gives_max_and_mean_absolute_difference(mode):
+    model, paths = tiny_model(), make_paths()
+    deltas = [0.0] * 32
+    deltas[3], deltas[10], deltas[26] = 0.5, -0.25, 0.125
+    shifted = with_sampler_logprobs(paths, model, shift=lambda i: deltas[i])
+    trainer = Trainer(model, config(old_logprobs=mode, micro_batch_size=3))
+    metrics = await trainer.step(shifted)
+    assert metrics["mismatch/tokens"] == 32
+    assert metrics["mismatch/max_abs"] == pytest.approx(0.5, abs=1e-5)
+    assert metrics["mismatch/mean_abs"] == pytest.approx(0.875 / 32, abs=1e-5)
+
+
+async def test_recomputed_old_logprobs_make_the_first_ratio_exactly_one():
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 1.0)
+    recompute = await Trainer(tiny_model(), config()).step(paths)
+    sampler = await Trainer(tiny_model(), config(old_logprobs="sampler")).step(paths)
+    assert recompute["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert sampler["policy/ratio_mean"] == pytest.approx(1 / math.e, rel=1e-4)  # r = exp(log π − (log π + 1))
+
+
+async def test_aepo_gets_the_exact_token_entropy_for_its_entropy_aware_advantage():
+    model, paths = tiny_model(), make_paths()
+    batch = collate(paths, 0)
+    logprobs, entropy = zip(*(direct_scores(model, p) for p in paths))
+    pad = batch.ids.shape[1]
+    logprobs = torch.stack([torch.nn.functional.pad(x, (0, pad - len(x))) for x in logprobs])
+    entropy = torch.stack([torch.nn.functional.pad(x, (0, pad - len(x))) for x in entropy])
+    expected, _ = aepo_loss(logprobs, logprobs, batch.advantages, batch.mask, entropy=entropy)
+    without, _ = aepo_loss(logprobs, logprobs, batch.advantages, batch.mask, entropy_aware_advantage=False)
+    assert float(expected) != pytest.approx(float(without), abs=1e-4)  # the entropy term matters here
+    metrics = await Trainer(model, config(loss="aepo", micro_batch_size=4)).step(paths)
+    assert metrics["policy/loss"] == pytest.approx(float(expected), abs=1e-5)
+
+
+async def test_entropy_bonus_raises_the_entropy():
+    paths = make_paths()
+    for path in paths:
+        path.advantages = [0.0] * len(path.advantages)  # only the bonus drives the update
+    trainer = Trainer(tiny_model(), config(lr=1e-2, entropy_coef=1.0))
+    first = await trainer.step(paths)
+    second = await trainer.step(paths)
+    assert second["policy/entropy"] > first["policy/entropy"]
+
+
+async def test_kl_to_a_frozen_copy_of_the_initial_policy():
+    trainer = Trainer(tiny_model(), config(lr=1e-2, kl_coef=0.5))
+    first = await trainer.step(make_paths())
+    second = await trainer.step(make_paths())
+    assert first["policy/kl_ref"] == 0.0  # the policy equals its reference before the first update
+    assert second["policy/kl_ref"] > 1e-6
+    assert second["policy/loss"] == pytest.approx(second["policy/pg_loss"] + 0.5 * second["policy/kl_ref"], abs=1e-6)
+    reference = dict(trainer.ref_model.named_parameters())
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, reference[n])]
+    assert changed  # the policy moved; the reference did not train
+    assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+
+
+async def test_dedup_shared_turns_scales_advantages_by_the_path_weights():
+    paths = make_paths()
+    weighted = [TrainingPath(p.ids, p.mask, [a * w for a, w in zip(p.advantages, p.weights)], p.old_logprobs,
+                             p.turn_ids, p.weights, p.reward, p.leaf) for p in paths]
+    assert weighted[0].advantages != paths[0].advantages  # the shared first turn has weight 1/2
+    dedup = Trainer(tiny_model(), config(dedup_shared_turns=True, max_grad_norm=1e9))
+    manual = Trainer(tiny_model(), config(max_grad_norm=1e9))
+    await dedup.step(paths)
+    await manual.step(weighted)
+    for (name, a), b in zip(gradients(dedup).items(), gradients(manual).values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+async def test_lora_trains_only_the_adapter_weights_and_syncs_merged_weights():
+    model = tiny_model()
+    base_before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    received = {}
+
+    class Receiver:  # an engine that only records what it is sent
+        async def update_weights(self, state_dict):
+            received.update({name: t.clone() for name, t in state_dict.items()})
+
+    trainer = Trainer(model, config(lr=1e-2, lora_rank=4, lora_target_modules=["q_proj", "v_proj"]),
+                      engine=Receiver())
+    assert trainer.trainable_parameters and all("lora_" in n for n, p in trainer.model.named_parameters()
+                                                 if p.requires_grad)
+    lora_b_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    await trainer.step(make_paths())
+    for name, p in trainer.model.named_parameters():
+        if "lora_" in name:
+            continue
+        original = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        assert torch.equal(p, base_before[original]), name
+    assert all(not torch.equal(p, lora_b_before[n]) for n, p in trainer.model.named_parameters() if "lora_B" in n)
+    # The engine got W + ΔW for the adapted layers under the plain model's names; a plain copy of
+    # the model with those weights computes what the LoRA policy computes.
+    assert sorted(received) == [f"model.layers.{i}.self_attn.{m}.weight" for i in (0, 1) for m in ("q_proj", "v_proj")]
+    plain = tiny_model()
+    plain.load_state_dict(received, strict=False)
+    torch.testing.assert_close(Trainer(plain, config()).compute_logprobs(make_paths()),
+                               trainer.compute_logprobs(make_paths()), atol=1e-5, rtol=1e-5)
+
+
+async def test_lora_kl_reference_is_the_base_model_with_adapters_off():
+    trainer = Trainer(tiny_model(), config(lr=1e-2, lora_rank=4, kl_coef=0.1))
+    assert trainer.ref_model is None  # no copy: the adapters are switched off instead
+    first = await trainer.step(make_paths())
+    second = await trainer.step(make_paths())
+    assert first["policy/kl_ref"] == 0.0 and second["policy/kl_ref"] > 0
+
+
+async def test_engine_sharing_the_model_needs_no_copy_and_others_get_the_state_dict():
+    class SharingEngine:
+        def __init__(self, model):
+            self.model = model
+
+        async def update_weights(self, state_dict):
+            raise AssertionError("an engine that shares the model must not be sent weights")
+
+    model = tiny_model()
+    trainer = Trainer(model, config(), engine=SharingEngine(model))
+    assert trainer.shares_weights_with_engine
+    await trainer.step(make_paths())
+
+    sent = []
+
+    class CopyingEngine:
+        async def update_weights(self, state_dict):
+            sent.append({name: t.clone() for name, t in state_dict.items()})
+
+    trainer.engine = CopyingEngine()
+    await trainer.step(make_paths())
+    assert len(sent) == 1
+    state = trainer.model.state_dict()
+    assert sent[0].keys() == state.keys()
+    assert all(torch.equal(sent[0][name], state[name]) for name in state)
+    with pytest.raises(TypeError, match="coroutine update_weights"):
+        trainer.engine = object()
+
+
+async def test_step_merges_the_callers_rollout_numbers(tmp_path):
+    trainer = Trainer(tiny_model(), config(tensorboard=True), out_dir=tmp_path)
+    metrics = await trainer.step(make_paths(), {"time/rollout_s": 4.0, "tokens/generated": 100, "reward/em": 0.25})
+    assert metrics["reward/mean"] == 0.25 and metrics["reward/std"] == pytest.approx(math.sqrt(0.6875))
+    assert metrics["reward/em"] == 0.25
+    assert metrics["throughput/rollout_tokens_per_s"] == 25.0
+    assert metrics["time/step_s"] == pytest.approx(4.0 + metrics["time/old_logprobs_s"] + metrics["time/update_s"]
+                                                   + metrics["time/sync_s"])
+    assert metrics["tokens/trained"] == sum(len(p.ids) for p in make_paths()) == 58
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 1 and records[0]["step"] == 1 and records[0]["reward/em"] == 0.25
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    with pytest.raises(ValueError, match=r"rollout_metrics names \['reward/mean'\]"):
+        await trainer.step(make_paths(), {"reward/mean": 1.0})
+    trainer.close()
+
+
+async def test_resume_from_a_checkpoint_continues_bit_identically(tmp_path):
+    paths = [make_paths(seed) for seed in (1, 2, 3)]
+    cfg = config(lr=1e-2, mini_batches=2, micro_batch_size=1)
+    original = Trainer(tiny_model(), cfg, out_dir=tmp_path / "a")
+    for step in range(2):
+        await original.step(paths[step])
+    checkpoint = original.save_checkpoint(data_position={"next_row": 8, "epoch": 0})
+    assert checkpoint == tmp_path / "a" / "checkpoints" / "step_000002"
+    assert (checkpoint / "curves.png").is_file() and (tmp_path / "a" / "curves.png").is_file()
+    rng_after_save = (random.random(), np.random.rand(), torch.rand(3))
+    third = await original.step(paths[2])
+
+    resumed = Trainer(tiny_model(seed=99), cfg, out_dir=tmp_path / "a")  # different initial weights
+    position = resumed.resume(checkpoint)
+    assert position == {"next_row": 8, "epoch": 0}
+    assert resumed.step_count == 2
+    assert (random.random(), np.random.rand()) == rng_after_save[:2] and torch.equal(torch.rand(3), rng_after_save[2])
+    resumed.resume(checkpoint)  # rewind the generators again for the step itself
+    again = await resumed.step(paths[2])
+    for (name, a), b in zip(original.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    assert again["policy/loss"] == third["policy/loss"]
+    assert again["optim/grad_norm"] == third["optim/grad_norm"]
+    state_a, state_b = original.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(state_a[k]["exp_avg_sq"], state_b[k]["exp_avg_sq"]) for k in state_a)
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]  # the first run's step 3 was replaced
+
+
+def test_config_errors_name_the_field_and_the_fix():
+    with pytest.raises(ValueError, match="unknown loss 'ppo'; choose one of ppo_clip, gspo, atpo, aepo"):
+        TrainerConfig(loss="ppo")
+    with pytest.raises(ValueError, match="TrainerConfig.micro_batch_size must be a finite number > 0"):
+        TrainerConfig(micro_batch_size=0)
+    with pytest.raises(ValueError, match="loss ppo_clip_loss has no parameter eps"):
+        Trainer(tiny_model(), config(loss_kwargs={"eps": 0.1}))
+    with pytest.raises(ValueError, match=r"loss_kwargs sets \['kl_coef'\], which the trainer supplies"):
+        Trainer(tiny_model(), config(loss_kwargs={"kl_coef": 0.1}))
+    with pytest.raises(ValueError, match="set TrainerConfig.total_steps"):
+        Trainer(tiny_model(), config(lr_schedule="cosine"))
+
+    def bare_loss(logprobs, old_logprobs, advantages, mask):
+        return (-(advantages * logprobs * mask).sum(), {})
+
+    with pytest.raises(ValueError, match="bare_loss takes no kl_coef, ref_logprobs"):
+        Trainer(tiny_model(), config(loss=bare_loss, kl_coef=0.1))
+    with pytest.raises(ValueError, match="load the policy in float32"):
+        Trainer(tiny_model().to(torch.bfloat16), config())
+
+
+async def test_a_callable_loss_trains_with_sequence_weighted_accumulation():
+    def reinforce(logprobs, old_logprobs, advantages, mask):
+        per_sequence = (advantages * logprobs * mask).sum(-1)
+        return -per_sequence.mean(), {"sequences_seen": float(mask.shape[0])}
+
+    grads = []
+    for micro_batch_size in (4, 1):
+        trainer = Trainer(tiny_model(), config(loss=reinforce, micro_batch_size=micro_batch_size, max_grad_norm=1e9))
+        metrics = await trainer.step(make_paths())
+        grads.append(gradients(trainer))
+    assert "policy/entropy" in metrics  # computed by the trainer when the loss does not report it
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4)
