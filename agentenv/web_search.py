@@ -361,11 +361,11 @@ def _passage(item: Any) -> Passage:
         item = {"contents": item}
     if not isinstance(item, dict):
         raise SearchUnavailable(f"the retrieval server returned a document that is not an object: {item!r:.200}")
-    if "contents" in item and "text" not in item:
-        title, _, text = str(item["contents"]).partition("\n")
+    if "title" in item:
+        title, text = str(item["title"]), str(item.get("text", item.get("contents", "")))
+    else:  # Search-R1's wiki-18 rows: the first line of contents is the quoted title
+        title, _, text = str(item.get("contents", item.get("text", ""))).partition("\n")
         title = title.strip().strip('"')
-    else:
-        title, text = str(item.get("title", "")), str(item.get("text", item.get("contents", "")))
     return Passage(title, text.strip(), item.get("url"), float(score) if score is not None else None)
 
 

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from agentenv.datasets import Paragraph, read_rows
 from agentenv.search import BM25Search, Passage, load_corpus
+from agentenv.serve.dense import DenseSearch
 
 __all__ = ["RetrievalService", "read_corpus"]
 
@@ -57,36 +58,37 @@ class RetrievalService:
     Args:
         passages: The corpus.
         ids: One id per passage (default: positions ``"0"``, ``"1"``...).
-        index: ``"bm25"`` (bm25s, cached on disk) or ``"dense"`` (sentence-transformers, see
-            :class:`~agentenv.serve.dense.DenseSearch`).
+        index: ``"bm25"`` (bm25s, cached on disk), ``"dense"`` (sentence-transformers, see
+            :class:`~agentenv.serve.dense.DenseSearch`), or either index already built over ``passages``.
         topk: Passages per query when a request does not say.
         model: Dense model folder (default: the bundled all-MiniLM-L6-v2).
     """
 
     def __init__(self, passages: Sequence[Paragraph | Passage], ids: Sequence[str] | None = None, *,
-                 index: Literal["bm25", "dense"] = "bm25", topk: int = DEFAULT_TOPK, model: str | Path | None = None) -> None:
-        if index not in ("bm25", "dense"):
-            raise ValueError(f"index must be 'bm25' or 'dense', got {index!r}")
+                 index: Literal["bm25", "dense"] | BM25Search | DenseSearch = "bm25", topk: int = DEFAULT_TOPK,
+                 model: str | Path | None = None) -> None:
+        if not isinstance(index, BM25Search | DenseSearch) and index not in ("bm25", "dense"):
+            raise ValueError(f"index must be 'bm25', 'dense' or a built BM25Search or DenseSearch, got {index!r}")
         if ids is not None and len(ids) != len(passages):
             raise ValueError(f"{len(ids)} ids for {len(passages)} passages")
         if not 1 <= topk <= MAX_TOPK:
             raise ValueError(f"topk must be between 1 and {MAX_TOPK}, got {topk}")
-        self.kind, self.topk = index, topk
+        self.topk = topk
         self.ids = list(ids) if ids is not None else [str(i) for i in range(len(passages))]
         start = time.perf_counter()
         if index == "dense":
-            from agentenv.serve.dense import DenseSearch
-
-            self.index: Any = DenseSearch(passages, model=model)
-        else:
-            self.index = BM25Search(passages)
+            index = DenseSearch(passages, model=model)
+        elif index == "bm25":
+            index = BM25Search(passages)
+        self.index: BM25Search | DenseSearch = index
+        self.kind = "dense" if isinstance(index, DenseSearch) else "bm25"
         self.build_seconds = time.perf_counter() - start
         self._position = {(p.title, p.text): i for i, p in reversed(list(enumerate(passages)))}
         self._executor: ThreadPoolExecutor | None = None  # made per served application
 
     def retrieve(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
         """The ``topk`` passages for each query (blocking; the server runs it off the event loop)."""
-        if self.kind == "dense":
+        if isinstance(self.index, DenseSearch):
             return self.index.search_batch(queries, topk)
         return [self.index.search_sync(q, topk) for q in queries]
 
