@@ -1,0 +1,27 @@
+"""``Chain``: n independent trajectories per prompt (the GRPO, DAPO and GSPO baselines)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agents.strategies.base import BranchPoint, PromptTrees, Strategy, fresh_chain, require_positive
+
+__all__ = ["Chain"]
+
+
+@dataclass(frozen=True)
+class Chain(Strategy):
+    """``n`` independent chains from the prompt, never branched: one tree whose root has ``n`` children.
+
+    Args:
+        n: Trajectories per prompt (16 in the GRPO baselines of AT²PO, ARPO and AEPO).
+    """
+
+    n: int = 16
+
+    def __post_init__(self) -> None:
+        require_positive(self, "n")
+
+    def start(self, group: PromptTrees) -> list[BranchPoint]:
+        return [fresh_chain(group, 0) for _ in range(self.n)]
+

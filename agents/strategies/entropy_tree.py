@@ -1,0 +1,82 @@
+"""``EntropyTree``: AT²PO's entropy-guided tree search (Zong et al. 2026, arXiv 2601.04767)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from agents.strategies.base import BranchPoint, PromptTrees, Strategy, fresh_chain, require_positive, resample
+from agents.tree import Node, RolloutTree
+
+__all__ = ["EntropyTree"]
+
+
+@dataclass(frozen=True)
+class EntropyTree(Strategy):
+    """``M`` chains from the prompt, then ``L`` rounds that each resample the ``K`` best-scored turns.
+
+    A round scores every turn n that did not end its episode (it called a tool; answers never
+    qualify) once, ``score(n) = H(n) − alpha·|siblings(n)|`` with H(n) the node entropy (mean
+    negative sampler log-prob of n's action), takes the ``K`` best, and for each creates a
+    **sibling** of n: n's turn resampled from exactly the context n saw, on a fork of the
+    environment state n started from, then rolled out to the end. One tree of
+    ``M + L·K`` leaves per prompt (22 by default).
+
+    As the official code does, the prompt itself is a candidate too, with H = 0 and
+    ``|children| − 1`` as its sibling count (choosing it starts a new chain); ties keep
+    breadth-first order; when there are fewer than ``K`` candidates the ranking repeats from the
+    top, so the leaf count stays ``M + L·K``. ``root_candidate=False`` scores turns only (the
+    paper's wording), and a round may then add fewer than ``K`` branches.
+
+    Args:
+        M: Initial chains.
+        L: Expansion rounds.
+        K: Branches per round.
+        alpha: Weight of the sibling penalty.
+        root_candidate: Whether the prompt competes with the turns (the official code's behaviour).
+    """
+
+    M: int = 10
+    L: int = 2
+    K: int = 6
+    alpha: float = 0.05
+    root_candidate: bool = True
+
+    keeps_turn_states = True  # a sibling of n starts from the state n started from
+
+    def __post_init__(self) -> None:
+        require_positive(self, "M", "L", "K")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha >= 0):
+            raise ValueError(f"EntropyTree.alpha must be a finite number >= 0, got {self.alpha!r}")
+
+    def start(self, group: PromptTrees) -> list[BranchPoint]:
+        return [fresh_chain(group, 0) for _ in range(self.M)]
+
+    def next_round(self, group: PromptTrees) -> list[BranchPoint]:
+        done = group.state.get("rounds", 0)
+        if done >= self.L:
+            return []
+        group.state["rounds"] = done + 1
+        return [fresh_chain(group, 0, kind="branch", source=node) if node.is_root else resample(0, node)
+                for node in self.select(group.trees[0])]
+
+    def scores(self, tree: RolloutTree) -> list[tuple[Node, float]]:
+        """Every candidate with its score, in breadth-first order (children in creation order)."""
+        scored = []
+        if self.root_candidate:
+            scored.append((tree.root, 0.0 - self.alpha * max(0, len(tree.root.children) - 1)))  # H(root) = 0
+        queue = deque(tree.root.children)
+        while queue:
+            node = queue.popleft()
+            queue.extend(node.children)
+            if not node.terminal and node.env is not None:
+                scored.append((node, node.entropy - self.alpha * len(node.siblings)))  # H(n) − α·|siblings(n)|
+        return scored
+
+    def select(self, tree: RolloutTree) -> list[Node]:
+        """The ``K`` nodes to resample this round: the best scores first (see the class docstring)."""
+        ranked = [node for node, _ in sorted(self.scores(tree), key=lambda pair: -pair[1])]  # stable: ties stay BFS
+        if not ranked:
+            return []
+        return [ranked[i % len(ranked)] for i in range(self.K)]

@@ -1,0 +1,424 @@
+"""The async loop that grows the rollout trees of a batch of prompts under one strategy.
+
+Every prompt of the batch runs concurrently. Within a prompt the loop goes in **steps**: each
+step takes one turn of every running branch, all concurrently on the engine (a batching engine
+sees them together), then records the turns in order and asks the strategy about each one.
+Doing the bookkeeping in branch order, between steps, is what makes a prompt's trees
+reproducible: which branch gets the last slot of a budget, or draws which random number, never
+depends on which engine call returned first. (The reference implementations of ARPO, AEPO and
+AT²PO proceed in the same rounds.)
+
+A turn is :func:`agents.rollout.take_turn`: token ids in, token ids out, never re-encoded. A
+branch starts from a **fork** of the environment state at its branch point, so stateful tools
+(a Python session, a browsed page) continue from exactly that state in each branch.
+
+Seeds: with ``TreeConfig.seed`` set, turn ``t`` of the prompt's ``b``-th branch samples with a
+seed derived from ``(seed, prompt index, b, t)``, and the strategy's random generator from
+``(seed, prompt index)``; a deterministic engine (greedy or seeded) then reproduces the trees.
+
+Example::
+
+    env = TokenEnv(agentenv.make("python-math"), tokenizer)
+    episodes = [Episode(env.fork(), options={"index": i}) for i in range(4)]
+    results = await rollout_trees(engine, episodes, EntropyTree(), TreeConfig(seed=0))
+    for prompt in results:
+        turnwise_credit(prompt.trees[0])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agents.diagnostics import tree_metrics
+from agents.engines.base import Completion, Engine, SamplingParams
+from agents.rollout import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_RESPONSE_TOKENS,
+    Episode,
+    EpisodeStatus,
+    RolloutConfig,
+    Trajectory,
+    TurnRecord,
+    run_episode,
+    take_turn,
+)
+from agents.strategies.base import Branch, BranchEvent, BranchPoint, Budget, PromptTrees, Strategy, TreeStats
+from agents.tree import Node, RolloutTree
+from agentenv.wrappers import TokenEnv
+
+__all__ = ["Probe", "TreeConfig", "rollout_trees"]
+
+DEFAULT_CONCURRENCY = 64  # turns in flight across the batch, as agents.rollout's episodes in flight
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """How :func:`rollout_trees` runs.
+
+    Attributes:
+        sampling: Sampling parameters of every turn (``seed`` must stay ``None``: use ``seed``).
+            The env's stop strings are added; the strategy may raise ``logprobs_topk``.
+        seed: The rollout seed (see the module docstring); ``None`` samples freshly.
+        budget: Caps per prompt on leaves, tool calls and tokens.
+        concurrency: Turns in flight at once across all prompts.
+        turn_timeout: Seconds one turn (generation and tool) may take; ``None``: no limit. A
+            turn that times out abandons its branch, like any failing turn.
+        max_prompt_tokens: Longest prompt accepted (2000 in AT²PO and AEPO).
+        max_response_tokens: Token budget of one root-to-leaf path, actions and tool results
+            together (6192 in AT²PO and AEPO); a path that uses it up ends as a leaf.
+        keep_states: Keep each node's environment state (``node.env``) after the rollout, to
+            branch again later; by default the loop closes them (they may hold sandboxes).
+    """
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    budget: Budget = field(default_factory=Budget)
+    concurrency: int = DEFAULT_CONCURRENCY
+    turn_timeout: float | None = None
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    max_response_tokens: int = DEFAULT_MAX_RESPONSE_TOKENS
+    keep_states: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.sampling.seed is not None:
+            raise ValueError("TreeConfig.sampling.seed must be None; set TreeConfig.seed, from which the loop "
+                             "derives one seed per turn")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
+        if not isinstance(self.budget, Budget):
+            raise TypeError(f"budget must be an agents.strategies.Budget, got {type(self.budget).__name__}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency!r}")
+        if self.turn_timeout is not None and not self.turn_timeout > 0:
+            raise ValueError(f"turn_timeout must be > 0 seconds or None, got {self.turn_timeout!r}")
+
+
+async def rollout_trees(
+    engine: Engine, episodes: Iterable[Episode], strategy: Strategy, config: TreeConfig | None = None
+) -> list[PromptTrees]:
+    """Grow the rollout trees of every episode's prompt under ``strategy``, all prompts concurrently.
+
+    Each episode's env is reset once (it stays the trees' root state and is never stepped or
+    closed); every branch runs on a fork. A failing turn abandons its branch (recorded in
+    ``stats.errors``); a prompt that cannot start at all gets ``error``. Branches that end
+    without a leaf are pruned, so every remaining path ends in a leaf.
+
+    Returns:
+        One :class:`PromptTrees` per episode, in order, with ``metrics`` filled
+        (:func:`agents.diagnostics.tree_metrics`).
+    """
+    config = config or TreeConfig()
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be an agents.engines.Engine, got {type(engine).__name__}")
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"strategy must be an agents.strategies.Strategy, got {type(strategy).__name__}")
+    episodes = list(episodes)
+    for position, episode in enumerate(episodes):
+        if not isinstance(episode, Episode):
+            raise TypeError(f"episodes[{position}] is a {type(episode).__name__}, not an agents.rollout.Episode")
+    run = _Run(engine, strategy, config)
+    tasks = [asyncio.create_task(_PromptLoop(run, index, episode).grow()) for index, episode in enumerate(episodes)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _Run:
+    """What all prompts of one :func:`rollout_trees` call share."""
+
+    def __init__(self, engine: Engine, strategy: Strategy, config: TreeConfig) -> None:
+        self.engine = engine
+        self.strategy = strategy
+        self.config = config
+        sampling = dataclasses.replace(
+            config.sampling, logprobs_topk=max(config.sampling.logprobs_topk, strategy.logprobs_topk))
+        self.rollout = RolloutConfig(sampling=sampling, concurrency=config.concurrency,
+                                     max_prompt_tokens=config.max_prompt_tokens,
+                                     max_response_tokens=config.max_response_tokens, keep_states=False)
+        self.keeps_states = strategy.keeps_turn_states or config.keep_states
+        self.slots = asyncio.Semaphore(config.concurrency)
+
+    def seed(self, *key: int) -> int | None:
+        """A seed for ``key`` derived from the rollout seed (``None`` without one)."""
+        if self.config.seed is None:
+            return None
+        return int(np.random.SeedSequence(self.config.seed, spawn_key=key).generate_state(1)[0])
+
+
+class Probe:
+    """Pre-monitoring samples for :meth:`Strategy.prepare`; none of them enters the trees.
+
+    Their tokens count in :attr:`PromptTrees.premonitor_tokens` (and in the token budget).
+    """
+
+    def __init__(self, loop: _PromptLoop) -> None:
+        self._loop = loop
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The engine's vocabulary size, when it tells (``vocab_size`` attribute)."""
+        return getattr(self._loop.run.engine, "vocab_size", None)
+
+    async def sample(self, max_new_tokens: int) -> Completion:
+        """One completion of the prompt alone, stopping at the env's stop strings."""
+        loop, run = self._loop, self._loop.run
+        base = run.rollout.sampling
+        env = loop.root_env
+        params = dataclasses.replace(
+            base, stop=base.stop + tuple(s for s in env.stop_strings if s not in base.stop),
+            max_new_tokens=max_new_tokens, seed=run.seed(loop.group.index, 0, 0))
+        async with run.slots:
+            completion = await run.engine.generate(loop.prompt_ids, params)
+        loop.group.premonitor_tokens += len(completion.token_ids)
+        return completion
+
+    async def episode(self) -> Trajectory:
+        """One whole episode of the prompt's task on a fork of the env (its tools really run)."""
+        loop, run = self._loop, self._loop.run
+        env = loop.fork(0, loop.root_env)
+        config = dataclasses.replace(run.rollout, sampling=dataclasses.replace(
+            run.rollout.sampling, seed=run.seed(loop.group.index, 0, 1)))
+        episode = Episode(env, seed=loop.episode.seed, options=loop.episode.options)
+        try:
+            trajectory = await run_episode(run.engine, episode, config)
+        finally:
+            env.close()
+        loop.group.premonitor_tokens += trajectory.num_action_tokens
+        return trajectory
+
+
+class _PromptLoop:
+    """Grows the trees of one prompt."""
+
+    def __init__(self, run: _Run, index: int, episode: Episode) -> None:
+        self.run = run
+        self.episode = episode
+        self.root_env: TokenEnv = episode.env
+        self.prompt_ids: list[int] = []
+        rng = np.random.default_rng(np.random.SeedSequence(run.config.seed, spawn_key=(index,)))
+        self.group = PromptTrees(index=index, key=episode.key, trees=[], rng=rng)
+        self.kept: list[Node] = []  # nodes whose env is a state this loop forked
+
+    async def grow(self) -> PromptTrees:
+        group, strategy = self.group, self.run.strategy
+        start = time.perf_counter()
+        live: list[Branch] = []
+        try:
+            options = dict(self.episode.options) if self.episode.options else None
+            prompt_ids, group.info = await self.root_env.areset(seed=self.episode.seed, options=options)
+            self.prompt_ids = list(prompt_ids)
+            if len(self.prompt_ids) > self.run.config.max_prompt_tokens:
+                raise ValueError(f"the prompt has {len(self.prompt_ids)} tokens, more than max_prompt_tokens="
+                                 f"{self.run.config.max_prompt_tokens}; raise it or shorten the prompt")
+            group.trees = [RolloutTree(self.prompt_ids, env=self.root_env) for _ in range(strategy.trees_per_prompt)]
+            group.stats = [TreeStats() for _ in group.trees]
+            await strategy.prepare(group, Probe(self))
+            live = self.open(strategy.start(group))
+            while True:
+                if not live:
+                    live = self.open(strategy.next_round(group))
+                    if not live:
+                        break
+                live = await self.step(live)
+            strategy.finish(group)
+        except Exception as error:  # a prompt that fails is recorded and never stops the others
+            group.error = f"{type(error).__name__}: {error}"
+        finally:
+            for branch in live:
+                branch.env.close()
+            self.drop_dead_ends()
+            self.release_states()
+        group.seconds = time.perf_counter() - start
+        group.metrics = [tree_metrics(tree, stats, [e for e in group.events if e.tree == position])
+                         for position, (tree, stats) in enumerate(zip(group.trees, group.stats))]
+        return group
+
+    # -- branches -----------------------------------------------------------------------------
+
+    def open(self, points: list[BranchPoint]) -> list[Branch]:
+        """Start a branch at each point the leaf budget allows."""
+        group, leaves = self.group, self.run.config.budget.leaves
+        opened = []
+        for point in points:
+            if not isinstance(point, BranchPoint):
+                raise TypeError(f"{type(self.run.strategy).__name__} returned a {type(point).__name__}, "
+                                "not a BranchPoint")
+            if leaves is not None and group.started >= leaves:
+                group.refused += 1
+                self.exhausted("leaves")
+                continue
+            if not 0 <= point.tree < len(group.trees):
+                raise ValueError(f"branch point names tree {point.tree}; this prompt has {len(group.trees)} trees")
+            parent = point.parent
+            if group.trees[point.tree].node(parent.id) is not parent:
+                raise ValueError(f"branch point parent {parent.id} is not in tree {point.tree}")
+            if point.kind != "chain":
+                source = point.source if point.source is not None and not point.source.is_root else None
+                group.events.append(BranchEvent(point.tree, group.step, point.kind, parent.depth,
+                                                None if source is None else source.entropy, group.entropy_median()))
+            opened.append(Branch(
+                number=group.started, tree=point.tree, kind=point.kind, parent=parent,
+                obs_ids=list(point.obs_ids), env=self.fork(point.tree, point.state),
+                ids=parent.context_ids() + list(point.obs_ids),
+                tool_calls=int(parent.info.get("tool_calls", 0)), reward=float(parent.info.get("return", 0.0)),
+                notes=dict(point.notes)))
+            group.started += 1
+        return opened
+
+    async def step(self, live: list[Branch]) -> list[Branch]:
+        """One turn of every running branch the budgets allow; returns the branches still running."""
+        group, budget = self.group, self.run.config.budget
+        group.step += 1
+        tokens_left = None if budget.tokens is None else budget.tokens - group.tokens
+        calls_left = None if budget.tool_calls is None else budget.tool_calls - group.tool_calls
+        spent = [name for name, left in (("tokens", tokens_left), ("tool_calls", calls_left))
+                 if left is not None and left < 1]
+        if spent:
+            for name in spent:
+                self.exhausted(name)
+            for branch in live:
+                self.cut(branch)
+            return []
+        # The branches that run this step, in order: a turn runs at most one tool, and the tokens
+        # left are shared evenly (one each to the first ones when fewer than the branches).
+        running = live
+        if calls_left is not None:
+            running = running[:calls_left]
+        cap = None
+        if tokens_left is not None:
+            running = running[:tokens_left]
+            cap = min(self.run.rollout.sampling.max_new_tokens, tokens_left // len(running))
+        results = await asyncio.gather(*(self.turn(branch, cap) for branch in running), return_exceptions=True)
+        outcomes = dict(zip(running, results))
+        still: list[Branch] = []
+        for branch in live:
+            if branch not in outcomes:
+                still.append(branch)
+                continue
+            outcome = outcomes[branch]
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, Exception):
+                    raise outcome
+                stats = group.stats[branch.tree]
+                stats.errors.append(f"{type(outcome).__name__}: {outcome}")
+                stats.dropped += 1
+                branch.env.close()
+                continue
+            turn, status, state = outcome
+            node = self.record(branch, turn, status, state)
+            points = self.run.strategy.after_turn(group, branch, node, turn, status is not None)
+            if status is None:
+                still.append(branch)
+            else:
+                branch.env.close()
+            still += self.open(points)
+        return still
+
+    async def turn(self, branch: Branch, cap: int | None) -> tuple[TurnRecord, EpisodeStatus | None, TokenEnv | None]:
+        """Sample and apply the branch's next turn (forking its state first when states are kept)."""
+        run = self.run
+        state = self.fork(branch.tree, branch.env) if run.keeps_states else None
+        try:
+            async with run.slots:
+                try:
+                    async with asyncio.timeout(run.config.turn_timeout):
+                        turn, status = await take_turn(
+                            run.engine, branch.env, branch.ids, run.rollout, prompt_length=len(self.prompt_ids),
+                            seed=run.seed(self.group.index, branch.number + 1, branch.turns),
+                            max_new_tokens=cap, state=state)
+                except TimeoutError:
+                    raise TimeoutError(f"the turn took longer than turn_timeout={run.config.turn_timeout} s") from None
+        except BaseException:
+            if state is not None:
+                state.close()
+            raise
+        return turn, status, state
+
+    def record(self, branch: Branch, turn: TurnRecord, status: EpisodeStatus | None, state: TokenEnv | None) -> Node:
+        """Add the turn to the branch's tree and advance the branch."""
+        calls = turn.info.get("tool_calls")
+        made = max(0, calls - branch.tool_calls) if isinstance(calls, int) else 0  # the env counts per episode
+        branch.tool_calls += made
+        branch.reward += turn.reward
+        info = {"branch": branch.number, "finish_reason": turn.finish_reason, "tool": turn.info.get("tool"),
+                "tool_calls": branch.tool_calls, "return": branch.reward}
+        if status is not None:
+            info["status"] = status
+        if "obs_cut" in turn.info:
+            info["obs_cut"] = turn.info["obs_cut"]
+        ended = status is not None
+        node = self.group.trees[branch.tree].add_turn(
+            branch.parent, obs_ids=branch.obs_ids, action_ids=turn.action_ids, logprobs=turn.logprobs,
+            token_entropies=turn.entropies, env=state, terminal=ended, reward=branch.reward if ended else None,
+            info=info)
+        if state is not None:
+            self.kept.append(node)
+        stats = self.group.stats[branch.tree]
+        stats.turns += 1
+        stats.tokens += len(turn.action_ids)
+        stats.tool_calls += made
+        branch.parent = branch.last = node
+        branch.obs_ids = list(turn.obs_ids)
+        branch.ids += turn.action_ids
+        branch.ids += turn.obs_ids
+        branch.turns += 1
+        return node
+
+    def cut(self, branch: Branch) -> None:
+        """End a branch because a budget ran out: its last turn becomes a leaf when it can."""
+        stats = self.group.stats[branch.tree]
+        stats.budget_cuts += 1
+        last = branch.last
+        if last is not None and not last.children and not last.terminal:
+            last.finish(branch.reward)
+            last.info["status"] = "budget"
+        else:
+            stats.dropped += 1  # nothing of its own to end, or others already branch below its last turn
+        branch.env.close()
+
+    def fork(self, tree: int, env: TokenEnv) -> TokenEnv:
+        """``env.fork()``, counted and timed on the tree's stats."""
+        stats = self.group.stats[tree]
+        start = time.perf_counter()
+        child = env.fork()
+        stats.fork_seconds += time.perf_counter() - start
+        stats.forks += 1
+        return child
+
+    def exhausted(self, name: str) -> None:
+        if name not in self.group.budget_exhausted:
+            self.group.budget_exhausted.append(name)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def drop_dead_ends(self) -> None:
+        """Prune turns that lead to no leaf (branches abandoned after an error or a budget)."""
+        for tree in self.group.trees:
+            if any(not node.terminal and not node.children for node in tree.nodes()):
+                tree.prune(tree.leaves())
+
+    def release_states(self) -> None:
+        """Close the environment states this loop kept, except on kept nodes when asked to keep them."""
+        keep = self.run.config.keep_states
+        for node in self.kept:
+            if keep and any(_holds(tree, node) for tree in self.group.trees):
+                continue
+            node.env.close()
+            node.env = None
+
+
+def _holds(tree: RolloutTree, node: Node) -> bool:
+    try:
+        return tree.node(node.id) is node
+    except KeyError:
+        return False

@@ -1,0 +1,63 @@
+"""``RandomTree``: Tree-GRPO's rollout (Ji et al. 2025, arXiv 2509.21240), branching at random."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agents.strategies.base import BranchPoint, PromptTrees, Strategy, expand, fresh_chain, require_positive
+
+__all__ = ["RandomTree"]
+
+
+@dataclass(frozen=True)
+class RandomTree(Strategy):
+    """``M`` trees per prompt, each grown from one chain, expanded at random, cut to ``K`` leaves.
+
+    Each of ``L`` rounds picks, in every tree, ``N`` nodes uniformly with replacement from the
+    root and the turns that did not end their episode, and rolls a new chain out of each as a
+    new child: from the node's full context after its observation, on a fork of the environment
+    state after its action. Finally each tree keeps ``K`` of its leaves drawn at random (all of
+    them when it has no more than ``K``) and the rest is pruned. Defaults are the paper's.
+
+    Args:
+        M: Trees per prompt.
+        N: Nodes expanded per tree and round.
+        L: Expansion rounds.
+        K: Leaves kept per tree.
+    """
+
+    M: int = 2
+    N: int = 2
+    L: int = 1
+    K: int = 3
+
+    keeps_turn_states = True  # a new child of n starts from the state n's children started from
+
+    def __post_init__(self) -> None:
+        require_positive(self, "M", "N", "L", "K")
+
+    @property
+    def trees_per_prompt(self) -> int:
+        return self.M
+
+    def start(self, group: PromptTrees) -> list[BranchPoint]:
+        return [fresh_chain(group, tree) for tree in range(self.M)]
+
+    def next_round(self, group: PromptTrees) -> list[BranchPoint]:
+        done = group.state.get("rounds", 0)
+        if done >= self.L:
+            return []
+        group.state["rounds"] = done + 1
+        points = []
+        for index, tree in enumerate(group.trees):
+            candidates = [tree.root] + [node for node in tree.nodes() if not node.terminal and node.children]
+            for _ in range(self.N):
+                points.append(expand(index, candidates[int(group.rng.integers(len(candidates)))]))
+        return points
+
+    def finish(self, group: PromptTrees) -> None:
+        for tree in group.trees:
+            leaves = tree.leaves()
+            if len(leaves) > self.K:
+                kept = sorted(int(i) for i in group.rng.choice(len(leaves), size=self.K, replace=False))
+                tree.prune([leaves[i] for i in kept])
