@@ -1,0 +1,188 @@
+"""The ``agents`` command. One subcommand per job; each registers its parser in :data:`COMMANDS`.
+
+    agents eval --env multihop-qa --model smollm2-135m --limit 20
+    agents eval --env multihop-qa:2wiki,singlehop-qa:nq --samples 4 --temperature 1 --json out.json
+
+``agents eval`` runs the evaluation of :mod:`agents.evaluation` and prints a transcript and the
+results table; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from agents.engines.base import DEFAULT_MAX_NEW_TOKENS, Engine, SamplingParams
+from agents.models import DEFAULT_MODEL
+from agents.rollout import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS, RolloutConfig
+
+__all__ = ["COMMANDS", "build_parser", "main", "make_engine"]
+
+ENGINES = ("hf", "vllm", "openai")
+DEFAULT_CONCURRENCY = 32  # episodes in flight; also the engine's largest batch
+
+
+def make_engine(kind: str, model: str, *, concurrency: int = DEFAULT_CONCURRENCY, device: str = "cpu",
+                base_url: str | None = None, tokenizer: str | None = None, seed: int | None = None) -> Engine:
+    """Build the engine named by ``--engine`` for ``model``."""
+    if kind == "hf":
+        from agents.engines.hf import HFEngine
+
+        return HFEngine(model, tokenizer, device=device, max_batch_size=concurrency, seed=seed)
+    if kind == "vllm":
+        from agents.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model, max_num_seqs=concurrency, seed=seed or 0)
+    if kind == "openai":
+        from agents.engines.openai import OpenAIEngine
+
+        if base_url is None:
+            raise ValueError("--engine openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
+        return OpenAIEngine(base_url, model)
+    raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
+
+
+# -- agents eval ------------------------------------------------------------------------------
+
+def _add_eval(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "eval", help="evaluate a model on environments (EM, F1, pass@k)",
+        description="Evaluate a model on registered environments through the rollout loop: EM and F1 per "
+                    "question, the papers' pooled average over several environments, pass@k with --samples.")
+    p.add_argument("--env", required=True, help="environment id, or several separated by commas "
+                                                "(e.g. multihop-qa:hotpotqa,multihop-qa:2wiki)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name, local folder or Hugging Face id "
+                                                          f"(default {DEFAULT_MODEL}, embedded, offline)")
+    p.add_argument("--engine", choices=ENGINES, default="hf", help="generation engine (default hf)")
+    p.add_argument("--limit", type=int, help="the first N questions of each environment (default all)")
+    p.add_argument("--samples", type=int, default=1, help="samples per question; > 1 reports pass@k (needs --temperature > 0)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy decoding, the papers' evaluation (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"tokens per turn (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
+                   help=f"longest prompt (default {DEFAULT_MAX_PROMPT_TOKENS}, the papers')")
+    p.add_argument("--max-response-tokens", type=int, default=DEFAULT_MAX_RESPONSE_TOKENS,
+                   help=f"token budget after the prompt, tool results included (default {DEFAULT_MAX_RESPONSE_TOKENS}, the papers')")
+    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                   help=f"episodes in flight, also the engine's batch size (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--episode-timeout", type=float, help="seconds per episode before it is recorded as a timeout")
+    p.add_argument("--seed", type=int, help="seed of sampled decoding (each episode and turn gets its own)")
+    p.add_argument("--device", default="cpu", help="device of --engine hf (default cpu)")
+    p.add_argument("--base-url", help="server of --engine openai, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--tokenizer", help="tokenizer name or folder when it differs from --model (e.g. a served model's)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--save-trajectories", type=Path, metavar="PATH",
+                   help="write every episode as a JSON line (ids, mask, logprobs, reward, text, ...)")
+    p.add_argument("--transcripts", type=int, default=1, help="how many episode transcripts to print (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_eval)
+
+
+def _check_eval_args(args: argparse.Namespace) -> list[str]:
+    env_ids = [e.strip() for e in args.env.split(",") if e.strip()]
+    if not env_ids:
+        raise ValueError("--env needs at least one environment id")
+    import agentenv
+
+    for env_id in env_ids:
+        agentenv.spec(env_id)  # UnknownEnvError lists the registered ids
+    for name in ("limit", "samples", "max_new_tokens", "concurrency", "max_prompt_tokens", "max_response_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.transcripts < 0:
+        raise ValueError(f"--transcripts must be >= 0, got {args.transcripts}")
+    if args.samples > 1 and args.temperature == 0:
+        raise ValueError(f"--samples {args.samples} with greedy decoding repeats one answer; add --temperature 1.0 for pass@k")
+    return env_ids
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from agents.evaluation import evaluate, transcript
+    from agents.models import load_tokenizer
+
+    env_ids = _check_eval_args(args)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                              max_new_tokens=args.max_new_tokens, seed=args.seed)
+    rollout = RolloutConfig(sampling=sampling, concurrency=args.concurrency, episode_timeout=args.episode_timeout,
+                            max_prompt_tokens=args.max_prompt_tokens, max_response_tokens=args.max_response_tokens,
+                            keep_states=False)
+    for path in (args.json, args.save_trajectories):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(args.engine, args.model, concurrency=args.concurrency, device=args.device,
+                         base_url=args.base_url, tokenizer=args.tokenizer, seed=args.seed)
+    tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(args.tokenizer or args.model)
+
+    async def run() -> Any:
+        try:
+            return await evaluate(engine, tokenizer, env_ids, limit=args.limit, samples=args.samples,
+                                  rollout=rollout, on_trajectory=save, progress=not args.no_progress)
+        finally:
+            await engine.close()
+
+    trajectories_file = args.save_trajectories.open("w", encoding="utf-8") if args.save_trajectories else None
+
+    def save(trajectory) -> None:
+        if trajectories_file is not None:
+            trajectories_file.write(json.dumps(trajectory.to_dict(tokenizer)) + "\n")
+            trajectories_file.flush()
+
+    try:
+        report = asyncio.run(run())
+    finally:
+        if trajectories_file is not None:
+            trajectories_file.close()
+
+    for trajectory in report.trajectories[: args.transcripts]:
+        print(f"=== transcript: {trajectory.key[0]} question {trajectory.key[1]} sample {trajectory.key[2]}")
+        print(transcript(trajectory, tokenizer))
+        print()
+    episodes = len(report.trajectories)
+    print(f"=== {args.model} on {', '.join(env_ids)} ({args.engine}, "
+          f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, {args.samples} sample(s) per "
+          f"question, {episodes} episodes in {report.seconds:.1f} s)")
+    print(report.table())
+    if args.json is not None:
+        result = {"model": args.model, "engine": args.engine, "envs": env_ids, "limit": args.limit, **report.to_dict()}
+        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"results written to {args.json}")
+    if args.save_trajectories is not None:
+        print(f"{episodes} trajectories written to {args.save_trajectories}")
+    return 0
+
+
+#: Each adds one subcommand to the parser (``set_defaults(run=handler)``, handler returns the exit code).
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_eval]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``agents`` argument parser with every subcommand of :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(prog="agents", description="Train and evaluate LLM agents that use tools.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``agents`` command; returns the exit code (2 for bad arguments, with the reason)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from agentenv import UnknownEnvError
+    from agents.models import ModelNotAvailableError
+
+    try:
+        return args.run(args)
+    except (ValueError, UnknownEnvError, ModelNotAvailableError, ImportError) as error:
+        parser.exit(2, f"agents {args.command}: error: {error}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Evaluation: exact EM, F1, pass@k and pooled averages over real QA envs, with a scripted engine."""
+
+import json
+import math
+from collections import Counter
+
+import pytest
+
+import agentenv
+from agentenv.graders import normalize_answer
+from agents.engines.base import SamplingParams
+from agents.engines.scripted import ScriptedEngine
+from agents.evaluation import POOLED, build_episodes, evaluate, pass_at_k, pass_ks, transcript
+from agents.rollout import RolloutConfig
+
+EOS = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from agents.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+def tasks(env_id):
+    return agentenv.make(env_id).tasks
+
+
+def answering(tok, plan):
+    """A script: ``plan(question) -> list of replies`` for that question's successive calls, in turn."""
+    calls = Counter()
+
+    def script(prompt_ids):
+        prompt = tok.decode(prompt_ids)
+        question = prompt.split("Question: ")[1].split("\n")[0]
+        replies = plan(question)
+        reply = replies[min(calls[question], len(replies) - 1)]
+        calls[question] += 1
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    return script
+
+
+def answer(text):
+    return f"<think>I know it.</think>\n<answer> \\boxed{{{text}}} </answer>{EOS}"
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(5, 2)) == pytest.approx(0.7)
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                expected = 1.0 if n - c < k else 1 - math.comb(n - c, k) / math.comb(n, k)
+                assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    assert (pass_at_k(4, 0, 2), pass_at_k(4, 4, 1)) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="0 <= c <= n and 1 <= k <= n"):
+        pass_at_k(3, 4, 1)
+    with pytest.raises(ValueError, match="0 <= c <= n and 1 <= k <= n"):
+        pass_at_k(3, 1, 4)
+
+
+def test_pass_ks_are_one_powers_of_two_and_the_sample_count():
+    assert [pass_ks(n) for n in (1, 2, 3, 4, 5, 8)] == [[1], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 4, 5], [1, 2, 4, 8]]
+
+
+def plan_engine(tok, plan):
+    return ScriptedEngine(answering(tok, plan), tokenizer=tok, eos_token_ids=[tok.eos_token_id])
+
+
+def f1_plus_one_word(gold):
+    g = len(normalize_answer(gold).split())
+    return 2 * g / (2 * g + 1)  # precision g/(g+1), recall 1
+
+
+@pytest.mark.slow  # the real SmolLM2 tokenizer
+async def test_em_f1_errors_and_pooled_average_over_two_real_envs(tok):
+    hotpot, wiki = tasks("multihop-qa")[:3], tasks("multihop-qa:2wiki")[:3]
+    gold = {t.question: t.answers[0] for t in [*hotpot, *wiki]}
+
+    def plan(question):
+        if question == hotpot[2].question:  # searches, then the gold answer plus one word
+            return ["<think>Search first.</think>\n<search>Big Stone Gap director</search>",
+                    answer(gold[question] + " extra")]
+        if question == wiki[1].question:
+            return [RuntimeError("engine lost")]
+        if question == wiki[2].question:
+            return [answer("zzz")]
+        return [answer(gold[question])]
+
+    lines = []
+    report = await evaluate(plan_engine(tok, plan), tok, ["multihop-qa", "multihop-qa:2wiki"], limit=3,
+                            on_trajectory=lambda t: lines.append(json.dumps(t.to_dict(tok))), progress=False)
+
+    rows = dict(report.rows())
+    assert list(rows) == ["multihop-qa", "multihop-qa:2wiki", POOLED]
+    h, w, pooled = rows["multihop-qa"], rows["multihop-qa:2wiki"], rows[POOLED]
+    assert (h["questions"], h["episodes"], h["em"], h["errors"]) == (3, 3, pytest.approx(2 / 3), 0)
+    assert h["f1"] == pytest.approx((2 + f1_plus_one_word(gold[hotpot[2].question])) / 3)
+    assert (w["em"], w["f1"], w["errors"], w["format_ok"]) == (pytest.approx(1 / 3), pytest.approx(1 / 3), 1, pytest.approx(2 / 3))
+    assert pooled["questions"] == 6 and pooled["em"] == pytest.approx(3 / 6) and pooled["errors"] == 1
+    assert h["pass@1"] == h["em"] and "pass@2" not in h
+    assert h["turns"] == pytest.approx(4 / 3) and h["tool_calls"] == pytest.approx(1 / 3)
+
+    by_question = {(q.env_id, q.index): q for r in report.envs.values() for q in r.questions}
+    assert by_question[("multihop-qa:2wiki", 1)].samples[0].status == "error"
+    assert by_question[("multihop-qa:2wiki", 1)].samples[0].error == "RuntimeError: engine lost"
+    assert by_question[("multihop-qa", 0)].id == hotpot[0].id and by_question[("multihop-qa", 0)].answers == ["Chief of Protocol"]
+
+    # Trajectories: in episode order in the report, one JSON line each as they finished.
+    assert [t.key for t in report.trajectories] == [(e, i, 0) for e in ("multihop-qa", "multihop-qa:2wiki") for i in range(3)]
+    records = {tuple(r["key"]): r for r in map(json.loads, lines)}
+    assert len(records) == 6
+    searched = records[("multihop-qa", 2, 0)]
+    assert searched["grade"]["answer"] == gold[hotpot[2].question] + " extra" and searched["reward"] == 0.0
+    assert sum(searched["mask"]) == len([lp for lp in searched["logprobs"] if lp is not None])
+    assert searched["text"].count("\n<result>\nPage 1: ") == 1 and searched["text"].endswith(EOS)
+    assert records[("multihop-qa:2wiki", 1, 0)]["error"] == "RuntimeError: engine lost"
+
+    table = report.table().splitlines()
+    assert table[0].split() == ["env", "questions", "EM", "%", "F1", "%", "format", "ok", "%", "errors", "turns",
+                                "tool", "calls", "action", "tok"]
+    assert table[2].split()[:3] == ["multihop-qa", "3", "66.67"]
+    assert table[4].split()[:5] == ["average", "(pooled)", "6", "50.00", f"{100 * pooled['f1']:.2f}"]
+
+    saved = json.loads(json.dumps(report.to_dict()))
+    assert saved["results"][POOLED]["em"] == pytest.approx(0.5) and len(saved["questions"]) == 6
+    assert saved["sampling"]["temperature"] == 0
+
+
+@pytest.mark.slow  # the real SmolLM2 tokenizer
+async def test_pass_at_k_from_sampled_answers(tok):
+    hotpot = tasks("multihop-qa")[:4]
+    correct = {t.question: i for i, t in enumerate(hotpot)}  # question i: the first i of 3 samples are right
+    gold = {t.question: t.answers[0] for t in hotpot}
+
+    def plan(question):
+        return [answer(gold[question])] * correct[question] + [answer("wrong")] * 3
+
+    rollout = RolloutConfig(sampling=SamplingParams(temperature=1.0))
+    report = await evaluate(plan_engine(tok, plan), tok, ["multihop-qa"], limit=4, samples=3, rollout=rollout,
+                            progress=False)
+    (name, m), = report.rows()
+    # c = 0, 1, 2, 3 of n = 3 (question 3 answers right all three times: min(3, 3)).
+    assert m["questions"] == 4 and m["episodes"] == 12
+    assert m["pass@1"] == pytest.approx((0 + 1 / 3 + 2 / 3 + 1) / 4) == pytest.approx(m["em"])
+    assert m["pass@2"] == pytest.approx((0 + (1 - 1 / 3) + 1 + 1) / 4)
+    assert m["pass@3"] == pytest.approx(3 / 4)
+    assert "pass@3 %" in report.table().splitlines()[0]
+
+
+def test_pooled_average_weighs_each_question_not_each_env():
+    from agents.evaluation import EnvResult, EvalReport, QuestionResult, Sample
+
+    def q(env, i, em):
+        return QuestionResult(env, i, None, None, [], [Sample(em, em, em, True, None, "terminated", None, 1, 0, 5, 5)])
+
+    big = EnvResult("big", [q("big", i, 1.0 if i < 3 else 0.0) for i in range(4)], 1)  # 3/4
+    small = EnvResult("small", [q("small", 0, 0.0)], 1)  # 0/1
+    report = EvalReport({"big": big, "small": small}, 1, SamplingParams(temperature=0), [])
+    rows = dict(report.rows())
+    assert rows["big"]["em"] == 0.75 and rows["small"]["em"] == 0.0
+    assert rows[POOLED]["em"] == pytest.approx(3 / 5)  # not (0.75 + 0) / 2
+
+
+@pytest.mark.slow  # the real SmolLM2 tokenizer
+async def test_evaluation_refuses_meaningless_setups(tok):
+    engine = plan_engine(tok, lambda question: [answer("x")])
+    with pytest.raises(ValueError, match="set a temperature above 0"):
+        await evaluate(engine, tok, ["multihop-qa"], limit=1, samples=2, progress=False)
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        await evaluate(engine, tok, ["multihop-qa"], limit=0, progress=False)
+    with pytest.raises(ValueError, match="listed twice"):
+        await evaluate(engine, tok, ["multihop-qa", "multihop-qa"], limit=1, progress=False)
+    with pytest.raises(agentenv.UnknownEnvError, match="multihop-qa"):
+        await evaluate(engine, tok, ["multihop-q"], limit=1, progress=False)
+
+
+@pytest.mark.slow  # the real SmolLM2 tokenizer
+def test_episodes_of_an_env_share_nothing_but_the_task_list(tok):
+    episodes = build_episodes("multihop-qa:2wiki", tok, limit=2, samples=2)
+    assert [e.key for e in episodes] == [("multihop-qa:2wiki", i, s) for i in range(2) for s in range(2)]
+    assert [dict(e.options) for e in episodes] == [{"index": 0}, {"index": 0}, {"index": 1}, {"index": 1}]
+    assert len({id(e.env) for e in episodes}) == 4 and len({id(e.env.env.tasks) for e in episodes}) == 1
+
+
+@pytest.mark.slow  # the real SmolLM2 tokenizer
+async def test_transcript_shows_each_turn_with_its_source_and_the_grade(tok):
+    hotpot = tasks("multihop-qa")[:1]
+    plan = lambda question: ["<search>Kiss and Tell</search>", answer("Chief of Protocol")]  # noqa: E731
+    report = await evaluate(plan_engine(tok, plan), tok, ["multihop-qa"], limit=1, progress=False)
+    text = transcript(report.trajectories[0], tok)
+    lines = text.splitlines()
+    assert lines[0].startswith("--- prompt (") and hotpot[0].question in text
+    assert any(line.startswith("--- turn 1: model (") and "stopped at '</search>'" in line for line in lines)
+    assert any(line.startswith("--- turn 1: environment (") for line in lines)
+    assert "Page 1: " in text
+    assert lines[-1] == "--- terminated: reward 1, answer 'Chief of Protocol', gold ['Chief of Protocol'], EM 1, F1 1.00"
