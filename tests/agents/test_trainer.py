@@ -378,3 +378,15 @@ async def test_a_callable_loss_trains_with_sequence_weighted_accumulation():
     assert "policy/entropy" in metrics  # computed by the trainer when the loss does not report it
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4)
+
+
+async def test_bfloat16_compute_keeps_float32_weights_and_close_logprobs():
+    paths = make_paths()
+    exact = Trainer(tiny_model(), config()).compute_logprobs(paths)
+    trainer = Trainer(tiny_model(), config(compute_dtype="bfloat16"))  # autocast, as on a GPU
+    assert trainer.compute_dtype == torch.bfloat16
+    approximate = trainer.compute_logprobs(paths)
+    assert approximate.dtype == torch.float32
+    assert 0 < float((approximate - exact).abs().max()) < 0.1
+    await trainer.step(paths)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
