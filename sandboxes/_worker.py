@@ -317,6 +317,7 @@ class Interpreter:
         self.channel, self.output_bytes, self.sid = channel, output_bytes, sid
         self.namespace = {"__name__": "__main__", "__builtins__": __builtins__}
         self.cells = 0
+        self.forking = set()  # intermediates of our double forks that we have not reaped yet
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -328,7 +329,7 @@ class Interpreter:
             message, fds = self.channel.recv()
             if message is None:
                 os._exit(0)
-            reap_children()  # processes killed after the previous run
+            self.reap()  # processes killed after the previous run
             op = message.get("op")
             try:
                 if op == "run":
@@ -374,9 +375,9 @@ class Interpreter:
                 error = error_type + "\n"
         finally:
             sys.stdout, sys.stderr = saved
-        try:
-            kill_tree(os.getpid(), include_root=False)  # processes do not outlive the call
-            reap_children()
+        try:  # processes do not outlive the call; forks on their way to the anchor do
+            kill_tree(os.getpid(), include_root=False, spare=self.forking)
+            self.reap()
         except OSError:  # e.g. no file descriptor left to read /proc; the anchor cleans up too
             pass
         stdout, stdout_cut = self.stdout.take(self.output_bytes)
@@ -394,6 +395,10 @@ class Interpreter:
                               or out.dropped or err.dropped),
             "seconds": time.monotonic() - start,
         }
+
+    def reap(self):
+        for pid, _code in reap_children():
+            self.forking.discard(pid)
 
     def fork(self, sid, fd):
         """Double-fork so that the child becomes the anchor's child, not ours; None in the
@@ -418,6 +423,7 @@ class Interpreter:
                 os._exit(70)
             return None
         os.close(fd)
+        self.forking.add(pid)
         return {"op": "forked"}
 
     def become_fork(self, sid, fd):
@@ -651,11 +657,17 @@ class Anchor:
             return
         kill_tree(os.getpid(), include_root=False, spare=list(self.pids.values()))
 
+    def others(self, sid):
+        """The other interpreters, which a kill below ``sid`` must spare: a fork may still be
+        the grandchild of the interpreter it was made from."""
+        return [pid for other, pid in self.pids.items() if other != sid]
+
     def cleanup(self, sid):
         pid = self.pids.get(sid)
         if pid is not None:
-            kill_tree(pid, include_root=False)
+            kill_tree(pid, include_root=False, spare=self.others(sid))
         self.kill_orphans()
+        self.reap()
         self.notify(sid, {"op": "cleaned"})
 
     def kill(self, sid):
@@ -663,7 +675,7 @@ class Anchor:
         if pid is None:
             self.notify(sid, {"op": "exit", "code": None}, close=True)
             return
-        kill_tree(pid, include_root=True)
+        kill_tree(pid, include_root=True, spare=self.others(sid))
         self.kill_orphans()
         self.reap()
 

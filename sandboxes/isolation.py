@@ -131,7 +131,7 @@ def bubblewrap_argv(bwrap: str, python: str, limits: Limits) -> list[str]:
     for path in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
                  "/etc/alternatives"):
         argv += ["--ro-bind-try", path, path]
-    made = set()
+    made: set[Path] = set()
     for prefix in python_prefixes(python):
         for parent in reversed(Path(prefix).parents[:-1]):  # searchable, but otherwise empty
             if parent not in made:
@@ -141,7 +141,9 @@ def bubblewrap_argv(bwrap: str, python: str, limits: Limits) -> list[str]:
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(limits.scratch_bytes), "--perms", "1777", "--tmpfs", SCRATCH,
              "--size", str(limits.scratch_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
-             "--symlink", SCRATCH, "/tmp", "--chdir", SCRATCH, "--clearenv"]
+             "--chdir", SCRATCH, "--clearenv"]
+    if Path("/tmp") not in made:  # (a Python installed under /tmp keeps its folder there)
+        argv += ["--symlink", SCRATCH, "/tmp"]
     for name, value in SAFE_ENVIRONMENT.items():
         argv += ["--setenv", name, value]
     argv += ["--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", SCRATCH, "--", python]

@@ -205,7 +205,9 @@ class _Family:
 
     def startup_error(self) -> str:
         """What the container printed before it died, for error messages."""
-        if self.process.poll() is None:
+        try:
+            self.process.wait(timeout=CONTROL_SECONDS)
+        except subprocess.TimeoutExpired:
             return "the sandbox process is still running"
         os.set_blocking(self.process.stderr.fileno(), False)
         try:
@@ -402,7 +404,8 @@ class LocalSandbox(Sandbox):
         except RuntimeError as exc:
             raise SandboxError(str(exc)) from None
         self._attach(_Family(_Spec(chosen, bwrap, python, limits, preimport)))
-        drive(self._session.spawn())  # eager: the container warms up while the caller works
+        with contextlib.suppress(_FamilyDied):  # a failed start is reported by the first call
+            drive(self._session.spawn())  # eager: the container warms up while the caller works
 
     def _attach(self, family: _Family) -> None:
         family.acquire()
@@ -515,7 +518,8 @@ class LocalSandbox(Sandbox):
                 # Nothing to copy: a fresh interpreter is the same state.
                 child._session.lost = parent.lost
                 if not parent.family.dead:
-                    drive(child._session.spawn())
+                    with contextlib.suppress(_FamilyDied):
+                        drive(child._session.spawn())
                 return child
             try:
                 drive(self._fork_into(child._session))

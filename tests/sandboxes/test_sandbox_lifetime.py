@@ -78,6 +78,22 @@ def test_closing_the_parent_first_keeps_forks_working(procs):
     assert procs.still_there(family) == set(), [procs.command(p) for p, _ in family]
 
 
+def test_forks_survive_their_parent_running_or_closing_right_away():
+    # A fork's process is the grandchild of its parent's until the double fork's intermediate
+    # has exited; the cleanup after the parent's next call, or its close, must spare it.
+    box = LocalSandbox(preimport=FAST)
+    box.run("v = [0]")
+    for i in range(5):
+        fork = box.fork()
+        assert box.run("v[0] += 1").ok
+        assert fork.run("v").value == f"[{i}]"
+        deeper = fork.fork()
+        fork.close()
+        assert deeper.run("v").value == f"[{i}]"
+        deeper.close()
+    box.close()
+
+
 SUPERVISOR = textwrap.dedent('''
     import ctypes, json, os, signal, subprocess, sys, time
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us
