@@ -10,7 +10,8 @@ A record is a flat ``{name: float}`` dict. Names are ``group/quantity``; the tra
   entropy of the action tokens from the training forward pass;
 - ``mismatch/max_abs``, ``mismatch/mean_abs``, ``mismatch/tokens``: the sampler's log-probs
   against the trainer's, before the update;
-- ``optim/grad_norm`` (before clipping), ``optim/lr``, ``optim/updates``;
+- ``optim/grad_norm`` (before clipping), ``optim/lr``, ``optim/updates``,
+  ``optim/skipped_updates`` (non-finite gradients);
 - ``tokens/trained``, ``tokens/action``, ``batch/sequences``;
 - ``time/old_logprobs_s``, ``time/update_s``, ``time/sync_s``, ``time/step_s``;
 - ``throughput/update_tokens_per_s`` and, from the caller's numbers,

@@ -62,6 +62,10 @@ LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "atpo
 
 # Tensors and coefficients the trainer hands to a loss that names them (never via loss_kwargs).
 _TRAINER_INPUTS = ("entropy", "ref_logprobs", "turn_ids", "kl_coef", "entropy_coef")
+# Metric names the trainer writes (see agents.metrics); the caller's rollout metrics must avoid them.
+_TRAINER_GROUPS = ("policy/", "mismatch/", "optim/", "batch/", "throughput/")
+_TRAINER_METRICS = frozenset({"reward/mean", "reward/std", "reward/min", "reward/max", "tokens/trained",
+                              "tokens/action", "time/old_logprobs_s", "time/update_s", "time/sync_s", "time/step_s"})
 # Loss metrics that count things (turns, sequences): summed over micro-batches, not averaged.
 _COUNT_METRICS = frozenset({"turns", "clipped_turns", "sequences", "clipped_sequences"})
 
@@ -99,7 +103,8 @@ class TrainerConfig:
     dedup_shared_turns: bool = False
 
     # Old log-probs: "recompute" (verl's actor recomputes them before the update; every paper's
-    # code) or "sampler" (the engine's, skipping that forward pass).
+    # code) or "sampler" (the engine's, skipping that forward pass; the mismatch is then measured
+    # on the first mini-batch, the only one trained before the policy changes).
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
     temperature: float = 1.0  # the sampler's temperature: logits are divided by it (verl); papers: 1.0
 
@@ -275,16 +280,17 @@ class Trainer:
                 instance ``time/rollout_s`` and ``tokens/generated`` (see :mod:`agents.metrics`)
                 or ``reward/em``; names must differ from the trainer's own.
         """
+        rollout_metrics = _checked_rollout_metrics(rollout_metrics or {})
         batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
+        if self.metrics is None:  # before the update, so that a folder holding another run fails first
+            self.metrics = MetricsLog(self.out_dir, tensorboard=self.config.tensorboard)
         # The update runs in a worker thread so the event loop (and a shared engine) keeps going.
         metrics = await asyncio.to_thread(self._update, batch)
         start = time.perf_counter()
         await self.sync_weights()
         metrics["time/sync_s"] = time.perf_counter() - start
         self.step_count += 1
-        record = _merge_rollout_metrics(metrics, rollout_metrics or {})
-        if self.metrics is None:
-            self.metrics = MetricsLog(self.out_dir, tensorboard=self.config.tensorboard)
+        record = _merge_rollout_metrics(metrics, rollout_metrics)
         self.metrics.log(self.step_count, record)
         self._advance_steps_bar(record)
         return record
@@ -605,12 +611,21 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float((values * mask).sum() / mask.sum().clamp(min=1))
 
 
-def _merge_rollout_metrics(own: dict[str, float], rollout: Mapping[str, float]) -> dict[str, float]:
-    """The trainer's metrics with the caller's, plus what follows from both (step time, rollout tokens/s)."""
-    clash = sorted(set(own) & set(rollout))
+def _checked_rollout_metrics(rollout: Mapping[str, float]) -> dict[str, float]:
+    """The caller's metrics as floats, refusing names the trainer writes itself."""
+    clash = sorted(name for name in rollout if name in _TRAINER_METRICS or name.startswith(_TRAINER_GROUPS))
     if clash:
-        raise ValueError(f"rollout_metrics names {clash}, which the trainer computes itself; rename them")
-    record = {**own, **{name: float(value) for name, value in rollout.items()}}
+        raise ValueError(f"rollout_metrics names {clash}, which the trainer computes itself; rename them "
+                         f"(the trainer owns {', '.join(_TRAINER_GROUPS)}* and {', '.join(sorted(_TRAINER_METRICS))})")
+    try:
+        return {str(name): float(value) for name, value in rollout.items()}
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"rollout_metrics values must be numbers: {error}") from None
+
+
+def _merge_rollout_metrics(own: dict[str, float], rollout: dict[str, float]) -> dict[str, float]:
+    """The trainer's metrics with the caller's, plus what follows from both (step time, rollout tokens/s)."""
+    record = {**own, **rollout}
     record["time/step_s"] = sum(record.get(name, 0.0) for name in
                                 (ROLLOUT_TIME, "time/old_logprobs_s", "time/update_s", "time/sync_s"))
     if ROLLOUT_TIME in rollout and GENERATED_TOKENS in rollout and rollout[ROLLOUT_TIME] > 0:

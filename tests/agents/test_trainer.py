@@ -310,8 +310,10 @@ async def test_step_merges_the_callers_rollout_numbers(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 1 and records[0]["step"] == 1 and records[0]["reward/em"] == 0.25
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    with pytest.raises(ValueError, match=r"rollout_metrics names \['reward/mean'\]"):
-        await trainer.step(make_paths(), {"reward/mean": 1.0})
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=r"rollout_metrics names \['policy/x', 'reward/mean'\]"):
+        await trainer.step(make_paths(), {"reward/mean": 1.0, "policy/x": 2.0})
+    assert trainer.step_count == 1 and all(torch.equal(a, b) for a, b in zip(weights, trainer.model.parameters()))
     trainer.close()
 
 
@@ -390,3 +392,12 @@ async def test_bfloat16_compute_keeps_float32_weights_and_close_logprobs():
     assert 0 < float((approximate - exact).abs().max()) < 0.1
     await trainer.step(paths)
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+
+
+async def test_progress_bars_count_steps_and_micro_batches(capsys):
+    trainer = Trainer(tiny_model(), config(progress=True, total_steps=3, micro_batch_size=2))
+    await trainer.step(make_paths())
+    trainer.close()
+    err = capsys.readouterr().err
+    assert "step 1: 100%" in err and "2/2" in err  # the micro-batch bar of step 1
+    assert "train:  33%" in err and "1/3" in err
