@@ -120,6 +120,17 @@ def test_many_forks_of_one_session(box):
     assert box.run("len(base)").value == "3"
 
 
+def test_fork_of_a_session_with_a_running_thread(box):
+    # With other threads alive the interpreter double-forks (see _worker.Interpreter.fork).
+    box.run("import threading\nstop = threading.Event()\n"
+            "threading.Thread(target=stop.wait, daemon=True).start()\nv = 5")
+    child = box.fork()
+    assert box.run("v += 1; v").value == "6"  # the parent's cleanup must spare the fork
+    assert child.run("v, threading.active_count()").value == "(5, 1)"
+    box.run("stop.set()")
+    child.close()
+
+
 def test_fork_before_any_call_and_of_a_fork(box):
     child = box.fork()
     assert child.run("1 + 1").value == "2"
