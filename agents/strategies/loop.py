@@ -208,10 +208,6 @@ class _PromptLoop:
         rng = np.random.default_rng(np.random.SeedSequence(run.config.seed, spawn_key=(index,)))
         self.group = PromptTrees(index=index, key=episode.key, trees=[], rng=rng)
         self.kept: list[Node] = []  # nodes whose env is a state this loop forked
-        # Envs of ended branches, closed when the prompt is done rather than at once: closing a
-        # Python sandbox while forks of it still run can take the forks down with it (seen with
-        # LocalSandbox), and the forks are exactly the other branches of the tree.
-        self.ended: list[TokenEnv] = []
 
     async def grow(self) -> PromptTrees:
         group, strategy = self.group, self.run.strategy
@@ -238,8 +234,8 @@ class _PromptLoop:
         except Exception as error:  # a prompt that fails is recorded and never stops the others
             group.error = f"{type(error).__name__}: {error}"
         finally:
-            for env in self.ended + [branch.env for branch in live]:
-                env.close()
+            for branch in live:
+                branch.env.close()
             self.drop_dead_ends()
             self.release_states()
         group.seconds = time.perf_counter() - start
@@ -316,7 +312,7 @@ class _PromptLoop:
                 stats = group.stats[branch.tree]
                 stats.errors.append(f"{type(outcome).__name__}: {outcome}")
                 stats.dropped += 1
-                self.ended.append(branch.env)
+                branch.env.close()
                 continue
             turn, status, state = outcome
             node = self.record(branch, turn, status, state)
@@ -324,7 +320,7 @@ class _PromptLoop:
             if status is None:
                 still.append(branch)
             else:
-                self.ended.append(branch.env)
+                branch.env.close()
             still += self.open(points)
         return still
 
@@ -388,7 +384,7 @@ class _PromptLoop:
             last.info["status"] = "budget"
         else:
             stats.dropped += 1  # nothing of its own to end, or others already branch below its last turn
-        self.ended.append(branch.env)
+        branch.env.close()
 
     def fork(self, tree: int, env: TokenEnv) -> TokenEnv:
         """``env.fork()``, counted and timed on the tree's stats."""
