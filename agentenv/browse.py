@@ -276,7 +276,9 @@ class Browser:
             raise ValueError("timeouts must be > 0, max_bytes >= 1, max_redirects >= 0 and page_chars >= 100")
         self.allow_private_urls = allow_private_urls
         self.aliases = {URL(k).origin(): URL(v).origin() for k, v in (aliases or {}).items()}
-        self._trusted = frozenset((t.host, t.port) for t in self.aliases.values())
+        # the aliases and their targets (the environment's own servers) pass the private-address checks
+        self._trusted = frozenset((u.host, u.port) for pair in self.aliases.items() for u in pair)
+        self._trusted_names = frozenset(target.host for target in self.aliases.values() if target.host)
         self.connect_timeout, self.read_timeout, self.timeout = connect_timeout, read_timeout, timeout
         self.max_bytes, self.max_redirects, self.page_chars, self.links = max_bytes, max_redirects, page_chars, links
         self.cache = cache if cache is not None else ResultCache()
@@ -287,7 +289,7 @@ class Browser:
     async def open(self, url: str) -> Document:
         """The document at ``url`` (cached); raises :class:`BrowseError` saying what went wrong."""
         url = url.strip().strip("<>\"'")
-        check_url(url, allow_private=self.allow_private_urls, trusted=self._trusted_display())
+        check_url(url, allow_private=self.allow_private_urls, trusted=self._trusted)
 
         async def compute() -> dict[str, Any]:
             return asdict(await self._fetch(url))
@@ -311,9 +313,6 @@ class Browser:
 
     # -- fetching ----------------------------------------------------------------------------
 
-    def _trusted_display(self) -> frozenset[tuple[str, int | None]]:
-        return frozenset((a.host, a.port) for a in self.aliases) | self._trusted
-
     def _to_fetch(self, url: URL) -> URL:
         target = self.aliases.get(url.origin())
         return url if target is None else url.with_scheme(target.scheme).with_host(target.host).with_port(target.port)
@@ -328,7 +327,7 @@ class Browser:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         timeouts = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
-        resolver = _GuardedResolver(frozenset(host for host, _ in self._trusted if host))
+        resolver = _GuardedResolver(self._trusted_names)
         connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False)
         headers = {"User-Agent": USER_AGENT, "Accept": "text/html,application/xhtml+xml,text/plain;q=0.9,*/*;q=0.5"}
         display = URL(url)
@@ -336,7 +335,7 @@ class Browser:
             async with aiohttp.ClientSession(connector=connector, timeout=timeouts, headers=headers) as session:
                 for _ in range(self.max_redirects + 1):
                     target = self._to_fetch(check_url(str(display), allow_private=self.allow_private_urls,
-                                                      trusted=self._trusted_display()))
+                                                      trusted=self._trusted))
                     left = deadline - loop.time()
                     if left <= 0:
                         raise TimeoutError

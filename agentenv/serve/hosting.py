@@ -82,6 +82,7 @@ class BackgroundServer:
         loop = self._loop
         assert loop is not None
         asyncio.set_event_loop(loop)
+        runner: web.AppRunner | None = None
         try:
             runner = web.AppRunner(self.make_app(), shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False,
                                    access_log=None)
@@ -89,8 +90,10 @@ class BackgroundServer:
             loop.run_until_complete(web.TCPSite(runner, self.host, self.port).start())
         except BaseException as e:  # reported to start(), which raises it in the caller's thread
             failure.append(e)
-            ready.set()
+            if runner is not None:
+                loop.run_until_complete(runner.cleanup())
             loop.close()
+            ready.set()
             return
         self._runner = runner
         self.url = f"http://{self.host}:{_bound_port(runner)}"
