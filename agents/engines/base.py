@@ -1,0 +1,205 @@
+"""The engine contract: token ids in, sampled token ids with their log-probs out.
+
+Every engine implements one coroutine, :meth:`Engine.generate`, that many episodes call at the
+same time. Its result is exact: ``Completion.token_ids`` are the ids the sampler drew, in order,
+never decoded and re-encoded, so a trainer can recompute log-probs on exactly those ids.
+
+Log-prob convention (all engines). ``Completion.logprobs[i]`` is the log-probability of the
+sampled token under the distribution it was sampled from: the model's logits divided by the
+temperature, then restricted by top-k and top-p and renormalised (vLLM's
+``logprobs_mode="processed_logprobs"``, the mode verl's vLLM rollout uses for rollout log-probs).
+With top-k and top-p off, as in the RL recipes of AT²PO, AEPO and ARPO, this is
+``log_softmax(logits / T)``, the quantity verl's actor recomputes as the old policy's log-prob.
+Greedy decoding (``temperature=0``) reports ``log_softmax(logits)``, i.e. temperature 1.
+
+Stops. Generation ends at the first sampled token that is an end-of-sequence id
+(``finish_reason="eos"``), one of ``stop_token_ids`` or the token whose text completes one of
+the ``stop`` strings (``"stop"``), or after ``max_new_tokens`` (``"length"``). The stopping
+token is part of ``token_ids``. A BPE token can carry characters beyond a stop string (a token
+``">\\n"`` completing ``"</search"`` + ``">"``); the ids are kept exactly as sampled and the
+extra characters are reported in ``Completion.stop_overshoot`` so an environment can decide
+what to do with them. (SmolLM2 tokenises ``"</search>"`` as ``"</"``, ``"search"``, ``">"``, so
+its overshoot is usually empty.)
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "FinishReason",
+    "SamplingParams",
+    "find_stop",
+    "stop_overshoot",
+]
+
+FinishReason = Literal["stop", "length", "eos"]
+
+# Long enough for one agent turn (reasoning + one tool call); the papers cap a whole response,
+# tool results included, at 6192 tokens (ALGORITHMS.md, "Limits").
+DEFAULT_MAX_NEW_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    ``temperature=0`` is greedy decoding; ``top_k=-1`` and ``top_p=1`` switch those filters off;
+    ``stop`` are strings and ``stop_token_ids`` ids that end generation (see the module
+    docstring); ``seed`` makes a sample reproducible on the same engine; ``logprobs_topk`` asks
+    for that many top log-probs per position; ``return_entropy`` asks for the entropy of the full
+    temperature-scaled next-token distribution per position (engines with
+    ``supports_entropy``).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs_topk: int = 0
+    return_entropy: bool = False
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and stored as tuples so params stay hashable.
+        object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 switches it off), got {self.top_p!r}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(i < 0 for i in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        if self.logprobs_topk < 0:
+            raise ValueError(f"logprobs_topk must be >= 0, got {self.logprobs_topk!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this asks for greedy decoding (temperature 0)."""
+        return self.temperature == 0
+
+
+@dataclass
+class Completion:
+    """What one :meth:`Engine.generate` call sampled.
+
+    ``logprobs[i]`` belongs to ``token_ids[i]`` (see the module docstring for the
+    distribution); ``top_logprobs[i]`` lists ``(token_id, logprob)`` pairs, best first, when
+    asked for; ``entropies[i]`` is the full-vocabulary entropy at position ``i`` when asked for.
+    ``stop_reason`` is the matched stop string or stop token id (``None`` for ``"length"`` and
+    ``"eos"``); ``stop_overshoot`` the text the last token carries beyond a matched stop string.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    stop_overshoot: str = ""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    entropies: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens")
+        for name in ("top_logprobs", "entropies"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.token_ids):
+                raise ValueError(f"{len(values)} {name} for {len(self.token_ids)} tokens")
+
+
+class Engine(abc.ABC):
+    """Generates completions for token-id prompts; safe to call from many coroutines at once."""
+
+    #: Whether ``SamplingParams(return_entropy=True)`` is supported.
+    supports_entropy: bool = False
+
+    @abc.abstractmethod
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        """Sample one completion of ``prompt_ids`` under ``params``."""
+
+    async def generate_many(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """Generate for many prompts concurrently; one ``params`` for all, or one per prompt."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        return list(await asyncio.gather(*(self.generate(p, s) for p, s in zip(prompts, per_prompt))))
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load new weights (names as in the transformers model's ``state_dict``) without a restart.
+
+        Engines that cannot change their weights (a remote server) raise ``TypeError``.
+        """
+        raise TypeError(f"{type(self).__name__} cannot load weights from a trainer")
+
+    async def close(self) -> None:
+        """Release the engine's resources; it cannot generate afterwards."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int) -> list[int]:
+        """Validate a request the same way in every engine; returns the prompt as a list of ints."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = [int(i) for i in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty; an engine needs at least one prompt token")
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        if params.return_entropy and not self.supports_entropy:
+            raise ValueError(
+                f"{type(self).__name__} cannot return full-vocabulary entropies; use HFEngine, or "
+                f"compute them in the trainer's forward pass, or ask for logprobs_topk to estimate them"
+            )
+        return ids
+
+
+def find_stop(text: str, stops: Sequence[str]) -> tuple[str, int] | None:
+    """The stop string that occurs first in ``text`` and the index just past it, or ``None``."""
+    best: tuple[str, int] | None = None
+    best_start = len(text) + 1
+    for stop in stops:
+        start = text.find(stop)
+        if start != -1 and start < best_start:
+            best, best_start = (stop, start + len(stop)), start
+    return best
+
+
+def stop_overshoot(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int], stop: str) -> str:
+    """The text the completion's last token carries beyond its first occurrence of ``stop``."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    match = find_stop(text, [stop])
+    return text[match[1] :] if match else ""
+
+
+def _as_tuple(values, kind: type, name: str) -> tuple:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of {kind.__name__}, got {values!r}")
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"{name} must hold only {kind.__name__} values, got {values!r}")
+    return tuple(values)

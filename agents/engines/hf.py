@@ -1,0 +1,426 @@
+"""Generation with a transformers model, batching the requests of many concurrent episodes.
+
+One worker thread owns the model's forward passes, so the event loop never blocks. Requests
+queue up; whenever the worker is idle it waits ``batch_window_s`` for more to arrive, then
+prefills them together (left padding) and decodes them step by step with a KV cache. Requests
+that arrive while a batch is decoding join it at the next step (their prefill is merged into
+the running cache), and finished rows leave it at once, so the batch stays full when episodes
+finish their turns at different times. Each row keeps its own sampling parameters, stops and
+random generator.
+
+``HFEngine(model=trainer_model, tokenizer=tokenizer)`` generates with the trainer's own model
+object: weights are never copied. Hold :attr:`HFEngine.forward_lock` while changing the weights
+in place (an optimiser step) if generations may be in flight.
+
+Supported models: decoder-only models with full attention in every layer (Llama, Qwen2/3,
+SmolLM2, Mistral without sliding windows); merging caches of different lengths by left padding
+is exact only for those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from agents.engines.base import Completion, Engine, FinishReason, SamplingParams, find_stop
+from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
+
+__all__ = ["BatchStats", "HFEngine", "sample_next_tokens"]
+
+
+@dataclass
+class BatchStats:
+    """Counters of the worker's forward passes (they show whether requests were batched)."""
+
+    prefill_passes: int = 0
+    decode_passes: int = 0
+    generated_tokens: int = 0
+    largest_batch: int = 0  # most rows decoded together in one forward pass
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    future: concurrent.futures.Future
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    """Rows decoding together: their KV cache, attention mask and next-token logits."""
+
+    requests: list[_Request]
+    cache: DynamicCache
+    attention_mask: torch.Tensor  # [rows, cached positions], 0 on left padding
+    next_positions: torch.Tensor  # [rows] position id of each row's next token
+    logits: torch.Tensor  # [rows, vocab] float32 logits of each row's next token
+
+
+_CLOSE = object()
+
+
+class HFEngine(Engine):
+    """A transformers causal LM behind the :class:`Engine` interface (CPU or GPU).
+
+    ``model`` is a model name (see :func:`agents.models.resolve_model`) or a loaded model to
+    share; with a loaded model pass its ``tokenizer`` too. ``max_batch_size`` caps the rows of
+    one forward pass; ``batch_window_s`` is how long an idle worker waits for more requests
+    before starting a batch; ``seed`` seeds the generator of requests without their own seed.
+    """
+
+    supports_entropy = True
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = DEFAULT_MODEL,
+        tokenizer: str | PreTrainedTokenizerBase | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int = 32,
+        batch_window_s: float = 0.005,
+        seed: int | None = None,
+    ) -> None:
+        if isinstance(model, str):
+            tokenizer = model if tokenizer is None else tokenizer
+            model = load_model(model, dtype=dtype, device=device)
+        elif tokenizer is None:
+            raise ValueError("HFEngine(model=<loaded model>) needs tokenizer= as well (an object or a model name)")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError(
+                f"HFEngine supports models with full attention in every layer; this one has {sorted(set(layer_types))}"
+            )
+        self.model: PreTrainedModel = model
+        self.tokenizer: PreTrainedTokenizerBase = (
+            load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        )
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_s
+        self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        #: Held by the worker during every forward pass; hold it to change weights in place.
+        self.forward_lock = threading.Lock()
+        self.stats = BatchStats()
+        self._generator = torch.Generator(device=model.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        ids = self._check_request(prompt_ids, params, self.vocab_size)
+        if self.max_positions is not None and len(ids) >= self.max_positions:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the model's {self.max_positions} positions")
+        if self._closed:
+            raise RuntimeError("HFEngine is closed")
+        self._start_worker()
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        request = _Request(ids, params, concurrent.futures.Future(), generator)
+        self._inbox.put(request)
+        # Cancelling this coroutine cancels the future; the worker drops the row at its next step.
+        return await asyncio.wrap_future(request.future)
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``state_dict`` into the model between forward passes (a partial dict is fine)."""
+
+        def load() -> None:
+            with self.forward_lock, torch.no_grad():
+                result = self.model.load_state_dict(dict(state_dict), strict=False)
+            if result.unexpected_keys:
+                raise KeyError(f"weights the model does not have: {result.unexpected_keys[:5]}")
+
+        await asyncio.to_thread(load)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._thread is not None:
+            self._inbox.put(_CLOSE)
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # ---- the worker thread -------------------------------------------------------------
+
+    def _start_worker(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="HFEngine-worker", daemon=True)
+                self._thread.start()
+
+    def _serve(self) -> None:
+        waiting: collections.deque[_Request] = collections.deque()
+        batch: _Batch | None = None
+        while True:
+            if not self._collect(waiting, block=batch is None):
+                break
+            newcomers = []
+            while waiting and len(newcomers) + (len(batch.requests) if batch else 0) < self.max_batch_size:
+                request = waiting.popleft()
+                if not request.future.cancelled():
+                    newcomers.append(request)
+            if batch is None and not newcomers:
+                continue
+            try:
+                with self.forward_lock, torch.inference_mode():
+                    if newcomers:
+                        batch = _merge(batch, self._prefill(newcomers))
+                    batch = self._step(batch)
+            except Exception as error:  # a failed forward pass fails its rows, not the worker
+                for request in (batch.requests if batch else []) + newcomers:
+                    _settle(request.future, exception=error)
+                batch = None
+        for request in list(waiting) + (batch.requests if batch else []):
+            _settle(request.future, exception=RuntimeError("HFEngine was closed before this request finished"))
+
+    def _collect(self, waiting: collections.deque, block: bool) -> bool:
+        """Move arrived requests to ``waiting``; when ``block``, wait for one plus the batch window."""
+        try:
+            if block:
+                item = self._inbox.get()
+                if item is _CLOSE:
+                    return False
+                waiting.append(item)
+                deadline = time.monotonic() + self.batch_window_s
+                while len(waiting) < self.max_batch_size and (remaining := deadline - time.monotonic()) > 0:
+                    item = self._inbox.get(timeout=remaining)
+                    if item is _CLOSE:
+                        return False
+                    waiting.append(item)
+            while True:
+                item = self._inbox.get_nowait()
+                if item is _CLOSE:
+                    return False
+                waiting.append(item)
+        except queue.Empty:
+            return True
+
+    def _prefill(self, requests: list[_Request]) -> _Batch:
+        length = max(len(r.prompt) for r in requests)
+        device = self.model.device
+        input_ids = torch.full((len(requests), length), self.pad_token_id, dtype=torch.long, device=device)
+        attention_mask = torch.zeros((len(requests), length), dtype=torch.long, device=device)
+        for row, request in enumerate(requests):
+            input_ids[row, length - len(request.prompt) :] = torch.tensor(request.prompt, device=device)
+            attention_mask[row, length - len(request.prompt) :] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.stats.prefill_passes += 1
+        return _Batch(requests, cache, attention_mask, attention_mask.sum(-1), output.logits[:, -1].float())
+
+    def _step(self, batch: _Batch) -> _Batch | None:
+        """Sample one token for every row, settle finished rows, and run the next decode pass."""
+        params = [r.params for r in batch.requests]
+        generators = [r.generator or self._generator for r in batch.requests]
+        sampled = sample_next_tokens(batch.logits, params, generators)
+        keep = []
+        for row, request in enumerate(batch.requests):
+            token = int(sampled.token_ids[row])
+            request.token_ids.append(token)
+            request.logprobs.append(float(sampled.logprobs[row]))
+            if request.params.logprobs_topk:
+                request.top_logprobs.append(sampled.top_logprobs[row][: request.params.logprobs_topk])
+            if request.params.return_entropy:
+                request.entropies.append(float(sampled.entropies[row]))
+            completion = self._finish(request, token, int(batch.next_positions[row]) + 1)
+            if completion is not None:
+                _settle(request.future, result=completion)
+            elif not request.future.cancelled():
+                keep.append(row)
+        self.stats.generated_tokens += len(batch.requests)
+        if not keep:
+            return None
+        if len(keep) < len(batch.requests):
+            batch = _select_rows(batch, keep)
+        next_tokens = torch.tensor([[batch.requests[i].token_ids[-1]] for i in range(len(keep))], device=self.model.device)
+        batch.attention_mask = F.pad(batch.attention_mask, (0, 1), value=1)
+        output = self.model(
+            input_ids=next_tokens,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.next_positions[:, None],
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.next_positions = batch.next_positions + 1
+        batch.logits = output.logits[:, -1].float()
+        self.stats.decode_passes += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, len(keep))
+        return batch
+
+    def _finish(self, request: _Request, token: int, used_positions: int) -> Completion | None:
+        """The completion if ``token`` ends the request, else ``None`` (stop beats length)."""
+        params = request.params
+        reason: FinishReason | None = None
+        stop_reason: str | int | None = None
+        overshoot = ""
+        if token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif token in self.eos_token_ids:
+            reason = "eos"
+        elif params.stop:
+            text = self.tokenizer.decode(request.token_ids, skip_special_tokens=True)
+            match = find_stop(text, params.stop)
+            if match is not None:
+                reason, stop_reason, overshoot = "stop", match[0], text[match[1] :]
+        if reason is None and (
+            len(request.token_ids) >= params.max_new_tokens
+            or (self.max_positions is not None and used_positions >= self.max_positions)
+        ):
+            reason = "length"
+        if reason is None:
+            return None
+        return Completion(
+            token_ids=request.token_ids,
+            logprobs=request.logprobs,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            stop_overshoot=overshoot,
+            top_logprobs=request.top_logprobs if params.logprobs_topk else None,
+            entropies=request.entropies if params.return_entropy else None,
+        )
+
+
+@dataclass
+class SampledTokens:
+    """One sampling step over a batch of rows (see :func:`sample_next_tokens`)."""
+
+    token_ids: torch.Tensor  # [rows]
+    logprobs: torch.Tensor  # [rows] log-prob of each sampled id under its sampling distribution
+    top_logprobs: list[list[tuple[int, float]]]  # per row, the largest requested top-k, best first
+    entropies: torch.Tensor  # [rows] entropy of the full temperature-scaled distribution
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> SampledTokens:
+    """Sample one token per row of ``logits`` [rows, vocab] under each row's own parameters.
+
+    The same semantics as vLLM's sampler: temperature, then top-k, then top-p on what top-k kept;
+    greedy rows take the arg-max and report temperature-1 log-probs.
+    """
+    logits = logits.float()
+    # Greedy rows use temperature 1 for their log-probs (vLLM does the same).
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    scaled = logits / temperature[:, None]
+    full_logprobs = torch.log_softmax(scaled, dim=-1)
+    # H = -Σ p log p over the whole vocabulary (the exact token entropy of ALGORITHMS.md).
+    entropies = -(full_logprobs.exp() * full_logprobs).sum(-1)
+    logprobs = torch.log_softmax(_filter_top_k_top_p(scaled, params), dim=-1)
+    token_ids = logits.argmax(-1)
+    for row, (p, generator) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            token_ids[row] = torch.multinomial(logprobs[row].exp(), 1, generator=generator)[0]
+    chosen = logprobs.gather(-1, token_ids[:, None])[:, 0]
+    k = max(p.logprobs_topk for p in params)
+    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in params]
+    if k:
+        values, indices = logprobs.topk(k, dim=-1)
+        top_logprobs = [list(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+    return SampledTokens(token_ids, chosen, top_logprobs, entropies)
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf."""
+    if all(p.top_k == -1 and p.top_p == 1.0 for p in params):
+        return scaled
+    vocab = scaled.shape[-1]
+    top_k = torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device=scaled.device)
+    top_p = torch.tensor([p.top_p for p in params], device=scaled.device)
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    # top-k: keep logits >= the k-th largest (ties at the boundary are kept, as in vLLM).
+    kth = ordered.gather(-1, (top_k - 1)[:, None])
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    # top-p: keep the smallest prefix whose probability reaches p; the best token always stays.
+    probs = ordered.softmax(-1)
+    outside = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    ordered = ordered.masked_fill(outside, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered)
+
+
+def _merge(running: _Batch | None, joining: _Batch) -> _Batch:
+    """One batch from two, left-padding the shorter cache so positions line up at the right."""
+    if running is None:
+        return joining
+    length = max(running.attention_mask.shape[1], joining.attention_mask.shape[1])
+
+    def pad(batch: _Batch, tensor: torch.Tensor, dim_from_end: int) -> torch.Tensor:
+        missing = length - batch.attention_mask.shape[1]
+        return F.pad(tensor, (0, 0) * (dim_from_end - 1) + (missing, 0)) if missing else tensor
+
+    layers = [
+        (torch.cat([pad(running, k1, 2), pad(joining, k2, 2)]), torch.cat([pad(running, v1, 2), pad(joining, v2, 2)]))
+        for (k1, v1, _), (k2, v2, _) in zip(running.cache, joining.cache)
+    ]
+    return _Batch(
+        running.requests + joining.requests,
+        DynamicCache(ddp_cache_data=layers),
+        torch.cat([pad(running, running.attention_mask, 1), pad(joining, joining.attention_mask, 1)]),
+        torch.cat([running.next_positions, joining.next_positions]),
+        torch.cat([running.logits, joining.logits]),
+    )
+
+
+def _select_rows(batch: _Batch, rows: list[int]) -> _Batch:
+    """Keep ``rows``, and drop leading cache columns that are padding in every remaining row."""
+    index = torch.tensor(rows, device=batch.logits.device)
+    mask = batch.attention_mask[index]
+    unused = int(mask.any(0).long().argmax())  # columns before the first one any row uses
+    layers = [(k[index, :, unused:], v[index, :, unused:]) for k, v, _ in batch.cache]
+    return _Batch(
+        [batch.requests[i] for i in rows],
+        DynamicCache(ddp_cache_data=layers),
+        mask[:, unused:],
+        batch.next_positions[index],
+        batch.logits[index],
+    )
+
+
+def _settle(future: concurrent.futures.Future, *, result=None, exception: BaseException | None = None) -> None:
+    """Complete ``future`` unless its caller cancelled it meanwhile."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(ids)

