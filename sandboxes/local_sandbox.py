@@ -56,6 +56,10 @@ class _FamilyDied(Exception):
     """The container is gone."""
 
 
+class _PeerClosed(Exception):
+    """Nobody holds the other end of a channel any more."""
+
+
 class _Channel:
     """Our end of a SOCK_SEQPACKET socket; the kernel stamps each packet with its sender."""
 
@@ -81,7 +85,7 @@ class _Channel:
                     if not (yield Wait(self.sock.fileno(), True, deadline)):
                         raise _Expired from None
                 except OSError as exc:  # the other end is gone
-                    raise _FamilyDied(str(exc)) from None
+                    raise _PeerClosed(str(exc)) from None
 
     def receive(self, deadline: float | None) -> Operation[tuple[int | None, dict] | None]:
         """The next whole message and its sender's pid; None at end of file."""
@@ -199,7 +203,7 @@ class _Family:
         """Send the anchor a one-way command."""
         try:
             yield from self.control.send(message, fds, time.monotonic() + CONTROL_SECONDS)
-        except (_Expired, _FamilyDied):
+        except (_Expired, _PeerClosed):
             self.dead = True
             raise _FamilyDied("the sandbox's anchor stopped answering") from None
 
@@ -306,6 +310,29 @@ class _Session:
             elif sender == self.pid and ("interpreter", op) in accept:
                 return message
 
+    def send(self, message: dict, fds: Iterable[int] = (), deadline: float | None = None
+             ) -> Operation[None]:
+        """Send the interpreter a request; if it is gone, raise what the anchor says (_Died)."""
+        try:
+            yield from self.channel.send(message, fds, deadline)
+        except _PeerClosed:
+            yield from self.next(time.monotonic() + CONTROL_SECONDS, set())
+            raise _FamilyDied("the interpreter's channel closed without a notice") from None
+
+    def died_while_idle(self) -> Operation[bool]:
+        """Whether the anchor reported the interpreter's death since its last call (a
+        sibling's kill(-1), a thread's os._exit); the session is then reset."""
+        if self.channel is None or self.pid is None:
+            return False
+        try:
+            yield from self.next(time.monotonic(), set())  # accepts nothing: only a death ends it
+        except _Expired:
+            return False
+        except (_Died, _FamilyDied):
+            self.reset()
+            return True
+        return False
+
     def spawn(self) -> Operation[None]:
         """Ask the anchor for a fresh interpreter (its hello is awaited by ``ready``)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -320,10 +347,10 @@ class _Session:
         """Make sure a live interpreter with a known pid serves this session."""
         if self.family.dead:
             self._replace_family()
-        if self.channel is None:
-            yield from self.spawn()
         if self.pid is None:
             try:
+                if self.channel is None:
+                    yield from self.spawn()
                 yield from self.next(time.monotonic() + STARTUP_SECONDS, {("interpreter", "hello")})
             except _Died as died:
                 raise SandboxError(f"the sandbox could not start an interpreter: {died.args[1]}"
@@ -458,12 +485,14 @@ class LocalSandbox(Sandbox):
     def _run(self, code: str, timeout: float) -> Operation[Result]:
         session, limits = self._session, self.limits
         yield from session.ready()
+        if (yield from session.died_while_idle()):
+            yield from session.ready()
         state_lost, session.lost = session.lost, False
         start = time.monotonic()
         session.cells += 1
         reply, killed_by, exit_code = None, None, None
         try:
-            yield from session.channel.send({"op": "run", "code": code,
+            yield from session.send({"op": "run", "code": code,
                                                              "cpu": limits.cpu_for(timeout)},
                                             deadline=start + timeout)
             reply = yield from session.next(start + timeout, {("interpreter", "result"),
@@ -536,8 +565,7 @@ class LocalSandbox(Sandbox):
         adopted = False
         try:
             yield from family.command({"op": "fork_begin"})
-            yield from parent.channel.send({"op": "fork", "sid": child.sid}, [theirs.fileno()],
-                                           deadline)
+            yield from parent.send({"op": "fork", "sid": child.sid}, [theirs.fileno()], deadline)
             reply = yield from parent.next(deadline, {("interpreter", "forked"),
                                                       ("interpreter", "error")})
             if reply["op"] == "error":

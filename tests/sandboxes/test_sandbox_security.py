@@ -4,6 +4,7 @@ sandboxes and the process table as they were."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 
@@ -219,6 +220,27 @@ def test_signalling_the_parent_or_the_host_fails(box, bystander):
     r = box.run("os.kill(-1, signal.SIGKILL)")  # every process it may signal: there is none
     assert r.error_type == "ProcessLookupError"
     assert box.run("kept").value == "1"
+
+
+def test_kill_everything_from_a_fork_reaches_only_its_own_tree(box, bystander):
+    # Forks of one sandbox share its container (see LocalSandbox): kill(-1) in one reaches its
+    # siblings, never the host or other sandboxes; the victims restart and say so.
+    box.run("x = 1")
+    child = box.fork()
+    assert child.run("import os, signal\nos.kill(-1, signal.SIGKILL)\n'survived'").value == \
+        "'survived'"
+    after = box.run("'x' in globals()")
+    assert (after.value, after.state_lost) == ("False", True)
+    child.close()
+
+
+def test_an_interpreter_killed_between_calls_restarts_and_says_so(box, procs):
+    box.run("x = 1")
+    victim = {(box.pid, procs.stat(box.pid)[2])}
+    os.kill(box.pid, signal.SIGKILL)
+    assert procs.still_there(victim) == set()  # reaped by the anchor, which tells us
+    after = box.run("'x' in globals()")
+    assert (after.value, after.state_lost, after.killed_by) == ("False", True, None)
 
 
 def test_exhausting_file_descriptors(box):
