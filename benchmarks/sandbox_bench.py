@@ -7,7 +7,9 @@
   beside a fresh interpreter that runs the same call with the same imports (``python -c``);
 * per-call overhead: a call that does nothing, beside a fresh interpreter per call;
 * fork: ``fork()`` of a session holding about 100 MB (a numpy array, sympy results), beside
-  replaying the episode's calls into an already started sandbox (replay's best case).
+  replaying the episode's calls into an already started sandbox (replay's best case);
+* DockerSandbox, where a Docker engine runs: first run, per call, and its fork() (a replay
+  into a new container); otherwise the reason it was skipped.
 
 Timing is wall clock on this machine; ratios are what to compare across machines.
 """
@@ -22,7 +24,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from sandboxes import LocalSandbox
+from sandboxes import DockerSandbox, LocalSandbox, SandboxError
+from sandboxes.docker_sandbox import DEFAULT_IMAGE, connect
 
 EPISODE = (  # the calls of an episode that leaves about 100 MB in the session
     "import numpy as np\nimport sympy as sp",
@@ -51,7 +54,7 @@ def _fresh_interpreter(code: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
-def _checked(box: LocalSandbox, code: str) -> None:
+def _checked(box: LocalSandbox | DockerSandbox, code: str) -> None:
     result = box.run(code, timeout=120)
     if not result.ok:
         raise RuntimeError(f"benchmark call failed: {result.render()}")
@@ -106,8 +109,38 @@ def fork(repeats: int) -> dict[str, object]:
             "interpreter_rss_mb": round(rss, 1)}
 
 
+def docker(repeats: int) -> dict[str, object]:
+    try:
+        client = connect()
+        client.images.get(DEFAULT_IMAGE)
+    except Exception as exc:  # no engine, or no image: say which
+        return {"skipped": f"{type(exc).__name__}: {exc}"}
+    small_episode = EPISODE[:1] if _importable_in_image(client) else ("x = list(range(10**6))",)
+    first, calls, forks = [], [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with DockerSandbox(client=client, preimport=()) as box:
+            _checked(box, "1 + 1")
+            first.append(time.perf_counter() - start)
+            calls += [_timed(lambda: _checked(box, "pass")) for _ in range(10)]
+            for code in small_episode:
+                _checked(box, code)
+            forks.append(_timed(lambda: box.fork().close()))
+    return {"first_run": _ms(first), "per_call": _ms(calls), "fork_by_replay": _ms(forks),
+            "episode": list(small_episode)}
+
+
+def _importable_in_image(client) -> bool:
+    try:
+        with DockerSandbox(client=client, preimport=()) as box:
+            return box.run("import numpy, sympy").ok
+    except SandboxError:
+        return False
+
+
 def run(repeats: int = 5) -> dict[str, object]:
-    return {"first_run": first_run(repeats), "per_call": per_call(repeats), "fork": fork(repeats)}
+    return {"first_run": first_run(repeats), "per_call": per_call(repeats), "fork": fork(repeats),
+            "docker": docker(repeats)}
 
 
 def table(results: dict) -> str:
@@ -129,6 +162,13 @@ def table(results: dict) -> str:
                  f"episode calls (ms): {fk['episode_calls_ms']}")
     lines.append("alternatives: fresh `python -c` with the same imports (first run, per call); "
                  "replaying the episode into a warm sandbox (fork)")
+    dock = results["docker"]
+    if "skipped" in dock:
+        lines.append(f"DockerSandbox: not measured ({dock['skipped'][:100]})")
+    else:
+        lines.append(f"DockerSandbox: first run {dock['first_run']['p50_ms']:.0f} ms, per call "
+                     f"{dock['per_call']['p50_ms']:.1f} ms, fork by replay "
+                     f"{dock['fork_by_replay']['p50_ms']:.0f} ms (p50)")
     return "\n".join(lines)
 
 
