@@ -1,5 +1,24 @@
 """Isolated, stateful, forkable Python interpreters for tool-using agents.
 
+``LocalSandbox`` runs one persistent Python session per episode in a worker process;
+``fork()`` copies it with ``os.fork`` (copy-on-write, milliseconds whatever the session holds).
+``DockerSandbox`` offers the same contract in a Docker container and forks by replaying the
+session. Both return a ``Result`` per call; ``Result.render()`` is the tool observation.
+
+Isolation of a ``LocalSandbox`` (``sandbox.isolation.describe()`` lists it):
+
+* with bubblewrap: own PID, network (loopback only), IPC and UTS namespaces; read-only system
+  and Python installation and nothing else of the host (no home, working directory, /tmp or
+  environment variables); a size-limited tmpfs scratch; its own user, no capabilities,
+  no-new-privileges; setrlimit limits; everything dies with the container's PID 1.
+* without it (a warning at start-up says so): setrlimit limits, a clean environment, a
+  wall-clock timeout, output caps and, when run by root, a user of its own if the Python
+  installation is readable to it. No file system, network or process isolation.
+
+A sandbox and its forks share one container (the same rollout tree): they cannot see each
+other's memory or files, but can see and signal each other's processes and share the process
+limit. Separate ``LocalSandbox()`` objects never share anything.
+
 >>> from sandboxes import LocalSandbox
 >>> with LocalSandbox() as box:
 ...     box.run("import numpy as np; a = np.arange(4)").ok

@@ -209,7 +209,8 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS =
 
 def prctl(option, value):
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+    zero = ctypes.c_ulong(0)  # full-width zeros: prctl is variadic and checks unused arguments
+    if libc.prctl(ctypes.c_int(option), ctypes.c_ulong(value), zero, zero, zero) != 0:
         raise OSError(ctypes.get_errno(), "prctl(%d) failed" % option)
 
 
@@ -223,8 +224,11 @@ def fork_sibling():
     import lock). Only for a single-threaded process: unlike glibc's fork() it cannot reset
     locks that another thread might hold in the child."""
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    null = ctypes.c_void_p(None)  # no new stack (the child continues on a copy of ours), no tids
     ctypes.pythonapi.PyOS_BeforeFork()
-    pid = libc.syscall(SYS_CLONE, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0)
+    pid = libc.syscall(ctypes.c_long(SYS_CLONE), ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD),
+                       null, null, null, ctypes.c_ulong(0))
     if pid == 0:
         ctypes.pythonapi.PyOS_AfterFork_Child()
     else:
