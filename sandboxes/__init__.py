@@ -15,9 +15,10 @@ Isolation of a ``LocalSandbox`` (``sandbox.isolation.describe()`` lists it):
   wall-clock timeout, output caps and, when run by root, a user of its own if the Python
   installation is readable to it. No file system, network or process isolation.
 
-A sandbox and its forks share one container (the same rollout tree): they cannot see each
-other's memory or files, but can see and signal each other's processes and share the process
-limit. Separate ``LocalSandbox()`` objects never share anything.
+A sandbox and its forks share one container (the same rollout tree): each has its own memory
+and its own copy of the scratch folder, but they can reach each other's folders, see and
+signal each other's processes and share the process limit. Separate ``LocalSandbox()``
+objects share nothing.
 
 >>> from sandboxes import LocalSandbox
 >>> with LocalSandbox() as box:
