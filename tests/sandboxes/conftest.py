@@ -4,7 +4,6 @@ checks do not share code with what they check)."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from types import SimpleNamespace
 
@@ -12,9 +11,6 @@ import pytest
 
 from sandboxes import LocalSandbox
 
-FAST = ("math",)  # pre-import list for tests that need neither numpy nor sympy (faster start)
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bubblewrap is not installed (make installs it)")
 
 
 def _stat(pid: int) -> tuple[int, str, int] | None:
@@ -70,7 +66,7 @@ def family_processes(box: LocalSandbox) -> set[tuple[int, int]]:
 
 @pytest.fixture
 def box():
-    sandbox = LocalSandbox(preimport=FAST)
+    sandbox = LocalSandbox(preimport=("math",))  # short: these tests need no numpy or sympy
     yield sandbox
     sandbox.close()
 
