@@ -12,7 +12,6 @@ import pytest
 from sandboxes import LocalSandbox
 
 
-
 def _stat(pid: int) -> tuple[int, str, int] | None:
     """(parent pid, state, start time) of ``pid``, or None if it does not exist."""
     try:
