@@ -289,7 +289,12 @@ class _Session:
         """The next message from ``("anchor" | "interpreter", op)`` in ``accept``; other messages
         are dropped. Raises _Died when the anchor reports the interpreter's death."""
         while True:
-            received = yield from self.channel.receive(deadline)
+            try:
+                received = yield from self.channel.receive(deadline)
+            except _ProtocolError as bad:  # an oversized message: fatal only from our interpreter
+                if bad.args[0] == self.pid and any(src == "interpreter" for src, _ in accept):
+                    raise
+                continue
             if received is None:
                 self.family.dead = True
                 raise _FamilyDied("the sandbox container stopped")
