@@ -176,6 +176,17 @@ async def test_arun_does_not_block_the_event_loop():
         b.close()
 
 
+async def test_forks_of_one_sandbox_run_concurrently(box):
+    box.run("import time\nbase = 100")
+    forks = [box.fork() for _ in range(4)]
+    results = await asyncio.gather(*(
+        f.arun(f"time.sleep(0.2)\nbase += {i}\nbase") for i, f in enumerate(forks)))
+    assert [r.value for r in results] == ["100", "101", "102", "103"]
+    assert box.run("base").value == "100"
+    for f in forks:
+        f.close()
+
+
 async def test_cancelled_arun_kills_the_interpreter_and_reports_lost_state():
     async with asyncio.timeout(30):
         box = LocalSandbox(preimport=FAST)
