@@ -7,8 +7,8 @@ expression, the error trimmed to the user's code, and notes when a limit killed 
 
 The tool is stateful: when its environment forks, its sandbox forks (``os.fork`` of the warm
 interpreter for :class:`~sandboxes.LocalSandbox`), so branches of a rollout tree each continue
-the same Python session independently. The sandbox starts on the first call of an episode, so
-environments that never run code never start an interpreter.
+the same Python session independently. A fresh sandbox is started at every ``reset`` (its
+interpreter warms up, importing numpy and sympy, while the model generates its first turn).
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ class PythonSession:
         return child
 
     def reset(self) -> None:
-        """A new episode starts with a fresh session."""
+        """A new episode starts with a fresh session, warming up from now on."""
         self.close()
+        self.sandbox = self.new_sandbox()
 
     def close(self) -> None:
         if self.sandbox is not None:

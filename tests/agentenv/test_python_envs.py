@@ -55,10 +55,14 @@ def test_reset_starts_a_fresh_session_and_close_stops_it(math_env):
     math_env.reset(seed=0)
     math_env.step("<python>secret = 42</python>")
     session = math_env.tools["python"].fn
-    pid = session.sandbox.pid
+    old = session.sandbox
+    pid = old.pid
+    assert pid is not None
     math_env.reset(seed=0)
-    assert session.sandbox is None  # the old interpreter was closed
+    assert old.closed and session.sandbox is not old  # a fresh session
     assert math_env.step("<python>secret</python>")[0].endswith("NameError: name 'secret' is not defined")
+    pid = session.sandbox.pid
+    assert pid is not None
     math_env.close()
     assert subprocess.run(["ps", "-p", str(pid)], capture_output=True).returncode == 1
 
