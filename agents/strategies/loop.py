@@ -208,11 +208,11 @@ class _PromptLoop:
         rng = np.random.default_rng(np.random.SeedSequence(run.config.seed, spawn_key=(index,)))
         self.group = PromptTrees(index=index, key=episode.key, trees=[], rng=rng)
         self.kept: list[Node] = []  # nodes whose env is a state this loop forked
+        self.unclosed: dict[Branch, None] = {}  # branches whose env is still open, in order
 
     async def grow(self) -> PromptTrees:
         group, strategy = self.group, self.run.strategy
         start = time.perf_counter()
-        live: list[Branch] = []
         try:
             options = dict(self.episode.options) if self.episode.options else None
             prompt_ids, group.info = await self.root_env.areset(seed=self.episode.seed, options=options)
@@ -234,8 +234,8 @@ class _PromptLoop:
         except Exception as error:  # a prompt that fails is recorded and never stops the others
             group.error = f"{type(error).__name__}: {error}"
         finally:
-            for branch in live:
-                branch.env.close()
+            for branch in list(self.unclosed):
+                self.retire(branch)
             self.drop_dead_ends()
             self.release_states()
         group.seconds = time.perf_counter() - start
@@ -272,6 +272,7 @@ class _PromptLoop:
                 ids=parent.context_ids() + list(point.obs_ids),
                 tool_calls=int(parent.info.get("tool_calls", 0)), reward=float(parent.info.get("return", 0.0)),
                 notes=dict(point.notes)))
+            self.unclosed[opened[-1]] = None
             group.started += 1
         return opened
 
@@ -312,7 +313,7 @@ class _PromptLoop:
                 stats = group.stats[branch.tree]
                 stats.errors.append(f"{type(outcome).__name__}: {outcome}")
                 stats.dropped += 1
-                branch.env.close()
+                self.retire(branch)
                 continue
             turn, status, state = outcome
             node = self.record(branch, turn, status, state)
@@ -320,7 +321,7 @@ class _PromptLoop:
             if status is None:
                 still.append(branch)
             else:
-                branch.env.close()
+                self.retire(branch)
             still += self.open(points)
         return still
 
@@ -384,6 +385,11 @@ class _PromptLoop:
             last.info["status"] = "budget"
         else:
             stats.dropped += 1  # nothing of its own to end, or others already branch below its last turn
+        self.retire(branch)
+
+    def retire(self, branch: Branch) -> None:
+        """Close the env of a branch that has ended."""
+        del self.unclosed[branch]
         branch.env.close()
 
     def fork(self, tree: int, env: TokenEnv) -> TokenEnv:

@@ -1,0 +1,162 @@
+"""Rollout trees beside independent chains, with the embedded model on CPU.
+
+    python -m benchmarks.tree_bench [--json PATH] [--prompts N] [--max-new-tokens T]
+                                    [--max-response-tokens R] [--envs ID,ID] [--strategies NAME,NAME]
+
+For each environment and each strategy at its paper's budget (AT²PO's EntropyTree 10 + 2·6 = 22
+leaves, Tree-GRPO's RandomTree 2 trees × 3 leaves, ARPO's EntropyBranching 16, AEPO's
+EntropyBalancedBranching 16), the same prompts are rolled out by the strategy and by ``Chain``
+with the same number of leaves, one after the other on one HFEngine (SmolLM2-135M, float32,
+requests of concurrent branches batched). Reported per run:
+
+- leaves per prompt; generated tokens per leaf (pre-monitoring included) and its ratio to Chain;
+- wall time (the whole batch of prompts) beside Chain's;
+- environment forks made and the seconds spent in ``fork()``;
+- the fraction of prompts whose leaves' rewards are not all equal (groups with a learning
+  signal), beside Chain's.
+
+Limits are small so that the run fits on two cores: short turns (``--max-new-tokens``), a short
+response budget per path, two tool calls per episode. Sampling is at temperature 1 with a
+fixed rollout seed. The small model rarely solves these tasks, so rewards are mostly equal; the
+signal fractions are reported as measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+import agentenv
+from agentenv import TokenEnv
+from agents.diagnostics import rollout_metrics
+from agents.engines import HFEngine, SamplingParams
+from agents.models import DEFAULT_MODEL
+from agents.rollout import Episode
+from agents.strategies import (
+    Chain,
+    EntropyBalancedBranching,
+    EntropyBranching,
+    EntropyTree,
+    RandomTree,
+    Strategy,
+    TreeConfig,
+    rollout_trees,
+)
+
+#: The strategies at their papers' budgets, with the number of leaves per prompt that budget gives.
+STRATEGIES: dict[str, tuple[Strategy, int]] = {
+    "EntropyTree (AT2PO)": (EntropyTree(), 10 + 2 * 6),
+    "RandomTree (Tree-GRPO)": (RandomTree(), 2 * 3),
+    "EntropyBranching (ARPO)": (EntropyBranching(), 16),
+    "EntropyBalancedBranching (AEPO)": (EntropyBalancedBranching(), 16),
+}
+#: Environment options: two tool calls per episode (so at most four turns), the papers' rewards;
+#: one short search result, because every turn re-reads its whole context on CPU (no prefix cache).
+ENVS: dict[str, dict[str, Any]] = {
+    "multihop-qa": {"max_tool_calls": 2, "reward": "at2po", "topk": 1, "result_chars": 300},
+    "python-math": {"max_tool_calls": 2},
+}
+
+
+async def measure(engine: HFEngine, env: TokenEnv, strategy: Strategy, config: TreeConfig, prompts: int) -> dict:
+    """Roll the first ``prompts`` tasks of ``env`` out under ``strategy``; a summary of the batch."""
+    episodes = [Episode(env.fork(), options={"index": index}) for index in range(prompts)]
+    start = time.perf_counter()
+    results = await rollout_trees(engine, episodes, strategy, config)
+    seconds = time.perf_counter() - start
+    for episode in episodes:
+        episode.env.close()
+    record = rollout_metrics(results, seconds)
+    leaves = sum(len(prompt.leaves) for prompt in results)
+    stats = [stats for prompt in results for stats in prompt.stats]
+    return {
+        "leaves_per_prompt": record["tree/leaves_per_prompt"],
+        "tokens_per_leaf": record.get("tree/tokens_per_leaf", float("nan")),
+        "tokens": record["tokens/generated"],
+        "turns_per_prompt": sum(s.turns for s in stats) / prompts,
+        "tool_calls_per_prompt": sum(s.tool_calls for s in stats) / prompts,
+        "seconds": seconds,
+        "forks": sum(s.forks for s in stats),
+        "fork_seconds": sum(s.fork_seconds for s in stats),
+        "signal_frac": record.get("tree/signal_frac", 0.0),
+        "reward_mean": sum(leaf.reward for prompt in results for leaf in prompt.leaves) / max(1, leaves),
+        "errors": sum(len(s.errors) for s in stats) + record["tree/prompt_errors"],
+    }
+
+
+async def run(prompts: int, max_new_tokens: int, max_response_tokens: int, envs: list[str],
+              strategies: list[str]) -> dict[str, Any]:
+    engine = HFEngine(DEFAULT_MODEL, max_batch_size=32, seed=0)
+    config = TreeConfig(sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), seed=0,
+                        max_response_tokens=max_response_tokens)
+    rows = []
+    try:
+        for env_id in envs:
+            env = TokenEnv(agentenv.make(env_id, **ENVS[env_id]), engine.tokenizer)
+            chains: dict[int, dict] = {}  # Chain runs by leaf count, shared by strategies with equal budgets
+            for name in strategies:
+                strategy, leaves = STRATEGIES[name]
+                tree = await measure(engine, env, strategy, config, prompts)
+                if leaves not in chains:
+                    chains[leaves] = await measure(engine, env, Chain(leaves), config, prompts)
+                rows.append({"env": env_id, "strategy": name, "chain_leaves": leaves, "tree": tree,
+                             "chain": chains[leaves],
+                             "tokens_per_leaf_ratio": tree["tokens_per_leaf"] / chains[leaves]["tokens_per_leaf"]})
+            env.close()
+    finally:
+        await engine.close()
+    return {"config": {"model": DEFAULT_MODEL, "prompts": prompts, "max_new_tokens": max_new_tokens,
+                       "max_response_tokens": max_response_tokens, "temperature": 1.0, "seed": 0,
+                       "envs": {env_id: ENVS[env_id] for env_id in envs}},
+            "rows": rows}
+
+
+def print_table(results: dict[str, Any]) -> None:
+    config = results["config"]
+    print(f"{config['model']} on CPU, {config['prompts']} prompts per env, turns of at most "
+          f"{config['max_new_tokens']} tokens, {config['max_response_tokens']} tokens per path")
+    header = (f"{'env':<12}{'strategy':<33}{'leaves':>7}{'tok/leaf':>9}{'chain':>7}{'ratio':>7}"
+              f"{'wall s':>8}{'chain':>7}{'forks':>7}{'fork ms':>9}{'signal':>8}{'chain':>7}{'errors':>7}")
+    print(header)
+    for row in results["rows"]:
+        tree, chain = row["tree"], row["chain"]
+        print(f"{row['env']:<12}{row['strategy']:<33}{tree['leaves_per_prompt']:>7.1f}{tree['tokens_per_leaf']:>9.1f}"
+              f"{chain['tokens_per_leaf']:>7.1f}{row['tokens_per_leaf_ratio']:>7.2f}{tree['seconds']:>8.1f}"
+              f"{chain['seconds']:>7.1f}{tree['forks']:>7d}{1e3 * tree['fork_seconds']:>9.1f}"
+              f"{tree['signal_frac']:>8.2f}{chain['signal_frac']:>7.2f}{int(tree['errors'] + chain['errors']):>7d}")
+    print("leaves: per prompt; tok/leaf: generated tokens per leaf (tree, then Chain with as many leaves) and "
+          "their ratio;\nwall s: the batch (tree, Chain); forks and fork ms: the tree's env forks; signal: "
+          "fraction of prompts whose leaf rewards differ.")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--prompts", type=int, default=2, help="tasks per environment (default 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per turn (default 24)")
+    parser.add_argument("--max-response-tokens", type=int, default=128,
+                        help="tokens per root-to-leaf path, tool results included (default 128)")
+    parser.add_argument("--envs", default=",".join(ENVS), help=f"comma-separated, from {', '.join(ENVS)}")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help=f"comma-separated, from: {'; '.join(STRATEGIES)}")
+    args = parser.parse_args()
+    envs = [name.strip() for name in args.envs.split(",") if name.strip()]
+    strategies = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    unknown = [name for name in envs if name not in ENVS] + [name for name in strategies if name not in STRATEGIES]
+    if unknown:
+        parser.error(f"unknown env or strategy {unknown}; choose envs from {list(ENVS)} and strategies from "
+                     f"{list(STRATEGIES)}")
+    if args.prompts < 1 or args.max_new_tokens < 1 or args.max_response_tokens < 1:
+        parser.error("--prompts, --max-new-tokens and --max-response-tokens must be >= 1")
+    results = asyncio.run(run(args.prompts, args.max_new_tokens, args.max_response_tokens, envs, strategies))
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
