@@ -19,6 +19,8 @@ Per tree:
   the median H(n) of the turns open at that moment (random branching scores about 0.5);
 - ``node_entropy_mean``: mean H(n) over the tree's turns (H(n) = mean negative sampler
   log-prob of the turn's action, the Monte-Carlo estimate of ALGORITHMS.md);
+  ``segment_entropy_topk_mean``: mean of ARPO's and AEPO's segment entropy over the turns that
+  have one (``node.info["segment_entropy_topk"]``: top-k log-probs of the first tokens over ln|V|);
 - ``reward_mean``, ``reward_std`` (population), ``reward_min``, ``reward_max``,
   ``reward_spread`` (max − min) of the leaves;
 - ``tool_calls``, ``forks``, ``fork_s`` (seconds spent forking environments), ``errors``.
@@ -38,7 +40,11 @@ from agents.tree import RolloutTree
 if TYPE_CHECKING:
     from agents.strategies.base import BranchEvent, PromptTrees, TreeStats
 
-__all__ = ["rollout_metrics", "tree_metrics"]
+__all__ = ["SEGMENT_ENTROPY", "rollout_metrics", "tree_metrics"]
+
+#: Where ARPO and AEPO write a turn's segment entropy: ``node.info[SEGMENT_ENTROPY]``. The name
+#: says which estimate it is: top-k log-probs of the segment's first tokens, normalised by ln|V|.
+SEGMENT_ENTROPY = "segment_entropy_topk"
 
 
 def tree_metrics(tree: RolloutTree, stats: TreeStats | None = None,
@@ -66,6 +72,9 @@ def tree_metrics(tree: RolloutTree, stats: TreeStats | None = None,
         metrics["token_ratio"] = generated / chain_tokens
     if nodes:
         metrics["node_entropy_mean"] = math.fsum(node.entropy for node in nodes) / len(nodes)
+    segments = [node.info[SEGMENT_ENTROPY] for node in nodes if SEGMENT_ENTROPY in node.info]
+    if segments:
+        metrics["segment_entropy_topk_mean"] = math.fsum(segments) / len(segments)
     events = list(events)
     metrics["branches"] = float(len(events))
     for depth, count in sorted(Counter(event.depth for event in events).items()):

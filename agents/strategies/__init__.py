@@ -29,8 +29,8 @@ from agents.strategies.base import (
 )
 from agents.strategies.chain import Chain
 from agents.strategies.entropy_balanced import EntropyBalancedBranching, global_samples, penalized_branch_probability
+from agents.diagnostics import SEGMENT_ENTROPY
 from agents.strategies.entropy_branching import (
-    SEGMENT_ENTROPY,
     EntropyBranching,
     SegmentEntropyBranching,
     branch_probability,

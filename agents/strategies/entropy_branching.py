@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agents.diagnostics import SEGMENT_ENTROPY
 from agents.rollout import TurnRecord
 from agents.strategies.base import (
     Branch,
@@ -26,11 +27,7 @@ from agents.strategies.base import (
 from agents.strategies.loop import Probe
 from agents.tree import Node
 
-__all__ = ["EntropyBranching", "SegmentEntropyBranching", "branch_probability", "segment_entropy"]
-
-#: Where a turn's segment entropy is written: ``node.info[SEGMENT_ENTROPY]``. The name says which
-#: estimate it is: top-k log-probs of the first tokens, normalised by ln|V|.
-SEGMENT_ENTROPY = "segment_entropy_topk"
+__all__ = ["EntropyBranching", "SegmentEntropyBranching", "branch_probability", "clamp01", "segment_entropy"]
 
 
 def segment_entropy(top_logprobs: Sequence[Sequence[tuple[int, float]]], vocab_size: int, window: int = 20,

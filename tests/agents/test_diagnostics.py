@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from agents.diagnostics import rollout_metrics, tree_metrics
+from agents.diagnostics import SEGMENT_ENTROPY, rollout_metrics, tree_metrics
 from agents.metrics import GENERATED_TOKENS, ROLLOUT_TIME
 from agents.strategies import BranchEvent, PromptTrees, TreeStats
 from agents.tree import RolloutTree
@@ -14,10 +14,11 @@ from agents.tree import RolloutTree
 def worked_tree() -> RolloutTree:
     """Turn a (H 0.3) with leaves a1 (r 1, 3 tokens) and a2 (r 0, 1 token); turn b (H 0.1) answers (r 0.5)."""
     tree = RolloutTree([1, 2, 3])
-    a = tree.add_turn(tree.root, action_ids=[10, 11], logprobs=[-0.2, -0.4])
+    a = tree.add_turn(tree.root, action_ids=[10, 11], logprobs=[-0.2, -0.4], info={SEGMENT_ENTROPY: 0.25})
     tree.add_turn(a, obs_ids=[4], action_ids=[12, 13, 14], logprobs=[-0.5] * 3, terminal=True, reward=1.0)
     tree.add_turn(a, obs_ids=[4], action_ids=[15], logprobs=[-1.0], terminal=True, reward=0.0)
-    tree.add_turn(tree.root, action_ids=[16], logprobs=[-0.1], terminal=True, reward=0.5)
+    tree.add_turn(tree.root, action_ids=[16], logprobs=[-0.1], terminal=True, reward=0.5,
+                  info={SEGMENT_ENTROPY: 0.75})
     return tree
 
 
@@ -34,6 +35,7 @@ def test_tree_metrics_of_a_hand_built_tree():
         "chain_tokens": 9.0,  # (2 + 3) + (2 + 1) + 1: three chains would repeat turn a
         "token_ratio": 7 / 9,
         "node_entropy_mean": (0.3 + 0.5 + 1.0 + 0.1) / 4,
+        "segment_entropy_topk_mean": 0.5,  # over the two turns that have one
         "branches": 3.0,
         "branch_depth/0": 1.0,
         "branch_depth/1": 2.0,
