@@ -509,8 +509,9 @@ class Trainer:
     def resume(self, path: str | Path) -> dict[str, Any]:
         """Continue from a checkpoint: weights, optimiser, schedule, RNG and step; returns its data position.
 
-        Metrics of later steps (from a run that went on past the checkpoint) are dropped from
-        ``out_dir``. The engine is not synced here; the next :meth:`step` or
+        The following steps repeat the original run's bit for bit on the same hardware and
+        thread count (given the same batches). Metrics of later steps (from a run that went on
+        past the checkpoint) are dropped from ``out_dir``. The engine is not synced here; the next :meth:`step` or
         :meth:`sync_weights` does it.
         """
         with self._weights_changing():

@@ -133,8 +133,8 @@ def test_lora_checkpoint_holds_only_the_adapter(tmp_path):
 
     source = lora_model(1)
     optimizer = torch.optim.AdamW([p for p in source.parameters() if p.requires_grad])
-    path = save_checkpoint(tmp_path / "c", model=source, optimizer=optimizer, scheduler=get_scheduler("constant", optimizer),
-                           step=1)
+    scheduler = get_scheduler("constant", optimizer)
+    path = save_checkpoint(tmp_path / "c", model=source, optimizer=optimizer, scheduler=scheduler, step=1)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (path / "model").iterdir()}
     target = lora_model(2)
     load_checkpoint(path, model=target)
