@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m agentenv.demo
+	$(PY) -m agents.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

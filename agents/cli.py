@@ -39,10 +39,10 @@ def make_engine(kind: str, model: str, *, concurrency: int = DEFAULT_CONCURRENCY
 
         return VLLMEngine(model, max_num_seqs=concurrency, seed=seed or 0)
     if kind == "openai":
-        from agents.engines.openai import OpenAIEngine
-
         if base_url is None:
             raise ValueError("--engine openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
+        from agents.engines.openai import OpenAIEngine
+
         return OpenAIEngine(base_url, model)
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
 

@@ -41,6 +41,7 @@ __all__ = [
     "evaluate",
     "pass_at_k",
     "pass_ks",
+    "sampler_logprob_gap",
     "transcript",
 ]
 
@@ -327,3 +328,29 @@ def transcript(trajectory: Trajectory, tokenizer: Any) -> str:
     if trajectory.error:
         ending += f", error: {trajectory.error}"
     return "\n".join([*parts, ending])
+
+
+def sampler_logprob_gap(model: Any, trajectories: Sequence[Trajectory]) -> tuple[float, int]:
+    """Largest |sampler log-prob − a fresh forward pass of ``model``| over all action tokens, and their count.
+
+    The token-in-token-out check: the trainer recomputes log-probs on exactly the saved ids. The
+    engine's log-probs are those of greedy or temperature-1 sampling (``log_softmax(logits)``);
+    under another temperature they are not comparable with this forward pass.
+    """
+    import torch
+
+    gap, count = 0.0, 0
+    for trajectory in trajectories:
+        ids, mask, logprobs = trajectory.ids, trajectory.mask, trajectory.logprobs
+        positions = [t for t, m in enumerate(mask) if m]
+        if not positions:
+            continue
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids], device=model.device)).logits[0].float()
+        # The logits at position t-1 score token t (teacher forcing).
+        fresh = torch.log_softmax(logits[[t - 1 for t in positions]], dim=-1)
+        fresh = fresh[torch.arange(len(positions)), torch.tensor([ids[t] for t in positions])].cpu()
+        sampled = torch.tensor([logprobs[t] for t in positions], dtype=torch.float32)
+        gap = max(gap, (fresh - sampled).abs().max().item())
+        count += len(positions)
+    return gap, count

@@ -1,0 +1,92 @@
+"""The ``agents`` command: argument errors name the problem; ``agents eval`` runs the real model offline."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agents.cli import build_parser, main
+
+
+def run_main(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_subcommands_are_listed_and_one_is_required(capsys):
+    code, err = run_main(capsys)
+    assert code == 2 and "the following arguments are required: COMMAND" in err
+    assert "eval" in build_parser().format_help()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--env", "multihop-qa", "--samples", "2"], "--samples 2 with greedy decoding repeats one answer; add --temperature 1.0"),
+        (["--env", "multihop-qa", "--limit", "0"], "--limit must be >= 1, got 0"),
+        (["--env", "multihop-qa", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+        (["--env", " , "], "--env needs at least one environment id"),
+        (["--env", "multihop-qa,nope-qa"], "No environment registered as 'nope-qa'"),
+        (["--env", "multihop-qa", "--engine", "openai"], "--engine openai needs --base-url"),
+        (["--env", "multihop-qa", "--model", "/no/such/folder"], "model path '/no/such/folder' is not a directory"),
+    ],
+)
+def test_bad_eval_arguments_exit_2_naming_the_problem(capsys, argv, message):
+    code, err = run_main(capsys, "eval", *argv)
+    assert code == 2
+    assert err.startswith("agents eval: error: ") and message in err
+
+
+def test_an_unknown_engine_is_refused_by_the_parser(capsys):
+    code, err = run_main(capsys, "eval", "--env", "multihop-qa", "--engine", "tgi")
+    assert code == 2 and "invalid choice: 'tgi'" in err
+
+
+@pytest.mark.slow
+def test_agents_eval_runs_the_embedded_model_offline_and_saves_exact_trajectories(tmp_path):
+    """The real command, end to end: a transcript and the table, JSON results, JSONL trajectories
+    whose sampler log-probs a fresh forward pass of the model reproduces."""
+    import torch
+
+    from agents.models import load_model
+
+    results, saved = tmp_path / "results.json", tmp_path / "trajectories.jsonl"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "agents", "eval", "--env", "multihop-qa", "--model", "smollm2-135m", "--limit", "2",
+         "--max-new-tokens", "12", "--max-response-tokens", "40", "--concurrency", "2", "--no-progress",
+         "--json", str(results), "--save-trajectories", str(saved)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("=== transcript: multihop-qa question 0 sample 0\n--- prompt (")
+    assert "--- turn 1: model (" in out
+    table_head = next(line for line in out.splitlines() if line.startswith("env "))
+    assert table_head.split()[:6] == ["env", "questions", "EM", "%", "F1", "%"]
+    assert f"results written to {results}" in out and f"2 trajectories written to {saved}" in out
+
+    report = json.loads(results.read_text())
+    assert (report["model"], report["engine"], report["envs"], report["limit"]) == ("smollm2-135m", "hf", ["multihop-qa"], 2)
+    assert report["results"]["multihop-qa"]["questions"] == 2 and report["sampling"]["temperature"] == 0
+    assert [q["index"] for q in report["questions"]] == [0, 1]
+
+    records = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert sorted(tuple(r["key"]) for r in records) == [("multihop-qa", 0, 0), ("multihop-qa", 1, 0)]
+    model = load_model("smollm2-135m")
+    for record in records:
+        ids, mask, logprobs = record["ids"], record["mask"], record["logprobs"]
+        assert len(ids) == len(mask) == len(logprobs) and record["text"].startswith("<|im_start|>system")
+        assert record["question"] and record["answers"] and record["status"] in ("terminated", "truncated", "budget")
+        assert [lp is None for lp in logprobs] == [m == 0 for m in mask] and sum(mask) > 0
+        prompt = mask.index(1)
+        assert sum(1 for m in mask[prompt:] if m == 0) + sum(mask) <= 40  # the response budget
+        with torch.no_grad():
+            fresh = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        positions = [t for t, m in enumerate(mask) if m]
+        recomputed = fresh[torch.tensor(positions) - 1, torch.tensor([ids[t] for t in positions])]
+        sampled = torch.tensor([logprobs[t] for t in positions])
+        assert (recomputed - sampled).abs().max().item() <= 1e-3
