@@ -91,7 +91,12 @@ class EnvSpec:
             inspect.signature(factory).bind(**kwargs)
         except TypeError as e:
             raise TypeError(f"make({self.id!r}): {e}") from None
-        env = factory(**kwargs)
+        try:
+            env = factory(**kwargs)
+        except TypeError as e:
+            if "unexpected keyword argument" not in str(e):
+                raise
+            raise TypeError(f"make({self.id!r}): {e}") from None  # an override the environment does not take
         if not isinstance(env, Env):
             raise TypeError(f"the entry point of {self.id!r} returned {type(env).__name__}, not an agentenv.Env")
         env.spec = dataclasses.replace(gymnasium.spec(self.gymnasium_id), kwargs=kwargs)

@@ -16,9 +16,8 @@ from sandboxes import Limits, Sandbox
 
 from agentenv.datasets import load_examples
 from agentenv.graders import grade
-from agentenv.parsers import ToolCallParser
 from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
-from agentenv.tool_env import DEFAULT_MAX_OBS_CHARS, DEFAULT_MAX_TOOL_CALLS, ToolEnv
+from agentenv.tool_env import ToolEnv
 from agentenv.tools import Tool
 
 __all__ = ["MATH_PROMPT_TEMPLATE", "MathEnv"]
@@ -44,7 +43,9 @@ class MathEnv(ToolEnv):
         timeout: Wall-clock seconds per code call.
         tools: Extra tools besides ``python``.
         reward: ``"math"`` (1 if equivalent) by default; any scheme of :mod:`agentenv.rewards`.
-        The rest as in :class:`~agentenv.tool_env.ToolEnv`.
+        prompt_template: The prompt (the papers' tags, a math problem).
+        **options: The options of :class:`~agentenv.tool_env.ToolEnv` (``parser``,
+            ``max_tool_calls``, ``max_turns``, ``max_obs_chars``, …).
     """
 
     def __init__(
@@ -56,25 +57,17 @@ class MathEnv(ToolEnv):
         limits: Limits | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         tools: Sequence[Tool | Callable[..., Any]] = (),
-        parser: str | ToolCallParser = "xml",
         reward: str | Callable[..., float] = "math",
-        max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
-        max_turns: int | None = None,
-        max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
         prompt_template: str = MATH_PROMPT_TEMPLATE,
-        render_mode: str | None = None,
+        **options: Any,
     ) -> None:
         super().__init__(
             load_examples(data if data is not None else dataset),
             [python_tool(sandbox, limits=limits, timeout=timeout), *tools],
-            parser=parser,
             reward=reward,
             grader=functools.partial(grade, math=True),
-            max_tool_calls=max_tool_calls,
-            max_turns=max_turns,
-            max_obs_chars=max_obs_chars,
             prompt_template=prompt_template,
-            render_mode=render_mode,
+            **options,
         )
 
     def example_argument(self, tool: Tool, task: Any) -> str:

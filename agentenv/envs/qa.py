@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.datasets import Example, Paragraph, load_examples, union_corpus
-from agentenv.parsers import ToolCallParser
 from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
 from agentenv.search import BM25Search, SearchBackend, load_corpus, search_tool
-from agentenv.tool_env import DEFAULT_MAX_OBS_CHARS, DEFAULT_MAX_TOOL_CALLS, PROMPT_TEMPLATE, ToolEnv
+from agentenv.tool_env import ToolEnv
 from agentenv.tools import Tool
 from agentenv.web_search import CachedSearch, CacheMode, DuckDuckGoSearch, RemoteSearch, ResultCache
 
@@ -71,7 +70,9 @@ class QAEnv(ToolEnv):
         topk: Passages per search (AT²PO: 3).
         result_chars: Each passage cut to about this many characters.
         tools: Extra tools besides ``search``.
-        The rest as in :class:`~agentenv.tool_env.ToolEnv`.
+        reward: A scheme name (default ``"em"``) or a callable.
+        **options: The options of :class:`~agentenv.tool_env.ToolEnv` (``parser``,
+            ``max_tool_calls``, ``max_turns``, ``max_obs_chars``, ``require_boxed``, …).
     """
 
     def __init__(
@@ -84,31 +85,15 @@ class QAEnv(ToolEnv):
         topk: int = DEFAULT_TOPK,
         result_chars: int = DEFAULT_RESULT_CHARS,
         tools: Sequence[Tool | Callable[..., Any]] = (),
-        parser: str | ToolCallParser = "xml",
         reward: str | Callable[..., float] = "em",
-        require_boxed: bool = True,
-        max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
-        max_turns: int | None = None,
-        max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
-        prompt_template: str = PROMPT_TEMPLATE,
-        render_mode: str | None = None,
+        **options: Any,
     ) -> None:
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
         examples = load_examples(data if data is not None else dataset)
         self.backend = make_search_backend(search, examples, corpus)
-        super().__init__(
-            examples,
-            [search_tool(self.backend, topk=topk, max_chars=result_chars), *tools],
-            parser=parser,
-            reward=reward,
-            require_boxed=require_boxed,
-            max_tool_calls=max_tool_calls,
-            max_turns=max_turns,
-            max_obs_chars=max_obs_chars,
-            prompt_template=prompt_template,
-            render_mode=render_mode,
-        )
+        super().__init__(examples, [search_tool(self.backend, topk=topk, max_chars=result_chars), *tools],
+                         reward=reward, **options)
 
 
 def tool_qa(

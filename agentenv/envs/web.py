@@ -29,11 +29,10 @@ from urllib.parse import quote_plus
 from agentenv.browse import DEFAULT_PAGE_CHARS, DEFAULT_TIMEOUT, Browser, browse_tool
 from agentenv.datasets import Example, load_examples
 from agentenv.envs.qa import local_passages, make_search_backend
-from agentenv.parsers import ToolCallParser
 from agentenv.rewards import RewardScheme
 from agentenv.search import SearchBackend
 from agentenv.serve.web import LOCAL_WEB_URL, LocalWeb, LocalWebSearch
-from agentenv.tool_env import DEFAULT_MAX_OBS_CHARS, DEFAULT_MAX_TOOL_CALLS, PROMPT_TEMPLATE, ToolEnv
+from agentenv.tool_env import ToolEnv
 from agentenv.tools import Tool, as_tool
 from agentenv.web_search import CacheMode, ResultCache, web_search_tool
 
@@ -60,7 +59,8 @@ class WebResearchEnv(ToolEnv):
         reward: A scheme name or callable; ``"aepo"`` gives AEPO's F1 with −1 for a bad format
             and +0.1 when the answer is right and every tool of this environment was used.
         tools: Extra tools besides ``search`` and ``browse``.
-        The rest as in :class:`~agentenv.tool_env.ToolEnv`.
+        **options: The options of :class:`~agentenv.tool_env.ToolEnv` (``parser``,
+            ``max_tool_calls``, ``max_turns``, ``max_obs_chars``, ``require_boxed``, …).
     """
 
     def __init__(
@@ -77,14 +77,8 @@ class WebResearchEnv(ToolEnv):
         browse_timeout: float = DEFAULT_TIMEOUT,
         page_chars: int = DEFAULT_PAGE_CHARS,
         tools: Sequence[Tool | Callable[..., Any]] = (),
-        parser: str | ToolCallParser = "xml",
         reward: str | Callable[..., float] = "f1",
-        require_boxed: bool = True,
-        max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
-        max_turns: int | None = None,
-        max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
-        prompt_template: str = PROMPT_TEMPLATE,
-        render_mode: str | None = None,
+        **options: Any,
     ) -> None:
         if topk < 1 or snippet_chars < 1:
             raise ValueError(f"topk and snippet_chars must be >= 1, got {topk} and {snippet_chars}")
@@ -106,14 +100,8 @@ class WebResearchEnv(ToolEnv):
         super().__init__(
             examples,
             [web_search_tool(self.backend, topk=topk, max_chars=snippet_chars), browse_tool(self.browser), *extra],
-            parser=parser,
             reward=reward,
-            require_boxed=require_boxed,
-            max_tool_calls=max_tool_calls,
-            max_turns=max_turns,
-            max_obs_chars=max_obs_chars,
-            prompt_template=prompt_template,
-            render_mode=render_mode,
+            **options,
         )
 
     def example_argument(self, tool: Tool, task: Example) -> str:

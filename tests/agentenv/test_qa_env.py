@@ -218,3 +218,8 @@ async def test_async_steps_do_not_block_each_other():
     assert (first[0], second[0]) == ("first", "second")
     with pytest.raises(RuntimeError, match=r"use the async form instead"):
         envs[0].step("<search>x</search>")
+
+
+def test_unknown_override_is_named():
+    with pytest.raises(TypeError, match=r"make\('multihop-qa'\): ToolEnv.__init__\(\) got an unexpected keyword argument 'max_tool_cals'"):
+        agentenv.make("multihop-qa", max_tool_cals=3)
