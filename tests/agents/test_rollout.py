@@ -411,3 +411,47 @@ def test_the_papers_token_limits_are_the_defaults():
     config = RolloutConfig()
     assert (config.max_prompt_tokens, config.max_response_tokens) == (DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS)
     assert (DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS) == (2000, 6192)
+
+
+async def test_take_turn_resumes_an_episode_from_a_kept_state_without_touching_the_original():
+    from agents.rollout import take_turn
+
+    trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 2}))
+    second = trajectory.turns[1]
+    context = second.state.sequence()[0]
+    assert context == trajectory.ids[: second.action_span[0]]
+
+    wrong = ScriptEngine(lambda prompt, turn: "<answer> \\boxed{7} </answer>")
+    turn, status = await take_turn(wrong, second.state.fork(), context, RolloutConfig(sampling=GREEDY),
+                                   prompt_length=len(trajectory.prompt_ids), seed=11, max_new_tokens=40)
+    assert status == "terminated" and turn.reward == 0.0 and turn.info["grade"]["answer"] == "7"
+    assert turn.action_ids == ids_of("<answer> \\boxed{7} </answer>") and len(turn.action_ids) < 40
+    assert turn.action_span == (len(context), len(context) + len(turn.action_ids)) and turn.obs_ids == []
+    (prompt, params), = wrong.requests
+    assert prompt == context and (params.seed, params.max_new_tokens) == (11, 40)
+    assert trajectory.reward == 1.0 and second.state.sequence()[0] == context  # both untouched
+
+
+async def test_take_turn_reports_a_used_up_budget_and_refuses_a_turn_beyond_it():
+    from agents.rollout import take_turn
+
+    env = make_env()
+    prompt, _ = await env.areset(options={"index": 0})
+    action = ids_of(SEARCH_THEN_ANSWER[0])
+    obs_len = len(TOK.encode("\n<result>\nx is 42\n</result>\n"))
+    config = RolloutConfig(max_response_tokens=len(action) + obs_len)  # exactly one call and its result
+    turn, status = await take_turn(ScriptEngine(), env, prompt, config, prompt_length=len(prompt))
+    assert status == "budget" and len(turn.obs_ids) == obs_len and "obs_cut" not in turn.info
+    with pytest.raises(ValueError, match="used its max_response_tokens"):
+        await take_turn(ScriptEngine(), env, prompt + action + turn.obs_ids, config, prompt_length=len(prompt))
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        await take_turn(ScriptEngine(), make_env(), prompt, RolloutConfig(), prompt_length=len(prompt), max_new_tokens=0)
+
+
+def test_the_package_exports_the_loop_lazily():
+    import agents
+    from agents.rollout import run_episodes as direct
+
+    assert agents.run_episodes is direct and "Trajectory" in agents.__all__
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        agents.nope
