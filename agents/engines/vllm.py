@@ -221,6 +221,13 @@ class VLLMEngine(Engine):
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
 
     def _stop_loop(self) -> None:
+        async def cancel_pending() -> None:  # vLLM's output-queue task, aborted requests
+            pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_pending(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
