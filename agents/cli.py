@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ def make_engine(kind: str, model: str, *, concurrency: int = DEFAULT_CONCURRENCY
             raise ValueError("--engine openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
         from agents.engines.openai import OpenAIEngine
 
-        return OpenAIEngine(base_url, model)
+        return OpenAIEngine(base_url, model, tokenizer=tokenizer, api_key=os.environ.get("OPENAI_API_KEY"))
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
 
 
@@ -74,7 +75,8 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--episode-timeout", type=float, help="seconds per episode before it is recorded as a timeout")
     p.add_argument("--seed", type=int, help="seed of sampled decoding (each episode and turn gets its own)")
     p.add_argument("--device", default="cpu", help="device of --engine hf (default cpu)")
-    p.add_argument("--base-url", help="server of --engine openai, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--base-url", help="server of --engine openai, e.g. http://127.0.0.1:8000/v1 "
+                                      "(an API key is read from $OPENAI_API_KEY)")
     p.add_argument("--tokenizer", help="tokenizer name or folder when it differs from --model (e.g. a served model's)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     p.add_argument("--save-trajectories", type=Path, metavar="PATH",

@@ -295,6 +295,7 @@ async def evaluate(
                 list(trajectory.info.get("answers") or [])))
             question.samples.append(sample)
             trajectories.append(trajectory)
+            episodes[trajectory.index].env.close()  # its fork may hold tools with processes (sandboxes)
             if on_trajectory is not None:
                 on_trajectory(trajectory)
             correct += sample.em == 1.0

@@ -379,7 +379,12 @@ async def _play(engine: Engine, episode: Episode, config: RolloutConfig, traject
     while True:
         state = env.fork() if config.keep_states else None
         seed = None if base_seed is None else _turn_seed(base_seed, trajectory.index, len(trajectory.turns))
-        turn, status = await take_turn(engine, env, ids, config, prompt_length=len(prompt_ids), seed=seed, state=state)
+        try:
+            turn, status = await take_turn(engine, env, ids, config, prompt_length=len(prompt_ids), seed=seed, state=state)
+        except BaseException:
+            if state is not None:
+                state.close()  # a fork may hold a process (a sandbox); no turn keeps it
+            raise
         ids += turn.action_ids
         ids += turn.obs_ids
         trajectory.turns.append(turn)

@@ -90,3 +90,52 @@ def test_agents_eval_runs_the_embedded_model_offline_and_saves_exact_trajectorie
         recomputed = fresh[torch.tensor(positions) - 1, torch.tensor([ids[t] for t in positions])]
         sampled = torch.tensor([logprobs[t] for t in positions])
         assert (recomputed - sampled).abs().max().item() <= 1e-3
+
+
+@pytest.mark.slow  # the real SmolLM2 tokenizer
+def test_agents_eval_talks_to_an_openai_compatible_server(tmp_path, capsys):
+    """--engine openai against a server on 127.0.0.1 that answers every request with one final answer."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from agents.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    answer = tok.encode("<answer> \\boxed{Chief of Protocol} </answer>", add_special_tokens=False) + [tok.eos_token_id]
+    requests = []
+
+    async def completions(request):
+        body = await request.json()
+        requests.append(body)
+        return web.json_response({"choices": [{
+            "token_ids": answer, "finish_reason": "stop", "stop_reason": None,
+            "logprobs": {"token_logprobs": [-0.25] * len(answer), "top_logprobs": None}}]})
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        saved = tmp_path / "t.jsonl"
+        code = main(["eval", "--env", "multihop-qa", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}",
+                     "--model", "smollm2-135m", "--limit", "2", "--no-progress", "--save-trajectories", str(saved)])
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.splitlines()[-2].split()[:4] == ["multihop-qa", "2", "50.00", "50.00"]  # question 0's gold answer
+    assert len(requests) == 2 and {r["model"] for r in requests} == {"smollm2-135m"}
+    assert all(r["stop"] == ["</search>"] and r["temperature"] == 0 and r["max_tokens"] == 512 for r in requests)
+    records = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert sorted(r["ids"][-len(answer):] == answer for r in records) == [True, True]
+    assert all(r["logprobs"][-len(answer):] == [-0.25] * len(answer) for r in records)

@@ -455,3 +455,23 @@ def test_the_package_exports_the_loop_lazily():
     assert agents.run_episodes is direct and "Trajectory" in agents.__all__
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         agents.nope
+
+
+async def test_the_state_forked_for_a_failing_turn_is_closed():
+    closed = []
+
+    class FailingStep(Env):
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return "Q: fails", {}
+
+        def step(self, action):
+            raise OSError("tool crashed")
+
+        def fork(self):
+            child = FailingStep()
+            child.close = lambda: closed.append("fork")
+            return child
+
+    trajectory = await run_episode(ScriptEngine(), Episode(TokenEnv(FailingStep(), TOK)), RolloutConfig(keep_states=True))
+    assert trajectory.error == "OSError: tool crashed" and closed == ["fork"]
