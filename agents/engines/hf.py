@@ -77,8 +77,9 @@ _CLOSE = object()
 class HFEngine(Engine):
     """A transformers causal LM behind the :class:`Engine` interface (CPU or GPU).
 
-    ``model`` is a model name (see :func:`agents.models.resolve_model`) or a loaded model to
-    share; with a loaded model pass its ``tokenizer`` too. ``max_batch_size`` caps the rows of
+    ``model`` is a model name (see :func:`agents.models.resolve_model`), loaded in ``dtype`` on
+    ``device``, or a loaded model to share (used as it is); with a loaded model pass its
+    ``tokenizer`` too. ``max_batch_size`` caps the rows of
     one forward pass; ``batch_window_s`` is how long an idle worker waits for more requests
     before starting a batch; ``seed`` seeds the generator of requests without their own seed.
     """
@@ -319,7 +320,7 @@ class SampledTokens:
     token_ids: torch.Tensor  # [rows]
     logprobs: torch.Tensor  # [rows] log-prob of each sampled id under its sampling distribution
     top_logprobs: list[list[tuple[int, float]]]  # per row, the largest requested top-k, best first
-    entropies: torch.Tensor  # [rows] entropy of the full temperature-scaled distribution
+    entropies: torch.Tensor | None  # [rows] entropy of the full temperature-scaled distribution, if asked
 
 
 def sample_next_tokens(
@@ -335,9 +336,12 @@ def sample_next_tokens(
     temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
     scaled = logits / temperature[:, None]
     full_logprobs = torch.log_softmax(scaled, dim=-1)
-    # H = -Σ p log p over the whole vocabulary (the exact token entropy of ALGORITHMS.md).
-    entropies = -(full_logprobs.exp() * full_logprobs).sum(-1)
-    logprobs = torch.log_softmax(_filter_top_k_top_p(scaled, params), dim=-1)
+    filtered = _filter_top_k_top_p(scaled, params)
+    logprobs = full_logprobs if filtered is scaled else torch.log_softmax(filtered, dim=-1)
+    entropies = None
+    if any(p.return_entropy for p in params):
+        # H = -Σ p log p over the whole vocabulary (the exact token entropy of ALGORITHMS.md).
+        entropies = -(full_logprobs.exp() * full_logprobs).sum(-1)
     token_ids = logits.argmax(-1)
     for row, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:

@@ -183,7 +183,8 @@ class VLLMEngine(Engine):
         )
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load ``state_dict`` (transformers names) into every worker, then reset the prefix cache."""
+        """Load ``state_dict`` (transformers names; a partial dict updates only those tensors) into
+        every worker, then reset the prefix cache."""
         shm = Path("/dev/shm")
         with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as folder:
             path = os.path.join(folder, "weights.pt")

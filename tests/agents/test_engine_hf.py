@@ -38,7 +38,7 @@ def test_greedy_takes_argmax_and_reports_temperature_one_logprobs():
 
 
 def test_temperature_scales_logprobs_and_entropy():
-    out = sample([SamplingParams(temperature=2.0)])
+    out = sample([SamplingParams(temperature=2.0, return_entropy=True)])
     scaled = log_softmax([1.0, 0.5, 0.0, -0.5])
     assert out.logprobs.item() == pytest.approx(scaled[out.token_ids.item()], abs=1e-6)
     assert out.entropies.item() == pytest.approx(-sum(math.exp(v) * v for v in scaled), abs=1e-6)
@@ -52,7 +52,7 @@ def test_top_k_and_top_p_renormalise_over_what_they_keep():
     assert top_k.top_logprobs[0][2][1] == -math.inf
     # p(0) = 0.6439 >= 0.5: the nucleus is token 0 alone; at 0.7 it also needs token 1.
     assert sample([SamplingParams(top_p=0.5)] * 32).logprobs.tolist() == [0.0] * 32
-    nucleus = sample([SamplingParams(top_p=0.7, logprobs_topk=2)])
+    nucleus = sample([SamplingParams(top_p=0.7, logprobs_topk=2, return_entropy=True)])
     assert nucleus.top_logprobs[0][0][1] == pytest.approx(-0.313262, abs=1e-6)
     # Entropy stays that of the full temperature-scaled distribution.
     assert nucleus.entropies.item() == pytest.approx(-sum(math.exp(v) * v for v in log_softmax([2, 1, 0, -1])), abs=1e-6)

@@ -266,8 +266,9 @@ async def test_overshoot_of_a_merged_closing_token(tokenizer):
 
 @pytest.mark.slow
 async def test_update_weights_without_restart(engine, prompts, trainer_model):
-    original = {name: tensor.clone() for name, tensor in trainer_model.state_dict().items()}
-    perturbed = {name: t * 0.5 if ".layers.3." in name else t for name, t in original.items()}
+    # A partial state dict, as a LoRA trainer sends (only the layers it changed).
+    original = {name: t.clone() for name, t in trainer_model.state_dict().items() if ".layers.3." in name}
+    perturbed = {name: t * 0.5 for name, t in original.items()}
     if isinstance(engine, OpenAIEngine):
         with pytest.raises(TypeError, match="OpenAIEngine cannot load weights from a trainer"):
             await engine.update_weights(perturbed)
@@ -275,14 +276,14 @@ async def test_update_weights_without_restart(engine, prompts, trainer_model):
     params = SamplingParams(temperature=0, max_new_tokens=8)
     before = await engine.generate(prompts[0], params)
     try:
-        trainer_model.load_state_dict(perturbed)
+        trainer_model.load_state_dict(perturbed, strict=False)
         await engine.update_weights(perturbed)
         after = await engine.generate(prompts[0], params)
         _, expected = forward_logprobs(trainer_model, prompts[0], after)
         assert (expected - torch.tensor(after.logprobs)).abs().max() <= 1e-3
         assert abs(after.logprobs[0] - before.logprobs[0]) > 0.1  # the new weights are in use
     finally:
-        trainer_model.load_state_dict(original)
+        trainer_model.load_state_dict(original, strict=False)
         await engine.update_weights(original)
     restored = await engine.generate(prompts[0], params)
     assert restored.token_ids == before.token_ids and restored.logprobs == pytest.approx(before.logprobs, abs=1e-5)

@@ -1,0 +1,136 @@
+"""Engine throughput at 1, 8 and 32 concurrent requests beside sequential generation, and exactness.
+
+    python -m benchmarks.engine_bench [--engines hf,vllm] [--concurrency 1,8,32] [--new-tokens 48] [--json PATH]
+
+For each engine: the same sampled requests (temperature 1, one seed each) are run one after
+another (the sequential baseline, what a loop without batching gets) and then N at a time;
+the table gives generated tokens per second and the ratio to sequential. The last column is
+the largest difference between the engine's log-probs and a fresh float32 forward pass of a
+separately loaded transformers model over the returned ids (the trainer's recomputation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+import torch
+
+from agents.engines import Completion, Engine, HFEngine, SamplingParams
+from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in one paragraph.",
+    "Write a short poem about autumn.",
+    "Who wrote Hamlet, and when?",
+    "List three uses of copper.",
+    "Why is the sky blue?",
+    "Describe a cat to someone who has never seen one.",
+    "What is 17 times 23? Show your steps.",
+]
+
+
+def make_engine(name: str) -> Engine:
+    if name == "hf":
+        return HFEngine(DEFAULT_MODEL, max_batch_size=32)
+    if name == "vllm":
+        from agents.engines.vllm import VLLMEngine
+
+        return VLLMEngine(DEFAULT_MODEL, max_model_len=2048, max_num_seqs=32)
+    raise ValueError(f"unknown engine {name!r}; choose hf or vllm")
+
+
+def requests(tokenizer, n: int, new_tokens: int) -> list[tuple[list[int], SamplingParams]]:
+    out = []
+    for i in range(n):
+        chat = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+        out.append((prompt, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=1000 + i)))
+    return out
+
+
+async def timed(engine: Engine, batch: list[tuple[list[int], SamplingParams]], concurrent: bool):
+    start = time.perf_counter()
+    if concurrent:
+        done = await asyncio.gather(*(engine.generate(p, s) for p, s in batch))
+    else:
+        done = [await engine.generate(p, s) for p, s in batch]
+    return list(done), time.perf_counter() - start
+
+
+def logprob_mismatch(model, batch, completions: list[Completion]) -> float:
+    """Largest |sampler log-prob − forward-pass log-prob| over all returned tokens (temperature 1)."""
+    worst = 0.0
+    with torch.no_grad():
+        for (prompt, _), completion in zip(batch, completions):
+            logits = model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+            worst = max(worst, (expected - torch.tensor(completion.logprobs)).abs().max().item())
+    return worst
+
+
+async def bench_engine(name: str, concurrency: list[int], new_tokens: int, sequential_requests: int, trainer_model, tokenizer):
+    start = time.perf_counter()
+    engine = make_engine(name)
+    startup_s = time.perf_counter() - start
+    rows = []
+    try:
+        await engine.generate(*requests(tokenizer, 1, 4)[0])  # warm-up
+        batch = requests(tokenizer, sequential_requests, new_tokens)
+        done, seconds = await timed(engine, batch, concurrent=False)
+        tokens = sum(len(c.token_ids) for c in done)
+        sequential_rate = tokens / seconds
+        rows.append(dict(engine=name, mode="sequential", requests=len(batch), tokens=tokens, seconds=seconds,
+                         tokens_per_s=sequential_rate, vs_sequential=1.0, max_abs_logprob_diff=logprob_mismatch(trainer_model, batch, done)))
+        for n in concurrency:
+            batch = requests(tokenizer, n, new_tokens)
+            done, seconds = await timed(engine, batch, concurrent=True)
+            tokens = sum(len(c.token_ids) for c in done)
+            rows.append(dict(engine=name, mode=f"{n} concurrent", requests=n, tokens=tokens, seconds=seconds,
+                             tokens_per_s=tokens / seconds, vs_sequential=tokens / seconds / sequential_rate,
+                             max_abs_logprob_diff=logprob_mismatch(trainer_model, batch, done)))
+    finally:
+        await engine.close()
+    return startup_s, rows
+
+
+def print_table(rows: list[dict], startup: dict[str, float]) -> None:
+    header = f"{'engine':<6} {'mode':<14} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'× sequential':>13} {'max |Δ logprob|':>16}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['engine']:<6} {r['mode']:<14} {r['requests']:>8} {r['tokens']:>7} {r['seconds']:>8.1f} "
+              f"{r['tokens_per_s']:>9.1f} {r['vs_sequential']:>13.2f} {r['max_abs_logprob_diff']:>16.2e}")
+    print("start-up: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf, vllm")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts run at once")
+    parser.add_argument("--new-tokens", type=int, default=48, help="max new tokens per request")
+    parser.add_argument("--sequential-requests", type=int, default=4, help="requests in the sequential baseline")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    trainer_model = load_model(DEFAULT_MODEL)
+    concurrency = [int(n) for n in args.concurrency.split(",")]
+    rows, startup = [], {}
+    for name in args.engines.split(","):
+        startup[name], engine_rows = asyncio.run(
+            bench_engine(name, concurrency, args.new_tokens, args.sequential_requests, trainer_model, tokenizer)
+        )
+        rows += engine_rows
+    print_table(rows, startup)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "startup_s": startup, "new_tokens": args.new_tokens, "cpu_count": os.cpu_count()}, f, indent=2)
+
+
+if __name__ == "__main__":  # vLLM spawns its workers; the guard keeps them from rerunning this
+    main()
