@@ -19,7 +19,8 @@ its error instead of stopping the others. Cancelling the caller cancels every ru
 Token budget (the papers' limits, ALGORITHMS.md "Limits"): a prompt longer than
 ``max_prompt_tokens`` (2000) is an error; the response, tool results included, is capped at
 ``max_response_tokens`` (6192): each turn may sample at most what is left, an observation that
-would overrun the budget is cut to fit, and the episode then ends with status ``"budget"``.
+would overrun the budget is cut to fit, and the episode ends with status ``"budget"`` as soon as
+no token is left.
 
 Example::
 
