@@ -115,12 +115,13 @@ async def test_concurrent_requests_share_forward_passes(engine, prompts):
 
 @pytest.mark.slow
 async def test_requests_joining_a_running_batch_get_the_same_tokens(engine, prompts):
-    alone = [await engine.generate(p, greedy(10)) for p in prompts]
+    alone = [await engine.generate(p, greedy(8)) for p in prompts[:3]]
     passes = engine.stats.decode_passes
-    first = asyncio.create_task(engine.generate(prompts[0], greedy(10)))
-    while engine.stats.decode_passes < passes + 3:  # wait until the first request is decoding
+    first = asyncio.create_task(engine.generate(prompts[0], greedy(8)))
+    while engine.stats.decode_passes < passes + 3 and not first.done():  # until it is decoding
         await asyncio.sleep(0.01)
-    joined = await asyncio.gather(first, *(engine.generate(p, greedy(10)) for p in prompts[1:]))
+    assert not first.done()
+    joined = await asyncio.gather(first, *(engine.generate(p, greedy(8)) for p in prompts[1:3]))
     assert [c.token_ids for c in joined] == [c.token_ids for c in alone]
     assert [c.logprobs for c in joined] == [pytest.approx(c.logprobs, abs=1e-4) for c in alone]
 
@@ -128,8 +129,9 @@ async def test_requests_joining_a_running_batch_get_the_same_tokens(engine, prom
 @pytest.mark.slow
 async def test_a_cancelled_request_leaves_the_batch(engine, prompts):
     long = asyncio.create_task(engine.generate(prompts[0], SamplingParams(temperature=1.0, max_new_tokens=400, seed=1)))
-    while engine.stats.decode_passes < 3:
+    while engine.stats.decode_passes < 3 and not long.done():
         await asyncio.sleep(0.01)
+    assert not long.done()
     long.cancel()
     with pytest.raises(asyncio.CancelledError):
         await long
