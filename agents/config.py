@@ -1,0 +1,391 @@
+"""The configuration of a training run: every hyper-parameter, named presets, files and overrides.
+
+A run is described by one :class:`TrainConfig`. Its top-level fields say what to train on what
+(``algo``, ``env``, ``model``, ``engine``, ``steps``, ``prompts_per_step``, …); its sections
+override the hyper-parameters of the parts the run is built from:
+
+==============  =======================================================================
+section         what it sets
+==============  =======================================================================
+``strategy``    fields of the learner's rollout strategy (``M``, ``K`` of EntropyTree, …)
+``credit``      fields of the learner's credit assignment (``backup`` of TurnwiseCredit, …)
+``loss``        the loss's keyword hyper-parameters (``eps_high``, …), plus ``kl_coef``
+                and ``entropy_coef``
+``trainer``     fields of :class:`agents.trainer.TrainerConfig` (``lr``, ``mini_batches``, …)
+``sampling``    fields of :class:`agents.engines.SamplingParams` (``temperature``, …)
+``rollout``     fields of :class:`agents.strategies.TreeConfig` (``max_response_tokens``,
+                ``concurrency``, ``turn_timeout``; ``budget`` as a dict of
+                :class:`agents.strategies.Budget` fields)
+``env_kwargs``  keyword arguments of ``agentenv.make`` (``reward``, ``max_tool_calls``, …)
+==============  =======================================================================
+
+Values come, each layer overriding the one before, from the defaults (the papers' budgets), a
+named preset (:data:`PRESETS`), a config file (YAML or JSON, this nested layout) and the command
+line (``--steps 8``, ``--set trainer.lr=1e-5``). :func:`build` turns a config into the run's
+parts and :func:`effective_config` writes back every value those parts use; a run saves that as
+``config.json``, itself a valid config file.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agents.engines.base import SamplingParams
+from agents.learners import LEARNERS, Learner
+from agents.models import DEFAULT_MODEL
+from agents.strategies import Budget, TreeConfig
+from agents.trainer import LOSSES, TrainerConfig
+
+__all__ = [
+    "ENGINES",
+    "PRESETS",
+    "RESUMABLE",
+    "SECTIONS",
+    "RunParts",
+    "TrainConfig",
+    "build",
+    "effective_config",
+    "load_config_file",
+    "merge",
+    "parse_overrides",
+    "preset",
+]
+
+#: Generation engines a run can use (``--engine``).
+ENGINES = ("hf", "vllm")
+#: The sections of :class:`TrainConfig` that hold hyper-parameter overrides.
+SECTIONS = ("strategy", "credit", "loss", "trainer", "sampling", "rollout", "env_kwargs")
+#: Values that may change when a run resumes; any other change would make it another run.
+RESUMABLE = frozenset({"steps", "eval_every", "eval_questions", "checkpoint_every"})
+# Set by the run itself (or by the learner), never through a section.
+_RUN_OWNED = {
+    "trainer": ("loss", "loss_kwargs", "kl_coef", "entropy_coef", "total_steps", "device", "progress", "temperature"),
+    "sampling": ("seed",),
+    "rollout": ("sampling", "seed"),
+}
+# Loss parameters that are tensors the trainer supplies, not hyper-parameters.
+_LOSS_INPUTS = ("ref_logprobs", "entropy", "turn_ids")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; the defaults are the papers' budgets.
+
+    Attributes:
+        algo: The learner (``at2po``, ``aepo``, ``grpo``, ``tree-grpo``, ``arpo``), or the name of
+            a learner passed to :func:`agents.train.train` directly.
+        env: A registered environment id.
+        model: A model name, local checkpoint folder or Hugging Face id.
+        engine: ``hf`` (transformers, sharing the trainer's model) or ``vllm`` (weights synced).
+        device: Where the trainer's model goes; ``None``: CUDA if present, else CPU.
+        steps: Rollout batches to train on.
+        prompts_per_step: Prompts per rollout batch.
+        seed: Seeds the task order and every rollout.
+        holdout: The env's first ``holdout`` tasks are never trained on; evaluation uses them.
+        eval_questions: Held-out questions evaluated (greedy, no tree); at most ``holdout``; 0: no
+            evaluation.
+        eval_every: Also evaluate after every this many steps; 0: only before and after training.
+        checkpoint_every: Save a checkpoint after every this many steps (and after the last).
+        budget_reward: The reward of a path that the token budget (``rollout.max_response_tokens``
+            or ``rollout.budget``) ended before the environment did, i.e. without an answer;
+            ``None`` keeps what it earned so far. Under AT²PO's reward an unanswered response is
+            a format failure (−1), so the presets using that reward set −1.
+        strategy, credit, loss, trainer, sampling, rollout, env_kwargs: hyper-parameter
+            overrides (see the module docstring).
+    """
+
+    algo: str = "at2po"
+    env: str = "multihop-qa"
+    model: str = DEFAULT_MODEL
+    engine: str = "hf"
+    device: str | None = None
+    steps: int = 100
+    prompts_per_step: int = 64  # AT²PO: 64 prompts × 22 leaves per batch (ALGORITHMS.md)
+    seed: int = 0
+    holdout: int = 100
+    eval_questions: int = 100
+    eval_every: int = 0
+    checkpoint_every: int = 10
+    budget_reward: float | None = None
+    strategy: dict[str, Any] = field(default_factory=dict)
+    credit: dict[str, Any] = field(default_factory=dict)
+    loss: dict[str, Any] = field(default_factory=dict)
+    trainer: dict[str, Any] = field(default_factory=lambda: {"mini_batches": 8})  # AT²PO: mini-batches of 8 prompts
+    sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})  # every paper samples at T = 1
+    rollout: dict[str, Any] = field(default_factory=dict)
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
+        for name in ("steps", "prompts_per_step", "checkpoint_every"):
+            _require_int(name, getattr(self, name), minimum=1)
+        for name in ("seed", "holdout", "eval_questions", "eval_every"):
+            _require_int(name, getattr(self, name), minimum=0)
+        if self.budget_reward is not None and not isinstance(self.budget_reward, (int, float)):
+            raise ValueError(f"budget_reward must be a number or None, got {self.budget_reward!r}")
+        if self.eval_questions > self.holdout:
+            raise ValueError(f"eval_questions={self.eval_questions} is more than the {self.holdout} held-out tasks, "
+                             "so some would be questions the run trains on; raise holdout or lower eval_questions")
+        for name in SECTIONS:
+            section = getattr(self, name)
+            if not isinstance(section, dict):
+                raise ValueError(f"section {name!r} must be a mapping of names to values, got {section!r}")
+            owned = sorted(set(section) & set(_RUN_OWNED.get(name, ())))
+            if owned:
+                raise ValueError(f"{name}.{owned[0]} is set by the run, not through the {name!r} section "
+                                 "(the loss, kl_coef and entropy_coef go in 'loss', total_steps follows 'steps', "
+                                 "device is top-level, seeds follow 'seed', the trainer's temperature is "
+                                 "sampling.temperature)")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """A config from a nested mapping (a config file's layout); unknown keys are errors."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown config key {unknown[0]!r}; the keys are {', '.join(known)}")
+        return cls(**copy.deepcopy(dict(values)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a nested, JSON-ready dict (the layout of a config file)."""
+        return copy.deepcopy(dataclasses.asdict(self))
+
+    def changed(self, other: TrainConfig) -> list[str]:
+        """Dotted names of the values that differ between this config and ``other``."""
+        return _differences(self.to_dict(), other.to_dict())
+
+
+#: Named presets: overrides shared by every algorithm (``common``) and per-algorithm ``strategy`` sizes.
+#:
+#: - ``paper``: the setting of the AT²PO tables (ALGORITHMS.md, "Reference results"), in which
+#:   every learner was run: the defaults (each paper's strategy, 64 prompts in 8 mini-batches,
+#:   lr 1e-6, prompt 2000 and response 6192 tokens, 6 tool calls, top-3 passages) with AT²PO's
+#:   reward (−1 bad format, 0 wrong, 1 exact match). For the search-QA environments on a GPU
+#:   (``--engine vllm``).
+#: - ``cpu-demo``: what two CPU cores train in minutes with the embedded 135M model on
+#:   ``multihop-qa``: 2 prompts per step, 6 leaves per prompt for every learner (one rollout
+#:   budget for all), 2 tool calls, one short search result, turns of at most 48 tokens, 256
+#:   response tokens, and a learning rate 20× the papers' so that a few steps move the policy.
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {
+        "common": {"env_kwargs": {"reward": "at2po"}, "budget_reward": -1.0},
+        "strategy": {},
+    },
+    "cpu-demo": {
+        "common": {
+            "steps": 4,
+            "prompts_per_step": 2,
+            "holdout": 50,
+            "eval_questions": 8,
+            "checkpoint_every": 2,
+            "budget_reward": -1.0,
+            "trainer": {"lr": 2e-5, "mini_batches": 1, "micro_batch_size": 4},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 48},
+            "rollout": {"max_response_tokens": 256, "concurrency": 16},
+            "env_kwargs": {"reward": "at2po", "max_tool_calls": 2, "topk": 1, "result_chars": 300},
+        },
+        "strategy": {
+            "at2po": {"M": 4, "L": 1, "K": 2},  # 4 + 1·2 = 6 leaves
+            "aepo": {"k": 6},
+            "grpo": {"n": 6},
+            "tree-grpo": {"M": 2, "N": 1, "L": 1, "K": 3},  # 2 trees × 3 leaves
+            "arpo": {"n": 6, "N": 3},
+        },
+    },
+}
+
+
+def preset(name: str, algo: str) -> dict[str, Any]:
+    """The overrides of the preset ``name`` for ``algo``, as a nested mapping."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    chosen = PRESETS[name]
+    return merge(chosen["common"], {"strategy": chosen["strategy"].get(algo, {})})
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The objects a :class:`TrainConfig` describes.
+
+    Attributes:
+        learner: Strategy, credit and loss with the config's hyper-parameters.
+        trainer: The trainer's configuration (the learner's loss, ``total_steps = steps``).
+        tree: The rollout's configuration, without a seed (the run seeds every step).
+    """
+
+    learner: Learner
+    trainer: TrainerConfig
+    tree: TreeConfig
+
+
+def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
+    """The parts of the run ``config`` describes; ``learner`` replaces ``config.algo``'s learner.
+
+    Section values are checked by the classes they go to; an unknown name is an error that lists
+    the known ones.
+    """
+    if learner is None:
+        if config.algo not in LEARNERS:
+            raise ValueError(f"unknown algo {config.algo!r}; choose one of {', '.join(LEARNERS)}, "
+                             "or pass your own learner to agents.train.train")
+        learner = LEARNERS[config.algo]()
+    loss = dict(config.loss)
+    kl_coef = loss.pop("kl_coef", learner.kl_coef)
+    entropy_coef = loss.pop("entropy_coef", 0.0)
+    learner = learner.configure(strategy=config.strategy, credit=config.credit, loss=loss, kl_coef=kl_coef)
+    sampling = SamplingParams(**_checked(SamplingParams, config.sampling, "sampling"))
+    if sampling.greedy:
+        raise ValueError("sampling.temperature is 0 (greedy): every sample of a prompt would be the same; "
+                         "train at a temperature above 0 (the papers: 1.0)")
+    # The trainer scores tokens under the distribution they were sampled from (logits / T).
+    trainer = learner.trainer_config(**_checked(TrainerConfig, config.trainer, "trainer"), entropy_coef=entropy_coef,
+                                     total_steps=config.steps, device=config.device, temperature=sampling.temperature)
+    rollout = dict(config.rollout)
+    if "budget" in rollout:
+        if not isinstance(rollout["budget"], Mapping):
+            raise ValueError(f"rollout.budget must be a mapping of Budget fields, got {rollout['budget']!r}")
+        rollout["budget"] = Budget(**_checked(Budget, rollout["budget"], "rollout.budget"))
+    tree = TreeConfig(sampling=sampling, **_checked(TreeConfig, rollout, "rollout"))
+    return RunParts(learner, trainer, tree)
+
+
+def effective_config(config: TrainConfig, parts: RunParts) -> TrainConfig:
+    """``config`` with every section filled with every value ``parts`` use (what ``config.json`` holds)."""
+    learner = parts.learner
+    loss = learner.loss if callable(learner.loss) else LOSSES[learner.loss]
+    trainer = {name: value for name, value in parts.trainer.to_dict().items() if name not in _RUN_OWNED["trainer"]}
+    rollout = {f.name: getattr(parts.tree, f.name) for f in dataclasses.fields(parts.tree)
+               if f.name not in _RUN_OWNED["rollout"]}
+    rollout["budget"] = dataclasses.asdict(rollout["budget"])
+    sampling = {f.name: getattr(parts.tree.sampling, f.name) for f in dataclasses.fields(parts.tree.sampling)
+                if f.name not in _RUN_OWNED["sampling"]}
+    sampling.update(stop=list(sampling["stop"]), stop_token_ids=list(sampling["stop_token_ids"]))
+    return dataclasses.replace(
+        config,
+        algo=learner.name,
+        strategy=_fields(learner.strategy),
+        credit=_fields(learner.credit),
+        loss={**_loss_defaults(loss), **learner.loss_kwargs, "kl_coef": learner.kl_coef,
+              "entropy_coef": parts.trainer.entropy_coef},
+        trainer=trainer,
+        rollout=rollout,
+        sampling=sampling,
+        env_kwargs=copy.deepcopy(config.env_kwargs),
+    )
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """The nested mapping in a YAML (``.yaml``/``.yml``) or JSON (``.json``) file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ValueError(f"config file {path} is not valid YAML: {error}") from None
+    elif path.suffix == ".json":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"config file {path} is not valid JSON: {error}") from None
+    else:
+        raise ValueError(f"config file {path} must end in .yaml, .yml or .json")
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of keys to values, found {type(values).__name__}")
+    return values
+
+
+def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
+    """``["trainer.lr=1e-5", "strategy.K=3"]`` as a nested mapping; values are read as YAML.
+
+    Any float notation is a float (``1e-5``, which YAML alone reads as a string); ``true``,
+    ``false``, ``null``, ``[1, 2]`` and ``{a: 1}`` are what YAML makes of them; anything else is
+    a string.
+    """
+    import yaml
+
+    nested: dict[str, Any] = {}
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ValueError(f"--set takes KEY=VALUE (e.g. trainer.lr=1e-5), got {assignment!r}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        target = nested
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ValueError(f"--set {assignment!r} sets a field inside {part!r}, which is already a value")
+        target[parts[-1]] = value
+    return nested
+
+
+def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``override`` laid over it; mappings merge key by key, other values replace."""
+    merged = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _checked(cls: type, values: Mapping[str, Any], section: str) -> dict[str, Any]:
+    """``values`` if every name is an init field of dataclass ``cls``; else an error listing them."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in _RUN_OWNED.get(section, ())]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"{section} has no setting {unknown[0]!r}; the settings are {', '.join(names)}")
+    return dict(values)
+
+
+def _fields(part: Any) -> dict[str, Any]:
+    """A strategy's or credit's init fields (empty for a part that is not a dataclass)."""
+    if not dataclasses.is_dataclass(part):
+        return {}
+    return {f.name: getattr(part, f.name) for f in dataclasses.fields(part) if f.init}
+
+
+def _loss_defaults(loss: Any) -> dict[str, Any]:
+    """The keyword hyper-parameters of a loss function with their defaults (no tensors, no KL)."""
+    skip = {*_LOSS_INPUTS, "kl_coef", "entropy_coef"}
+    parameters = list(inspect.signature(loss).parameters.values())[4:]  # after the four tensors
+    return {p.name: p.default for p in parameters if p.name not in skip and p.default is not inspect.Parameter.empty
+            and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        found: list[str] = []
+        for key in sorted(set(a) | set(b)):
+            found += _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+        return found
+    return [] if a == b else [prefix.rstrip(".")]

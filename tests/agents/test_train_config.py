@@ -1,0 +1,155 @@
+"""Training configuration: defaults, presets, files, overrides, the effective config and its checks."""
+
+import json
+
+import pytest
+
+from agents.config import (
+    PRESETS,
+    TrainConfig,
+    build,
+    effective_config,
+    load_config_file,
+    merge,
+    parse_overrides,
+    preset,
+)
+from agents.learners import AT2PO, GRPOCredit, Learner
+from agents.losses import gspo_loss
+from agents.strategies import Budget, Chain, EntropyTree
+
+
+def config_with(*layers) -> TrainConfig:
+    values = TrainConfig().to_dict()
+    for layer in layers:
+        values = merge(values, layer)
+    return TrainConfig.from_dict(values)
+
+
+def test_the_defaults_are_the_papers_budgets():
+    parts = build(TrainConfig())
+    assert parts.learner.strategy == EntropyTree(M=10, L=2, K=6, alpha=0.05)
+    assert (parts.trainer.lr, parts.trainer.weight_decay, parts.trainer.max_grad_norm) == (1e-6, 0.01, 1.0)
+    assert (parts.trainer.mini_batches, parts.trainer.loss, parts.trainer.total_steps) == (8, "atpo", 100)
+    assert (parts.tree.max_prompt_tokens, parts.tree.max_response_tokens) == (2000, 6192)
+    assert parts.tree.sampling.temperature == 1.0 and parts.tree.seed is None
+    assert TrainConfig().prompts_per_step == 64
+
+
+def test_presets_layer_over_the_defaults_per_algorithm():
+    demo = config_with(preset("cpu-demo", "grpo"), {"algo": "grpo"})
+    parts = build(demo)
+    assert parts.learner.strategy == Chain(6) and parts.learner.kl_coef == 0.001
+    assert (demo.steps, demo.prompts_per_step, demo.budget_reward) == (4, 2, -1.0)
+    assert (parts.trainer.lr, parts.trainer.mini_batches, parts.tree.max_response_tokens) == (2e-5, 1, 256)
+    assert demo.env_kwargs == {"reward": "at2po", "max_tool_calls": 2, "topk": 1, "result_chars": 300}
+    strategies = {algo: build(config_with(preset("cpu-demo", algo), {"algo": algo})).learner.strategy
+                  for algo in PRESETS["cpu-demo"]["strategy"]}
+    leaves = {"at2po": strategies["at2po"].M + strategies["at2po"].L * strategies["at2po"].K,
+              "aepo": strategies["aepo"].k, "grpo": strategies["grpo"].n,
+              "tree-grpo": strategies["tree-grpo"].M * strategies["tree-grpo"].K, "arpo": strategies["arpo"].n}
+    assert leaves == dict.fromkeys(strategies, 6)  # one rollout budget for every learner
+    paper = config_with(preset("paper", "aepo"), {"algo": "aepo"})
+    assert paper.env_kwargs == {"reward": "at2po"} and paper.budget_reward == -1.0
+    assert build(paper).learner.strategy.k == 16
+    with pytest.raises(ValueError, match="unknown preset 'gpu'; choose one of paper, cpu-demo"):
+        preset("gpu", "at2po")
+
+
+def test_overrides_reach_every_part_by_name():
+    config = config_with(parse_overrides([
+        "strategy.K=3", "credit.backup=leaf_mean", "loss.eps_high=0.01", "loss.kl_coef=0.002",
+        "loss.entropy_coef=1e-3", "trainer.lr=1e-5", "sampling.max_new_tokens=64", "rollout.budget.tokens=4000",
+        "rollout.turn_timeout=30", "env_kwargs.reward=f1", "steps=7"]))
+    parts = build(config)
+    assert parts.learner.strategy.K == 3 and parts.learner.credit.backup == "leaf_mean"
+    assert parts.learner.loss_kwargs == {"eps_high": 0.01}
+    assert (parts.trainer.kl_coef, parts.trainer.entropy_coef, parts.trainer.lr) == (0.002, 1e-3, 1e-5)
+    assert parts.tree.sampling.max_new_tokens == 64 and parts.tree.budget == Budget(tokens=4000)
+    assert (parts.tree.turn_timeout, config.env_kwargs, parts.trainer.total_steps) == (30, {"reward": "f1"}, 7)
+
+
+def test_parse_overrides_reads_values_as_yaml_with_floats_in_any_notation():
+    assert parse_overrides(["trainer.lr=1e-5", "a=true", "b=null", "c=[1, 2]", "d=text", "e=3", "f.g.h=0.5"]) == {
+        "trainer": {"lr": 1e-5}, "a": True, "b": None, "c": [1, 2], "d": "text", "e": 3, "f": {"g": {"h": 0.5}}}
+    with pytest.raises(ValueError, match="--set takes KEY=VALUE"):
+        parse_overrides(["trainer.lr"])
+    with pytest.raises(ValueError, match="--set takes KEY=VALUE"):
+        parse_overrides(["trainer..lr=1"])
+
+
+@pytest.mark.parametrize("layer, message", [
+    ({"strategy": {"n": 3}}, "EntropyTree has no field n; its fields are M, L, K, alpha, root_candidate"),
+    ({"trainer": {"learning_rate": 1.0}}, "trainer has no setting 'learning_rate'; the settings are lr, "),
+    ({"trainer": {"kl_coef": 0.1}}, "trainer.kl_coef is set by the run"),
+    ({"sampling": {"seed": 1}}, "sampling.seed is set by the run"),
+    ({"sampling": {"temperature": 0.0}}, "sampling.temperature is 0"),
+    ({"rollout": {"budget": {"token": 5}}}, "rollout.budget has no setting 'token'"),
+    ({"algo": "ppo"}, "unknown algo 'ppo'; choose one of at2po, aepo, grpo, tree-grpo, arpo"),
+])
+def test_bad_settings_are_named_with_what_to_do(layer, message):
+    with pytest.raises(ValueError, match=message):
+        build(config_with(layer))
+
+
+def test_bad_top_level_values_are_refused_when_the_config_is_made():
+    with pytest.raises(ValueError, match="unknown config key 'lr'; the keys are algo, env"):
+        TrainConfig.from_dict({"lr": 1e-5})
+    with pytest.raises(ValueError, match="eval_questions=20 is more than the 10 held-out tasks"):
+        TrainConfig(holdout=10, eval_questions=20)
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="unknown engine 'sglang'"):
+        TrainConfig(engine="sglang")
+
+
+def test_the_effective_config_lists_every_value_and_rebuilds_the_same_run(tmp_path):
+    config = config_with(preset("cpu-demo", "aepo"), {"algo": "aepo"}, parse_overrides(["loss.eps_low=0.1"]))
+    effective = effective_config(config, build(config))
+    assert effective.strategy["k"] == 6 and effective.strategy["beta"] == 0.5
+    assert effective.credit == {"eps": 1e-6, "unbiased": True}
+    assert effective.loss == {"eps_low": 0.1, "eps_high": 0.2, "dual_clip": 3.0, "clip_balanced": True,
+                              "entropy_aware_advantage": True, "entropy_advantage_coef": 0.2, "agg": "token-mean",
+                              "kl_coef": 0.0, "entropy_coef": 0.0}
+    assert effective.trainer["lr"] == 2e-5 and "loss" not in effective.trainer
+    assert effective.rollout["budget"] == {"leaves": None, "tool_calls": None, "tokens": None}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(effective.to_dict()))
+    again = TrainConfig.from_dict(load_config_file(path))
+    assert effective_config(again, build(again)).changed(effective) == []
+    rebuilt = build(again)
+    assert rebuilt.learner.loss_kwargs["eps_low"] == 0.1 and rebuilt.trainer.lr == 2e-5
+
+
+def test_config_files_in_yaml_and_json(tmp_path):
+    (tmp_path / "run.yaml").write_text("algo: grpo\nsteps: 3\ntrainer:\n  lr: 1.0e-5\nstrategy:\n  n: 4\n")
+    config = TrainConfig.from_dict(merge(TrainConfig().to_dict(), load_config_file(tmp_path / "run.yaml")))
+    assert build(config).learner.strategy == Chain(4) and config.trainer == {"mini_batches": 8, "lr": 1e-5}
+    (tmp_path / "bad.yaml").write_text("algo: [grpo\n")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        load_config_file(tmp_path / "bad.yaml")
+    (tmp_path / "run.toml").write_text("algo = 'grpo'")
+    with pytest.raises(ValueError, match="must end in .yaml, .yml or .json"):
+        load_config_file(tmp_path / "run.toml")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config_file(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_config_file(tmp_path / "list.json")
+
+
+def test_changed_names_the_differing_values_by_their_dotted_path():
+    a = TrainConfig()
+    b = config_with({"steps": 5, "trainer": {"lr": 2e-6}, "strategy": {"K": 3}})
+    assert a.changed(b) == ["steps", "strategy.K", "trainer.lr"]
+
+
+def test_a_learner_of_your_own_takes_the_config_sections_too():
+    mine = Learner(strategy=Chain(3), credit=GRPOCredit(), loss=gspo_loss, name="mine")
+    parts = build(config_with(parse_overrides(["strategy.n=5", "loss.eps_high=5e-4"])), learner=mine)
+    assert parts.learner.strategy == Chain(5) and parts.trainer.loss is gspo_loss
+    effective = effective_config(TrainConfig(), build(TrainConfig(), learner=mine))
+    assert effective.algo == "mine"
+    assert effective.loss == {"eps_low": 3e-4, "eps_high": 4e-4, "agg": "seq-mean-token-mean", "kl_coef": 0.0,
+                              "entropy_coef": 0.0}
+    assert build(TrainConfig(), learner=AT2PO(name="x")).learner.name == "x"
