@@ -1,0 +1,187 @@
+"""Evaluation on held-out questions during training: scores with confidence intervals, their log and plot.
+
+A training run keeps the first ``holdout`` tasks of its environment out of training and scores
+the policy on them before training, every ``eval_every`` steps and after the last step:
+greedy decoding, no tree, the papers' evaluation (:func:`agents.evaluation.evaluate`). Each
+score comes with a 95% confidence interval over the questions: the Wilson interval for a
+proportion (EM, format adherence), the normal interval of a mean otherwise (F1, reward), so that
+a change between two evaluations can be told from noise.
+
+Results go to ``heldout/metrics.jsonl`` (and TensorBoard) in the run folder, one record per
+evaluation with ``em``, ``em_low``, ``em_high``, … (see :data:`SCORES`), and are drawn into
+``heldout.png``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agents.engines.base import Engine
+from agents.evaluation import evaluate
+from agents.metrics import MetricsLog
+from agents.rollout import RolloutConfig
+
+__all__ = ["SCORES", "HeldOut", "HeldOutLog", "Score", "comparison_table", "evaluate_heldout", "interval"]
+
+#: The scores of a held-out evaluation and how they are read from each episode.
+SCORES: dict[str, str] = {
+    "em": "exact match of the final answer",
+    "f1": "word F1 of the final answer",
+    "format_ok": "answer given in the required format",
+    "reward": "the environment's reward (the training reward)",
+}
+Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
+
+
+@dataclass(frozen=True)
+class Score:
+    """A mean over questions with its 95% confidence interval ``[low, high]``."""
+
+    mean: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.mean:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+def interval(values: Sequence[float]) -> Score:
+    """The mean of ``values`` with a 95% confidence interval.
+
+    Values that are all 0 or 1 are a proportion: Wilson score interval (Wilson 1927), which
+    stays inside [0, 1] and is not empty at 0 or 1. Otherwise the normal interval
+    ``mean ± z·s/√n`` with the sample standard deviation ``s``.
+    """
+    n = len(values)
+    if n == 0:
+        raise ValueError("a confidence interval needs at least one value")
+    mean = math.fsum(values) / n
+    if all(v in (0.0, 1.0) for v in values):
+        # Wilson: (p + z²/2n ± z·√(p(1−p)/n + z²/4n²)) / (1 + z²/n)
+        z2 = Z_95 * Z_95
+        centre = (mean + z2 / (2 * n)) / (1 + z2 / n)
+        half = Z_95 * math.sqrt(mean * (1 - mean) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+        return Score(mean, max(0.0, centre - half), min(1.0, centre + half))
+    half = Z_95 * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.inf  # mean ± z·s/√n
+    return Score(mean, mean - half, mean + half)
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out scores of the policy after ``step`` training steps (0: before training)."""
+
+    step: int
+    questions: int
+    scores: dict[str, Score]
+    seconds: float
+
+    def record(self) -> dict[str, float]:
+        """Flat numbers for :class:`~agents.metrics.MetricsLog`: ``em``, ``em_low``, ``em_high``, …"""
+        record = {"questions": float(self.questions), "seconds": self.seconds}
+        for name, score in self.scores.items():
+            record.update({name: score.mean, f"{name}_low": score.low, f"{name}_high": score.high})
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, float]) -> HeldOut:
+        """The inverse of :meth:`record` (a record read back from ``metrics.jsonl``)."""
+        scores = {name: Score(record[name], record[f"{name}_low"], record[f"{name}_high"])
+                  for name in SCORES if name in record}
+        return cls(int(record["step"]), int(record["questions"]), scores, float(record["seconds"]))
+
+
+async def evaluate_heldout(
+    engine: Engine,
+    tokenizer: Any,
+    env_id: str,
+    *,
+    questions: int,
+    rollout: RolloutConfig,
+    step: int,
+    env_kwargs: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> HeldOut:
+    """Score the engine's policy on the first ``questions`` tasks of ``env_id`` (one greedy sample each)."""
+    report = await evaluate(engine, tokenizer, [env_id], limit=questions, rollout=rollout, env_kwargs=env_kwargs,
+                            progress=progress)
+    samples = [sample for question in report.envs[env_id].questions for sample in question.samples]
+    columns = {"em": [s.em for s in samples], "f1": [s.f1 for s in samples],
+               "format_ok": [float(s.format_ok) for s in samples], "reward": [s.reward for s in samples]}
+    return HeldOut(step, len(samples), {name: interval(values) for name, values in columns.items()}, report.seconds)
+
+
+class HeldOutLog:
+    """The held-out evaluations of a run: ``heldout/metrics.jsonl``, TensorBoard and ``heldout.png``.
+
+    Args:
+        out_dir: The run folder (``None``: keep them in memory).
+        resume_step: Continuing a run from this step: evaluations after it are dropped.
+        tensorboard: Also write TensorBoard scalars.
+    """
+
+    def __init__(self, out_dir: str | Path | None, *, resume_step: int | None = None, tensorboard: bool = True) -> None:
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        self._log = MetricsLog(None if self.out_dir is None else self.out_dir / "heldout", resume_step=resume_step,
+                               tensorboard=tensorboard)
+        self.results = [HeldOut.from_record(record) for record in self._log.history]
+
+    def add(self, result: HeldOut) -> None:
+        """Record an evaluation and redraw the plot."""
+        self._log.log(result.step, result.record())
+        self.results.append(result)
+        if self.out_dir is not None:
+            self.plot(self.out_dir / "heldout.png")
+
+    def plot(self, path: str | Path) -> Path:
+        """Each score against the training step, with its 95% interval as a band."""
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(4.2 * len(SCORES), 3.0), layout="constrained")
+        steps = [result.step for result in self.results]
+        for axis, (name, description) in zip(figure.subplots(1, len(SCORES)), SCORES.items()):
+            scores = [result.scores[name] for result in self.results]
+            axis.plot(steps, [s.mean for s in scores], marker="o", label=name)
+            axis.fill_between(steps, [s.low for s in scores], [s.high for s in scores], alpha=0.2, label="95% CI")
+            axis.set_title(f"held-out {name}")
+            axis.set_xlabel("step")
+            axis.set_ylabel(description, fontsize="x-small")
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize="x-small")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=100)
+        return path
+
+    def close(self) -> None:
+        """Close the TensorBoard writer."""
+        self._log.close()
+
+
+def comparison_table(results: Sequence[HeldOut], labels: Sequence[str] | None = None) -> str:
+    """A table of held-out scores, one row per evaluation (e.g. before and after training).
+
+    Each cell is the mean with its 95% interval; percentages for the proportions and F1.
+    """
+    labels = list(labels) if labels is not None else [f"step {result.step}" for result in results]
+    if len(labels) != len(results):
+        raise ValueError(f"{len(labels)} labels for {len(results)} results")
+    head = ["policy", "questions", "EM %", "F1 %", "format ok %", "reward"]
+    body = []
+    for label, result in zip(labels, results):
+        cells = [label, str(result.questions)]
+        for name in ("em", "f1", "format_ok"):
+            score = result.scores[name]
+            cells.append(f"{100 * score.mean:.1f} [{100 * score.low:.1f}, {100 * score.high:.1f}]")
+        reward = result.scores["reward"]
+        cells.append(f"{reward.mean:+.3f} [{reward.low:+.3f}, {reward.high:+.3f}]")
+        body.append(cells)
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,305 @@
+"""The training loop: rollout trees on the engine, credit, a trainer step, weight sync, checkpoints.
+
+One step (read :func:`train` top to bottom):
+
+1. the next ``prompts_per_step`` tasks of the environment in the run's task order
+   (:class:`TaskOrder`: a seeded permutation of the tasks after the held-out ones, renewed
+   every epoch);
+2. their rollout trees under the learner's strategy, all prompts concurrently on the engine
+   (:func:`agents.strategies.rollout_trees`), seeded from the run's seed and the step;
+3. credit assignment per prompt (the learner's ``credit``) into training paths;
+4. :meth:`agents.trainer.Trainer.step`: old log-probs, the loss's mini-batch updates, weight
+   sync to the engine, metrics (with the rollout's numbers) to ``metrics.jsonl`` and TensorBoard;
+5. every ``checkpoint_every`` steps and after the last, a checkpoint holding the task order's
+   position; every ``eval_every`` steps, before the first and after the last, the held-out
+   evaluation (:mod:`agents.heldout`).
+
+``resume=True`` continues a run folder from its latest checkpoint: weights, optimiser, schedule,
+random generators, step and task position; every step's rollout seed derives from the run's
+seed and the step number, so the continued run draws the same tasks and the same seeds as an
+uninterrupted one. (An engine that batches concurrent requests, as ``HFEngine`` does, may round
+a logit differently when batches form differently; samples are unaffected unless a draw falls
+within that rounding, and the trainer's own computation is deterministic.)
+
+The run folder holds ``config.json`` (the effective configuration: every hyper-parameter, a
+valid ``--config`` file), ``metrics.jsonl``, ``tensorboard/``, ``curves.png``,
+``heldout/metrics.jsonl``, ``heldout.png`` and ``checkpoints/step_NNNNNN/`` (``model/`` is a
+transformers checkpoint that ``agents eval --model`` loads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import agentenv
+from agentenv.wrappers import TokenEnv
+from agents.checkpoint import latest_checkpoint
+from agents.config import RESUMABLE, RunParts, TrainConfig, build, effective_config
+from agents.diagnostics import rollout_metrics
+from agents.engines.base import Engine, SamplingParams
+from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout
+from agents.learners import Learner
+from agents.rollout import Episode, RolloutConfig
+from agents.strategies import PromptTrees, TreeConfig, rollout_trees
+from agents.trainer import Trainer
+from agents.tree import TrainingPath
+
+__all__ = ["CONFIG_FILE", "TaskOrder", "TrainResult", "rollout_seed", "train"]
+
+#: The effective configuration in the run folder.
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class TaskOrder:
+    """The order in which a run trains on its environment's tasks, and its position in it.
+
+    An environment with a task list of ``tasks`` entries trains on tasks ``holdout … tasks−1``
+    (the first ``holdout`` are held out for evaluation), each epoch in a fresh permutation drawn
+    from ``(seed, epoch)``. One without a task list (``tasks=None``) is reset with seeds
+    ``holdout, holdout+1, …`` (evaluation uses seeds below ``holdout``).
+
+    Attributes:
+        tasks: Size of the task list, or ``None`` for seeded resets.
+        holdout: Tasks (or seeds) reserved for evaluation.
+        seed: Seeds the permutations.
+        epoch: Passes over the tasks completed.
+        offset: Position within the current epoch's permutation (or seeds drawn so far).
+    """
+
+    tasks: int | None
+    holdout: int
+    seed: int
+    epoch: int = 0
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tasks is not None and self.tasks <= self.holdout:
+            raise ValueError(f"the environment has {self.tasks} tasks and holdout={self.holdout} keeps them all for "
+                             "evaluation; lower holdout")
+
+    def take(self, count: int) -> list[int]:
+        """The next ``count`` task indices (or reset seeds), crossing into the next epoch when needed."""
+        if self.tasks is None:
+            start = self.holdout + self.offset
+            self.offset += count
+            return list(range(start, start + count))
+        taken: list[int] = []
+        while len(taken) < count:
+            order = self._permutation(self.epoch)
+            chunk = order[self.offset:self.offset + count - len(taken)]
+            taken += chunk
+            self.offset += len(chunk)
+            if self.offset == len(order):
+                self.epoch, self.offset = self.epoch + 1, 0
+        return taken
+
+    def position(self) -> dict[str, int]:
+        """Where the order stands (stored in checkpoints; ``TaskOrder(..., **position)`` restores it)."""
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def _permutation(self, epoch: int) -> list[int]:
+        rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(epoch,)))
+        return [self.holdout + int(i) for i in rng.permutation(self.tasks - self.holdout)]
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The rollout seed of ``step`` (1-based) in a run seeded with ``seed``."""
+    return int(np.random.SeedSequence(seed, spawn_key=(step,)).generate_state(1)[0])
+
+
+@dataclass
+class TrainResult:
+    """What a finished :func:`train` call leaves behind.
+
+    Attributes:
+        out_dir: The run folder.
+        config: The effective configuration (``config.json``).
+        steps: Steps trained in total (with those before a resume).
+        checkpoint: The last checkpoint written.
+        history: The trainer's metric records, one per step.
+        heldout: The held-out evaluations, in order (step 0 is before training).
+    """
+
+    out_dir: Path
+    config: TrainConfig
+    steps: int
+    checkpoint: Path | None
+    history: list[dict[str, float]] = field(default_factory=list)
+    heldout: list[HeldOut] = field(default_factory=list)
+
+
+async def train(
+    config: TrainConfig,
+    out_dir: str | Path,
+    *,
+    learner: Learner | None = None,
+    resume: bool = False,
+    progress: bool | None = None,
+    log: Callable[[str], None] = print,
+) -> TrainResult:
+    """Train ``config``'s learner (or ``learner``) and write the run to ``out_dir``.
+
+    Args:
+        config: The run (see :class:`~agents.config.TrainConfig`).
+        out_dir: The run folder; must not hold another run unless ``resume``.
+        learner: Your own learner instead of ``config.algo``'s; the config's ``strategy``,
+            ``credit`` and ``loss`` sections still apply to it.
+        resume: Continue the run in ``out_dir`` from its latest checkpoint. Only
+            :data:`~agents.config.RESUMABLE` values (``steps``, evaluation and checkpoint
+            cadence) may differ from the saved configuration.
+        progress: Progress bars (``None``: when writing to a terminal).
+        log: Where one-line notes go (checkpoints, evaluations).
+    """
+    out = Path(out_dir)
+    parts = build(config, learner)
+    effective = effective_config(config, parts)
+    checkpoint = _prepare_run_folder(out, effective, resume)
+    (out / CONFIG_FILE).write_text(json.dumps(effective.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    trainer = Trainer(config.model, dataclasses.replace(parts.trainer, progress=progress), out_dir=out)
+    engine = _make_engine(config, parts, trainer)
+    trainer.engine = engine
+    env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), trainer.tokenizer)
+    heldout = None
+    try:
+        position: dict[str, Any] = {}
+        if checkpoint is not None:
+            position = trainer.resume(checkpoint)
+            await trainer.sync_weights()
+            log(f"resumed {out} at step {trainer.step_count} from {checkpoint}")
+        heldout = HeldOutLog(out, resume_step=trainer.step_count if checkpoint is not None else None,
+                             tensorboard=parts.trainer.tensorboard)
+        order = TaskOrder(len(env.env.tasks) if hasattr(env.env, "tasks") else None, config.holdout, config.seed,
+                          **position)
+        evaluation = _HeldOutEvaluation(config, parts.tree, engine, trainer, heldout, progress, log)
+        if trainer.step_count == 0:
+            await evaluation.run(step=0)
+        last_checkpoint = checkpoint
+        for step in range(trainer.step_count + 1, config.steps + 1):
+            tasks = order.take(config.prompts_per_step)
+            paths, metrics = await _rollout(env, engine, parts, tasks, rollout_seed(config.seed, step),
+                                            config.budget_reward)
+            await trainer.step(paths, metrics)
+            if step % config.checkpoint_every == 0 or step == config.steps:
+                last_checkpoint = trainer.save_checkpoint(data_position=order.position())
+                log(f"step {step}: checkpoint {last_checkpoint}")
+            if step == config.steps or (config.eval_every and step % config.eval_every == 0):
+                await evaluation.run(step=step)
+        history = list(trainer.metrics.history) if trainer.metrics is not None else []
+        return TrainResult(out, effective, trainer.step_count, last_checkpoint, history, list(heldout.results))
+    finally:
+        env.close()
+        if heldout is not None:
+            heldout.close()
+        trainer.close()
+        await engine.close()
+
+
+async def _rollout(
+    env: TokenEnv, engine: Engine, parts: RunParts, tasks: list[int], seed: int, budget_reward: float | None
+) -> tuple[list[TrainingPath], dict[str, float]]:
+    """Steps 2-3 of the module docstring: the trees of ``tasks``, credit, and the rollout's metrics."""
+    with_list = hasattr(env.env, "tasks")
+    episodes = [Episode(env.fork(), options={"index": task}, key=task) if with_list else
+                Episode(env.fork(), seed=task, key=task) for task in tasks]
+    start = time.perf_counter()
+    try:
+        prompts = await rollout_trees(engine, episodes, parts.learner.strategy, dataclasses.replace(parts.tree, seed=seed))
+    finally:
+        for episode in episodes:
+            episode.env.close()
+    seconds = time.perf_counter() - start
+    cut = [leaf for prompt in prompts for leaf in prompt.leaves if leaf.info.get("status") == "budget"]
+    if budget_reward is not None:
+        for leaf in cut:  # no answer: what the environment's reward gives an unanswered episode
+            leaf.reward = float(budget_reward)
+    paths: list[TrainingPath] = []
+    for prompt in prompts:
+        if prompt.leaves:
+            paths += parts.learner.assign_credit(prompt.trees)
+    if not paths:
+        errors = [error for prompt in prompts for error in _errors(prompt)]
+        raise RuntimeError(f"no prompt of the batch produced a finished episode (tasks {tasks}); "
+                           f"first error: {errors[0] if errors else 'none recorded'}")
+    metrics = rollout_metrics(prompts, seconds)
+    metrics["rollout/prompts_without_leaves"] = float(sum(not prompt.leaves for prompt in prompts))
+    metrics["rollout/budget_cut_frac"] = len(cut) / max(1, sum(len(prompt.leaves) for prompt in prompts))
+    grades = [leaf.info["grade"] for prompt in prompts for leaf in prompt.leaves if "grade" in leaf.info]
+    if grades:
+        metrics["reward/em"] = statistics.fmean(float(grade.get("em", 0.0)) for grade in grades)
+        metrics["reward/format_ok"] = statistics.fmean(float(grade.get("format_ok", False)) for grade in grades)
+    return paths, metrics
+
+
+class _HeldOutEvaluation:
+    """Step 5's evaluation: greedy episodes on the held-out tasks, logged and reported."""
+
+    def __init__(self, config: TrainConfig, tree: TreeConfig, engine: Engine, trainer: Trainer, log: HeldOutLog,
+                 progress: bool | None, note: Callable[[str], None]) -> None:
+        self.config, self.engine, self.trainer, self.log, self.note = config, engine, trainer, log, note
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=tree.sampling.max_new_tokens)  # greedy, no tree
+        self.rollout = RolloutConfig(sampling=sampling, concurrency=tree.concurrency,
+                                     max_prompt_tokens=tree.max_prompt_tokens,
+                                     max_response_tokens=tree.max_response_tokens, keep_states=False)
+
+    async def run(self, step: int) -> None:
+        config = self.config
+        if not config.eval_questions:
+            return
+        result = await evaluate_heldout(
+            self.engine, self.trainer.tokenizer, config.env, questions=config.eval_questions, rollout=self.rollout,
+            step=step, env_kwargs=config.env_kwargs, progress=self.progress)
+        self.log.add(result)
+        scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
+        self.note(f"step {step}: held-out ({result.questions} questions) {scores}")
+
+
+def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path | None:
+    """Check ``out`` for a new run or a resume; returns the checkpoint to resume from (``None``: new run)."""
+    saved_path = out / CONFIG_FILE
+    if not resume:
+        if saved_path.exists() or (out / "checkpoints").exists() or (out / "metrics.jsonl").exists():
+            raise FileExistsError(f"{out} already holds a training run; continue it with --resume, or choose "
+                                  "another --out")
+        out.mkdir(parents=True, exist_ok=True)
+        return None
+    checkpoint = latest_checkpoint(out / "checkpoints")
+    if checkpoint is None or not saved_path.is_file():
+        raise FileNotFoundError(f"{out} holds no checkpoint and {CONFIG_FILE} to resume from; start the run "
+                                "without --resume")
+    saved = TrainConfig.from_dict(json.loads(saved_path.read_text(encoding="utf-8")))
+    changed = [name for name in saved.changed(effective) if name.split(".")[0] not in RESUMABLE]
+    if changed:
+        raise ValueError(f"--resume continues the run saved in {saved_path}, but these settings differ from it: "
+                         f"{', '.join(changed)}; drop them (only {', '.join(sorted(RESUMABLE))} may change), "
+                         "or start a new run in another folder")
+    return checkpoint
+
+
+def _make_engine(config: TrainConfig, parts: RunParts, trainer: Trainer) -> Engine:
+    """The engine: an HFEngine on the trainer's own model object, or vLLM synced after every step."""
+    concurrency = parts.tree.concurrency
+    if config.engine == "hf":
+        from agents.engines.hf import HFEngine
+
+        return HFEngine(trainer.model, trainer.tokenizer, max_batch_size=concurrency, seed=config.seed)
+    from agents.engines.vllm import VLLMEngine
+
+    return VLLMEngine(config.model, max_num_seqs=concurrency, seed=config.seed,
+                      max_model_len=parts.tree.max_prompt_tokens + parts.tree.max_response_tokens)
+
+
+def _errors(prompt: PromptTrees) -> list[str]:
+    return ([prompt.error] if prompt.error else []) + [error for stats in prompt.stats for error in stats.errors]

@@ -1,0 +1,232 @@
+"""The training loop on a tiny random Llama with a byte-level tokenizer: task order, learning, resume, folders.
+
+The model is a real transformers checkpoint on disk (2 layers, 259-token byte vocabulary), so
+the run goes through the same code as with a real model: HFEngine sharing the trainer's model,
+rollout trees, credit, trainer steps, checkpoints and held-out evaluation.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import agentenv
+from agents.config import TrainConfig, merge
+from agents.learners import AEPO, Learner
+from agents.metrics import read_jsonl
+from agents.strategies import Chain
+from agents.train import TaskOrder, rollout_seed, train
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+class Letters(agentenv.Env):
+    """``turns`` turns; the reward at the end is the fraction of all answered characters that are a-z.
+
+    A random byte-level model writes a letter about one time in ten, so rewards differ within a group.
+    """
+
+    def __init__(self, turns: int = 1, render_mode=None):
+        super().__init__(render_mode=render_mode)
+        self.turns = turns
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.said = []
+        return "Write letters.", {}
+
+    def step(self, action):
+        self.said.append(action)
+        text = "".join(self.said)
+        done = len(self.said) == self.turns
+        letters = sum("a" <= ch <= "z" for ch in text)
+        return "", letters / max(1, len(text)) if done else 0.0, done, False, {}
+
+
+if "train-tests/letters" not in agentenv.registry:
+    agentenv.register("train-tests/letters-v0", Letters)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A random 2-layer Llama and a byte-level tokenizer with a chat template, saved as a checkpoint folder."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def letters_config(model: str, **changes) -> TrainConfig:
+    """GRPO on letters: 2 prompts × 6 chains of 6 tokens per step, a learning rate for a tiny model."""
+    values = merge(TrainConfig(algo="grpo").to_dict(), {
+        "env": "train-tests/letters", "model": model, "steps": 2, "prompts_per_step": 2, "holdout": 4,
+        "eval_questions": 4, "checkpoint_every": 1, "strategy": changes.pop("strategy", {"n": 6}),
+        "trainer": {"lr": 3e-2, "mini_batches": 1, "micro_batch_size": 12, "tensorboard": False},
+        "sampling": {"max_new_tokens": 6}, "rollout": {"max_response_tokens": 6}, "loss": {"kl_coef": 0.0}})
+    return TrainConfig.from_dict(merge(values, changes))
+
+
+# -- task order -------------------------------------------------------------------------------
+
+
+def test_task_order_trains_on_a_fresh_permutation_of_the_tasks_after_the_held_out_ones_each_epoch():
+    order = TaskOrder(tasks=7, holdout=3, seed=0)
+    first = order.take(3) + order.take(1)
+    assert sorted(first) == [3, 4, 5, 6]  # one epoch: every training task once, none held out
+    assert order.position() == {"epoch": 1, "offset": 0}
+    second = order.take(4)
+    assert sorted(second) == [3, 4, 5, 6] and second != first  # a new permutation
+    again = TaskOrder(tasks=7, holdout=3, seed=0)
+    assert again.take(4) == first and again.take(4) == second  # the seed fixes the order
+    assert TaskOrder(tasks=7, holdout=3, seed=1).take(4) != first
+
+
+def test_task_order_crosses_epochs_and_resumes_from_its_position():
+    order = TaskOrder(tasks=5, holdout=1, seed=3)
+    taken = order.take(3)
+    position = order.position()
+    rest = order.take(6)  # 1 left in epoch 0, then 4 of epoch 1, then 1 of epoch 2
+    assert position == {"epoch": 0, "offset": 3} and order.position() == {"epoch": 2, "offset": 1}
+    assert sorted(taken + rest[:1]) == [1, 2, 3, 4] and sorted(rest[1:5]) == [1, 2, 3, 4]
+    resumed = TaskOrder(tasks=5, holdout=1, seed=3, **position)
+    assert resumed.take(6) == rest
+
+
+def test_task_order_without_a_task_list_counts_seeds_past_the_held_out_ones():
+    order = TaskOrder(tasks=None, holdout=10, seed=0)
+    assert order.take(3) == [10, 11, 12] and order.take(2) == [13, 14]
+    assert order.position() == {"epoch": 0, "offset": 5}
+    with pytest.raises(ValueError, match="has 5 tasks and holdout=5 keeps them all"):
+        TaskOrder(tasks=5, holdout=5, seed=0)
+
+
+def test_rollout_seeds_differ_per_step_and_repeat_per_run():
+    assert rollout_seed(0, 1) == rollout_seed(0, 1)
+    assert len({rollout_seed(0, step) for step in range(1, 50)} | {rollout_seed(1, 1)}) == 50
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+async def test_training_raises_the_reward_and_writes_the_run_folder(tiny_model, tmp_path):
+    notes = []
+    result = await train(letters_config(tiny_model, steps=6, checkpoint_every=3, eval_every=3), tmp_path / "run",
+                         progress=False, log=notes.append)
+
+    rewards = [record["reward/mean"] for record in result.history]
+    heldout = [h.scores["reward"].mean for h in result.heldout]
+    assert len(rewards) == 6 and sum(rewards[3:]) > 1.5 * sum(rewards[:3]) > 0, rewards  # more letters as it trains
+    assert [h.step for h in result.heldout] == [0, 3, 6]
+    assert heldout[2] > heldout[0] + 0.3, heldout  # greedy answers on held-out prompts too
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
+    assert result.checkpoint == run / "checkpoints" / "step_000006" and result.steps == 6
+    assert (run / "checkpoints" / "step_000006" / "model" / "config.json").is_file()  # a transformers checkpoint
+    state = json.loads((run / "checkpoints" / "step_000006" / "trainer_state.json").read_text())
+    assert state["data_position"] == {"epoch": 0, "offset": 12}  # seeds 4 … 15: 6 steps × 2 prompts
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_jsonl(run / "heldout" / "metrics.jsonl")] == [0, 3, 6]
+    for image in ("curves.png", "heldout.png"):
+        assert (run / image).read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["strategy"] == {"n": 6} and saved["trainer"]["lr"] == 3e-2 and saved["algo"] == "grpo"
+    record = result.history[0]
+    assert record["tree/leaves_per_prompt"] == 6 and record["batch/sequences"] == 12
+    assert record["tokens/generated"] == record["tokens/action"] and record["time/rollout_s"] > 0
+    assert any(note.startswith("step 3: checkpoint") for note in notes)
+
+
+async def test_resume_continues_with_the_same_tasks_seeds_and_weights(tiny_model, tmp_path):
+    straight = await train(letters_config(tiny_model, steps=3, eval_questions=0), tmp_path / "a", progress=False,
+                           log=lambda note: None)
+    await train(letters_config(tiny_model, steps=2, eval_questions=0), tmp_path / "b", progress=False,
+                log=lambda note: None)
+    notes = []
+    resumed = await train(letters_config(tiny_model, steps=3, eval_questions=0), tmp_path / "b", resume=True,
+                          progress=False, log=notes.append)
+
+    assert notes[0].startswith(f"resumed {tmp_path / 'b'} at step 2")
+    assert resumed.steps == 3 and [r["step"] for r in resumed.history] == [1, 2, 3]
+    same = ("reward/mean", "reward/std", "tokens/generated", "tokens/trained", "policy/loss", "optim/grad_norm")
+    for name in same:
+        assert resumed.history[-1][name] == straight.history[-1][name], name
+    weights_a = load_file(tmp_path / "a" / "checkpoints" / "step_000003" / "model" / "model.safetensors")
+    weights_b = load_file(tmp_path / "b" / "checkpoints" / "step_000003" / "model" / "model.safetensors")
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
+
+
+async def test_resume_refuses_a_changed_run_and_a_new_run_refuses_a_used_folder(tiny_model, tmp_path):
+    config = letters_config(tiny_model, steps=1, eval_questions=0)
+    await train(config, tmp_path, progress=False, log=lambda note: None)
+    with pytest.raises(FileExistsError, match="already holds a training run; continue it with --resume"):
+        await train(config, tmp_path, progress=False)
+    changed = letters_config(tiny_model, steps=2, eval_questions=0, trainer={"lr": 1e-3})
+    with pytest.raises(ValueError, match="these settings differ from it: trainer.lr; drop them"):
+        await train(changed, tmp_path, resume=True, progress=False)
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        await train(config, tmp_path / "empty", resume=True, progress=False)
+
+
+async def test_a_learner_of_your_own_trains_through_the_same_loop(tiny_model, tmp_path):
+    calls = []
+
+    def sign_credit(trees):
+        """Advantage +1 for a leaf above the prompt's median reward, −1 below, 0 at it."""
+        leaves = [leaf for tree in trees for leaf in tree.leaves()]
+        median = sorted(leaf.reward for leaf in leaves)[len(leaves) // 2]
+        for leaf in leaves:
+            leaf.advantage = float((leaf.reward > median) - (leaf.reward < median))
+        calls.append(len(leaves))
+        return [path for tree in trees for path in tree.paths(advantage="leaf")]
+
+    def plain_pg_loss(logprobs, old_logprobs, advantages, mask):
+        """REINFORCE: −A·log π averaged over action tokens."""
+        loss = -(advantages * logprobs * mask).sum() / mask.sum()
+        return loss, {"reinforce": loss.item()}
+
+    mine = Learner(strategy=Chain(4), credit=sign_credit, loss=plain_pg_loss, name="sign-reinforce")
+    result = await train(letters_config(tiny_model, algo="sign-reinforce", steps=2, eval_questions=0, strategy={}),
+                         tmp_path, learner=mine, progress=False, log=lambda note: None)
+    assert calls == [4, 4, 4, 4]  # 2 steps × 2 prompts, 4 leaves each
+    assert all("policy/reinforce" in record for record in result.history)
+    assert json.loads((tmp_path / "config.json").read_text())["credit"] == {}
+    assert result.config.algo == "sign-reinforce" and result.config.strategy == {"n": 4}
+
+
+async def test_aepo_trains_with_the_entropy_aware_advantage_on(tiny_model, tmp_path):
+    """AEPO's loss gets the trainer's token entropies: switching the entropy-aware advantage off changes the loss."""
+    def aepo(flag, folder):
+        learner = AEPO(strategy=Chain(4), loss_kwargs={"clip_balanced": True, "entropy_aware_advantage": flag})
+        return train(letters_config(tiny_model, algo="aepo", steps=1, eval_questions=0, strategy={}), tmp_path / folder,
+                     learner=learner, progress=False, log=lambda note: None)
+
+    on, off = await aepo(True, "on"), await aepo(False, "off")
+    assert on.history[0]["reward/mean"] == off.history[0]["reward/mean"]  # the same samples
+    assert on.history[0]["policy/pg_loss"] != pytest.approx(off.history[0]["policy/pg_loss"], abs=1e-9)
+
+
+async def test_budget_reward_scores_the_paths_the_token_budget_ended(tiny_model, tmp_path):
+    # Three turns to go, but the 6 response tokens are spent in the first: every path ends without an answer.
+    config = letters_config(tiny_model, steps=1, eval_questions=0, budget_reward=-1.0, env_kwargs={"turns": 3})
+    result = await train(config, tmp_path, progress=False, log=lambda note: None)
+    record = result.history[0]
+    assert record["rollout/budget_cut_frac"] == 1.0
+    assert record["reward/mean"] == record["reward/max"] == -1.0
+    assert record["tree/reward_max"] == 0.0  # what the environment itself had paid so far
