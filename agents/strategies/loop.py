@@ -357,6 +357,8 @@ class _PromptLoop:
             info["status"] = status
         if "obs_cut" in turn.info:
             info["obs_cut"] = turn.info["obs_cut"]
+        if "grade" in turn.info:  # an answered episode's grade (EM, F1, format), for the trainer's metrics
+            info["grade"] = dict(turn.info["grade"])
         ended = status is not None
         node = self.group.trees[branch.tree].add_turn(
             branch.parent, obs_ids=branch.obs_ids, action_ids=turn.action_ids, logprobs=turn.logprobs,

@@ -192,6 +192,8 @@ async def test_at2po_strategy_and_credit_on_a_scripted_rollout():
     paths = learner.assign_credit(prompt.trees)
     assert len(paths) == 4  # M + L·K leaves
     assert sorted(path.reward for path in paths) == [0.0, 0.0, 1.0, 1.0]
+    assert sorted((leaf.info["grade"]["em"], leaf.info["grade"]["answer"]) for leaf in prompt.leaves) == [
+        (0.0, "7"), (0.0, "7"), (1.0, "42"), (1.0, "42")]  # the env's grade is kept on the leaf
     for path in paths:  # the answer turn carries the leaf's z-score; right answers are positive
         z = path.advantages[-1]
         assert z == pytest.approx(1 / (1 + 2e-6) if path.reward == 1.0 else -1 / (1 + 2e-6))
