@@ -5,6 +5,13 @@
 
 ``agents eval`` runs the evaluation of :mod:`agents.evaluation` and prints a transcript and the
 results table; progress goes to stderr.
+
+    agents train --algo at2po --env multihop-qa --model smollm2-135m --preset cpu-demo --out runs/demo
+    agents train --out runs/demo --resume --steps 8
+    agents train --algo grpo --config run.yaml --set trainer.lr=1e-5 --set strategy.n=8
+
+``agents train`` runs :func:`agents.train.train` with the configuration of :mod:`agents.config`
+and prints the held-out scores before and after training.
 """
 
 from __future__ import annotations
@@ -160,8 +167,84 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- agents train -----------------------------------------------------------------------------
+
+# Flags that set a top-level TrainConfig value (argparse dest -> config key); unset flags leave it.
+_TRAIN_FLAGS = ("algo", "env", "model", "engine", "device", "steps", "prompts_per_step", "seed", "holdout",
+                "eval_questions", "eval_every", "checkpoint_every")
+
+
+def _add_train(subparsers: argparse._SubParsersAction) -> None:
+    from agents.config import ENGINES as TRAIN_ENGINES
+    from agents.config import PRESETS
+    from agents.learners import LEARNERS
+
+    p = subparsers.add_parser(
+        "train", help="train a learner (AT2PO, AEPO, GRPO, Tree-GRPO, ARPO) on an environment",
+        description="Train a policy with rollout trees, credit assignment and a policy loss. Settings come from the "
+                    "defaults (the papers' budgets), then --preset, then --config FILE, then the flags, then --set; "
+                    "the effective configuration is saved as OUT/config.json.")
+    p.add_argument("--algo", choices=list(LEARNERS), help="the learner (default at2po)")
+    p.add_argument("--env", help="environment id (default multihop-qa)")
+    p.add_argument("--model", help=f"model name, local folder or Hugging Face id (default {DEFAULT_MODEL})")
+    p.add_argument("--engine", choices=TRAIN_ENGINES, help="generation engine: hf shares the trainer's model, vllm "
+                                                           "gets the weights after every step (default hf)")
+    p.add_argument("--preset", choices=list(PRESETS), help="paper: the AT2PO tables' setting; cpu-demo: a few "
+                                                           "minutes on 2 CPU cores with the embedded model")
+    p.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON config file (the layout of config.json)")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                   help="any setting by its dotted name, e.g. trainer.lr=1e-5, strategy.K=3, loss.eps_high=0.28, "
+                        "sampling.max_new_tokens=256, env_kwargs.reward=f1 (repeatable)")
+    p.add_argument("--steps", type=int, help="rollout batches to train on")
+    p.add_argument("--prompts-per-step", type=int, help="prompts per rollout batch")
+    p.add_argument("--seed", type=int, help="seed of the task order and the rollouts")
+    p.add_argument("--holdout", type=int, help="the env's first N tasks are never trained on")
+    p.add_argument("--eval-questions", type=int, help="held-out questions evaluated before, during and after")
+    p.add_argument("--eval-every", type=int, help="evaluate every N steps (0: before and after only)")
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and after the last)")
+    p.add_argument("--device", help="device of the trainer's model (default: cuda if present, else cpu)")
+    p.add_argument("--out", type=Path, help="the run folder (default runs/ALGO-ENV-TIME)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import time
+
+    from agents.config import build, effective_config, resolve
+    from agents.heldout import comparison_table
+    from agents.train import saved_config, train
+
+    if args.resume and args.out is None:
+        raise ValueError("--resume needs --out, the folder of the run to continue")
+    values = {name: getattr(args, name) for name in _TRAIN_FLAGS if getattr(args, name) is not None}
+    config = resolve(base=saved_config(args.out) if args.resume else None, preset_name=args.preset, file=args.config,
+                     values=values, assignments=args.assignments)
+    if args.print_config:
+        print(json.dumps(effective_config(config, build(config)).to_dict(), indent=2))
+        return 0
+    out = args.out or Path("runs") / f"{config.algo}-{config.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"=== agents train --algo {config.algo} on {config.env} with {config.model} ({config.engine}): "
+          f"{config.steps} steps of {config.prompts_per_step} prompts; run folder {out}")
+    result = asyncio.run(train(config, out, resume=args.resume, progress=False if args.no_progress else None))
+
+    if len(result.heldout) >= 2:
+        first, last = result.heldout[0], result.heldout[-1]
+        print("\n=== held-out questions (greedy; never trained on), before and after training, 95% intervals")
+        print(comparison_table([first, last], [f"before (step {first.step})", f"after (step {last.step})"]))
+    print(f"\nrun folder:  {out}  (config.json, metrics.jsonl, tensorboard/, heldout/)")
+    print(f"curves:      {out / 'curves.png'}" + (f", {out / 'heldout.png'}" if result.heldout else ""))
+    if result.checkpoint is not None:
+        print(f"checkpoint:  {result.checkpoint}")
+        print(f"evaluate it: agents eval --env {config.env} --model {result.checkpoint / 'model'} "
+              f"--limit {max(config.eval_questions, 1)}")
+    return 0
+
+
 #: Each adds one subcommand to the parser (``set_defaults(run=handler)``, handler returns the exit code).
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_eval]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_eval, _add_train]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.run(args)
-    except (ValueError, UnknownEnvError, ModelNotAvailableError, ImportError) as error:
+    except (ValueError, UnknownEnvError, ModelNotAvailableError, ImportError, FileExistsError,
+            FileNotFoundError) as error:
         parser.exit(2, f"agents {args.command}: error: {error}\n")
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "merge",
     "parse_overrides",
     "preset",
+    "resolve",
 ]
 
 #: Generation engines a run can use (``--engine``).
@@ -280,6 +281,33 @@ def effective_config(config: TrainConfig, parts: RunParts) -> TrainConfig:
         sampling=sampling,
         env_kwargs=copy.deepcopy(config.env_kwargs),
     )
+
+
+def resolve(
+    *,
+    base: Mapping[str, Any] | None = None,
+    preset_name: str | None = None,
+    file: str | Path | None = None,
+    values: Mapping[str, Any] | None = None,
+    assignments: Sequence[str] = (),
+) -> TrainConfig:
+    """A config from its layers, each overriding the one before.
+
+    Args:
+        base: A config as a mapping (a resumed run's ``config.json``); default: the defaults.
+        preset_name: A preset of :data:`PRESETS`, for the algorithm the later layers (or ``base``) name.
+        file: A YAML or JSON config file.
+        values: Top-level values (the command line's flags).
+        assignments: ``KEY=VALUE`` strings (``--set``), see :func:`parse_overrides`.
+    """
+    layers = [load_config_file(file) if file is not None else {}, dict(values or {}), parse_overrides(assignments)]
+    merged = copy.deepcopy(dict(base)) if base is not None else TrainConfig().to_dict()
+    algo = next((layer["algo"] for layer in reversed(layers) if "algo" in layer), merged.get("algo"))
+    if preset_name is not None:
+        merged = merge(merged, preset(preset_name, algo))
+    for layer in layers:
+        merged = merge(merged, layer)
+    return TrainConfig.from_dict(merged)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -54,7 +54,7 @@ from agents.strategies import PromptTrees, TreeConfig, rollout_trees
 from agents.trainer import Trainer
 from agents.tree import TrainingPath
 
-__all__ = ["CONFIG_FILE", "TaskOrder", "TrainResult", "rollout_seed", "train"]
+__all__ = ["CONFIG_FILE", "TaskOrder", "TrainResult", "rollout_seed", "saved_config", "train"]
 
 #: The effective configuration in the run folder.
 CONFIG_FILE = "config.json"
@@ -266,6 +266,14 @@ class _HeldOutEvaluation:
         self.note(f"step {step}: held-out ({result.questions} questions) {scores}")
 
 
+def saved_config(out_dir: str | Path) -> dict[str, Any]:
+    """The effective configuration saved in a run folder (``config.json``), as a mapping."""
+    path = Path(out_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{out_dir} holds no {CONFIG_FILE}, so there is no run to resume there")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path | None:
     """Check ``out`` for a new run or a resume; returns the checkpoint to resume from (``None``: new run)."""
     saved_path = out / CONFIG_FILE
@@ -279,7 +287,7 @@ def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path
     if checkpoint is None or not saved_path.is_file():
         raise FileNotFoundError(f"{out} holds no checkpoint and {CONFIG_FILE} to resume from; start the run "
                                 "without --resume")
-    saved = TrainConfig.from_dict(json.loads(saved_path.read_text(encoding="utf-8")))
+    saved = TrainConfig.from_dict(saved_config(out))
     changed = [name for name in saved.changed(effective) if name.split(".")[0] not in RESUMABLE]
     if changed:
         raise ValueError(f"--resume continues the run saved in {saved_path}, but these settings differ from it: "
