@@ -13,6 +13,7 @@ from agents.config import (
     merge,
     parse_overrides,
     preset,
+    resolve,
 )
 from agents.learners import AT2PO, GRPOCredit, Learner
 from agents.losses import gspo_loss
@@ -153,3 +154,35 @@ def test_a_learner_of_your_own_takes_the_config_sections_too():
     assert effective.loss == {"eps_low": 3e-4, "eps_high": 4e-4, "agg": "seq-mean-token-mean", "kl_coef": 0.0,
                               "entropy_coef": 0.0}
     assert build(TrainConfig(), learner=AT2PO(name="x")).learner.name == "x"
+
+
+def test_resolve_layers_defaults_preset_file_flags_and_set_in_that_order(tmp_path):
+    (tmp_path / "run.yaml").write_text("steps: 9\nprompts_per_step: 5\ntrainer:\n  lr: 3.0e-5\n  micro_batch_size: 2\n")
+    config = resolve(preset_name="cpu-demo", file=tmp_path / "run.yaml", values={"algo": "grpo", "prompts_per_step": 3},
+                     assignments=["trainer.lr=4e-5"])
+    assert config.algo == "grpo" and config.strategy == {"n": 6}  # the preset of the algorithm the flags name
+    assert (config.steps, config.prompts_per_step) == (9, 3)  # file over preset, flags over file
+    assert config.trainer == {"mini_batches": 1, "micro_batch_size": 2, "lr": 4e-5}  # --set over everything
+    resumed = resolve(base=config.to_dict(), values={"steps": 12})
+    assert resumed.changed(config) == ["steps"]
+    assert resolve().to_dict() == TrainConfig().to_dict()
+
+
+def test_agents_train_prints_the_effective_config_and_names_bad_arguments(capsys):
+    from agents.cli import main
+
+    assert main(["train", "--algo", "tree-grpo", "--preset", "cpu-demo", "--set", "loss.eps_high=0.28",
+                 "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["strategy"] == {"M": 2, "N": 1, "L": 1, "K": 3} and printed["loss"]["eps_high"] == 0.28
+    assert printed["credit"] == {"eps": 1e-6}
+    for argv, message in [
+        (["train", "--resume"], "--resume needs --out"),
+        (["train", "--set", "strategy.Q=1", "--print-config"], "strategy EntropyTree has no field Q"),
+        (["train", "--set", "sampling.temperature=0", "--print-config"], "sampling.temperature is 0"),
+        (["train", "--out", "/nonexistent/run", "--resume"], "holds no config.json"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
