@@ -23,6 +23,8 @@ Per tree:
   have one (``node.info["segment_entropy_topk"]``: top-k log-probs of the first tokens over ln|V|);
 - ``reward_mean``, ``reward_std`` (population), ``reward_min``, ``reward_max``,
   ``reward_spread`` (max − min) of the leaves;
+- ``context_tokens``: context tokens the engine read to sample the tree's turns (see
+  :class:`agents.strategies.TreeStats`);
 - ``tool_calls``, ``forks``, ``fork_s`` (seconds spent forking environments), ``errors``.
 """
 
@@ -90,6 +92,7 @@ def tree_metrics(tree: RolloutTree, stats: TreeStats | None = None,
         metrics["reward_max"] = max(rewards)
         metrics["reward_spread"] = max(rewards) - min(rewards)
     if stats is not None:
+        metrics["context_tokens"] = float(stats.context_tokens)
         metrics["tool_calls"] = float(stats.tool_calls)
         metrics["forks"] = float(stats.forks)
         metrics["fork_s"] = stats.fork_seconds
@@ -101,8 +104,8 @@ def rollout_metrics(prompts: Sequence[PromptTrees], seconds: float | None = None
     """One flat record for a batch of prompts' trees.
 
     Keys: ``tree/<name>`` is the mean of each per-tree metric over the trees that have it,
-    except counts that add up (``branch_depth/<d>``, ``tool_calls``, ``forks``, ``fork_s``,
-    ``errors``, ``branches``), which are summed; and per prompt:
+    except counts that add up (``branch_depth/<d>``, ``context_tokens``, ``tool_calls``,
+    ``forks``, ``fork_s``, ``errors``, ``branches``), which are summed; and per prompt:
 
     - ``tree/leaves_per_prompt``, ``tree/tokens_per_leaf`` (all tokens sampled, pre-monitoring
       included, over all leaves);
@@ -111,7 +114,7 @@ def rollout_metrics(prompts: Sequence[PromptTrees], seconds: float | None = None
     - ``tree/prompt_errors``: prompts that could not be rolled out at all;
     - ``tokens/generated``: tokens sampled for the batch; ``time/rollout_s``: ``seconds``, when given.
     """
-    summed = {"tool_calls", "forks", "fork_s", "errors", "branches"}
+    summed = {"context_tokens", "tool_calls", "forks", "fork_s", "errors", "branches"}
     totals: dict[str, float] = {}
     counts: Counter[str] = Counter()
     for prompt in prompts:

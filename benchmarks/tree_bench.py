@@ -10,6 +10,9 @@ with the same number of leaves, one after the other on one HFEngine (SmolLM2-135
 requests of concurrent branches batched). Reported per run:
 
 - leaves per prompt; generated tokens per leaf (pre-monitoring included) and its ratio to Chain;
+- context tokens the engine read per leaf (every turn's prompt-so-far), beside Chain's: with
+  no prefix cache (HFEngine) a branch re-reads the prefix it shares, so this is where wall
+  time goes on CPU;
 - wall time (the whole batch of prompts) beside Chain's;
 - environment forks made and the seconds spent in ``fork()``;
 - the fraction of prompts whose leaves' rewards are not all equal (groups with a learning
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from typing import Any
 
@@ -61,7 +65,8 @@ ENVS: dict[str, dict[str, Any]] = {
 }
 
 
-async def measure(engine: HFEngine, env: TokenEnv, strategy: Strategy, config: TreeConfig, prompts: int) -> dict:
+async def measure(engine: HFEngine, env_id: str, env: TokenEnv, strategy: Strategy, config: TreeConfig,
+                  prompts: int) -> dict:
     """Roll the first ``prompts`` tasks of ``env`` out under ``strategy``; a summary of the batch."""
     episodes = [Episode(env.fork(), options={"index": index}) for index in range(prompts)]
     start = time.perf_counter()
@@ -70,12 +75,15 @@ async def measure(engine: HFEngine, env: TokenEnv, strategy: Strategy, config: T
     for episode in episodes:
         episode.env.close()
     record = rollout_metrics(results, seconds)
+    print(f"{env_id} {strategy}: {record['tokens/generated']:.0f} tokens in {seconds:.0f} s",
+          file=sys.stderr, flush=True)
     leaves = sum(len(prompt.leaves) for prompt in results)
     stats = [stats for prompt in results for stats in prompt.stats]
     return {
         "leaves_per_prompt": record["tree/leaves_per_prompt"],
         "tokens_per_leaf": record.get("tree/tokens_per_leaf", float("nan")),
         "tokens": record["tokens/generated"],
+        "context_tokens_per_leaf": sum(s.context_tokens for s in stats) / max(1, leaves),
         "turns_per_prompt": sum(s.turns for s in stats) / prompts,
         "tool_calls_per_prompt": sum(s.tool_calls for s in stats) / prompts,
         "seconds": seconds,
@@ -88,48 +96,63 @@ async def measure(engine: HFEngine, env: TokenEnv, strategy: Strategy, config: T
 
 
 async def run(prompts: int, max_new_tokens: int, max_response_tokens: int, envs: list[str],
-              strategies: list[str]) -> dict[str, Any]:
+              strategies: list[str], json_path: str | None = None) -> dict[str, Any]:
+    """Measure every (env, strategy) pair; prints each row as it is done (and rewrites ``json_path``)."""
     engine = HFEngine(DEFAULT_MODEL, max_batch_size=32, seed=0)
     config = TreeConfig(sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), seed=0,
                         max_response_tokens=max_response_tokens)
-    rows = []
+    results: dict[str, Any] = {
+        "config": {"model": DEFAULT_MODEL, "prompts": prompts, "max_new_tokens": max_new_tokens,
+                   "max_response_tokens": max_response_tokens, "temperature": 1.0, "seed": 0,
+                   "envs": {env_id: ENVS[env_id] for env_id in envs}},
+        "rows": []}
+    print_header(results["config"])
     try:
         for env_id in envs:
             env = TokenEnv(agentenv.make(env_id, **ENVS[env_id]), engine.tokenizer)
             chains: dict[int, dict] = {}  # Chain runs by leaf count, shared by strategies with equal budgets
             for name in strategies:
                 strategy, leaves = STRATEGIES[name]
-                tree = await measure(engine, env, strategy, config, prompts)
+                tree = await measure(engine, env_id, env, strategy, config, prompts)
                 if leaves not in chains:
-                    chains[leaves] = await measure(engine, env, Chain(leaves), config, prompts)
-                rows.append({"env": env_id, "strategy": name, "chain_leaves": leaves, "tree": tree,
-                             "chain": chains[leaves],
-                             "tokens_per_leaf_ratio": tree["tokens_per_leaf"] / chains[leaves]["tokens_per_leaf"]})
+                    chains[leaves] = await measure(engine, env_id, env, Chain(leaves), config, prompts)
+                row = {"env": env_id, "strategy": name, "chain_leaves": leaves, "tree": tree, "chain": chains[leaves],
+                       "tokens_per_leaf_ratio": tree["tokens_per_leaf"] / chains[leaves]["tokens_per_leaf"]}
+                results["rows"].append(row)
+                print_row(row)
+                if json_path:
+                    with open(json_path, "w") as f:
+                        json.dump(results, f, indent=2)
             env.close()
     finally:
         await engine.close()
-    return {"config": {"model": DEFAULT_MODEL, "prompts": prompts, "max_new_tokens": max_new_tokens,
-                       "max_response_tokens": max_response_tokens, "temperature": 1.0, "seed": 0,
-                       "envs": {env_id: ENVS[env_id] for env_id in envs}},
-            "rows": rows}
+    print_legend()
+    return results
 
 
-def print_table(results: dict[str, Any]) -> None:
-    config = results["config"]
+def print_header(config: dict[str, Any]) -> None:
     print(f"{config['model']} on CPU, {config['prompts']} prompts per env, turns of at most "
           f"{config['max_new_tokens']} tokens, {config['max_response_tokens']} tokens per path")
-    header = (f"{'env':<12}{'strategy':<33}{'leaves':>7}{'tok/leaf':>9}{'chain':>7}{'ratio':>7}"
-              f"{'wall s':>8}{'chain':>7}{'forks':>7}{'fork ms':>9}{'signal':>8}{'chain':>7}{'errors':>7}")
-    print(header)
-    for row in results["rows"]:
-        tree, chain = row["tree"], row["chain"]
-        print(f"{row['env']:<12}{row['strategy']:<33}{tree['leaves_per_prompt']:>7.1f}{tree['tokens_per_leaf']:>9.1f}"
-              f"{chain['tokens_per_leaf']:>7.1f}{row['tokens_per_leaf_ratio']:>7.2f}{tree['seconds']:>8.1f}"
-              f"{chain['seconds']:>7.1f}{tree['forks']:>7d}{1e3 * tree['fork_seconds']:>9.1f}"
-              f"{tree['signal_frac']:>8.2f}{chain['signal_frac']:>7.2f}{int(tree['errors'] + chain['errors']):>7d}")
+    print(f"{'env':<12}{'strategy':<33}{'leaves':>7}{'tok/leaf':>9}{'chain':>7}{'ratio':>7}{'ctx/leaf':>9}"
+          f"{'chain':>7}{'wall s':>8}{'chain':>7}{'forks':>7}{'fork ms':>9}{'signal':>8}{'chain':>7}{'errors':>7}",
+          flush=True)
+
+
+def print_row(row: dict[str, Any]) -> None:
+    tree, chain = row["tree"], row["chain"]
+    print(f"{row['env']:<12}{row['strategy']:<33}{tree['leaves_per_prompt']:>7.1f}{tree['tokens_per_leaf']:>9.1f}"
+          f"{chain['tokens_per_leaf']:>7.1f}{row['tokens_per_leaf_ratio']:>7.2f}"
+          f"{tree['context_tokens_per_leaf']:>9.0f}{chain['context_tokens_per_leaf']:>7.0f}{tree['seconds']:>8.1f}"
+          f"{chain['seconds']:>7.1f}{tree['forks']:>7d}{1e3 * tree['fork_seconds']:>9.1f}"
+          f"{tree['signal_frac']:>8.2f}{chain['signal_frac']:>7.2f}{int(tree['errors'] + chain['errors']):>7d}",
+          flush=True)
+
+
+def print_legend() -> None:
     print("leaves: per prompt; tok/leaf: generated tokens per leaf (tree, then Chain with as many leaves) and "
-          "their ratio;\nwall s: the batch (tree, Chain); forks and fork ms: the tree's env forks; signal: "
-          "fraction of prompts whose leaf rewards differ.")
+          "their ratio;\nctx/leaf: context tokens the engine read per leaf (tree, Chain); wall s: the batch "
+          "(tree, Chain);\nforks and fork ms: the tree's env forks; signal: fraction of prompts whose leaf "
+          "rewards differ.")
 
 
 def main() -> None:
@@ -151,11 +174,7 @@ def main() -> None:
                      f"{list(STRATEGIES)}")
     if args.prompts < 1 or args.max_new_tokens < 1 or args.max_response_tokens < 1:
         parser.error("--prompts, --max-new-tokens and --max-response-tokens must be >= 1")
-    results = asyncio.run(run(args.prompts, args.max_new_tokens, args.max_response_tokens, envs, strategies))
-    print_table(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    asyncio.run(run(args.prompts, args.max_new_tokens, args.max_response_tokens, envs, strategies, args.json))
 
 
 if __name__ == "__main__":

@@ -175,6 +175,9 @@ class TreeStats:
     Attributes:
         turns: Turns sampled.
         tokens: Action tokens sampled.
+        context_tokens: Context tokens the engine was given to sample them (the sum over turns of
+            the prompt-so-far length): what an engine without prefix caching computes again
+            each turn, and a branch shares with its source only through such a cache.
         tool_calls: Tool calls made (from the env's ``info["tool_calls"]`` counter).
         forks: Environment forks made (branch starts and per-turn states).
         fork_seconds: Wall time spent inside ``fork()``.
@@ -185,6 +188,7 @@ class TreeStats:
 
     turns: int = 0
     tokens: int = 0
+    context_tokens: int = 0
     tool_calls: int = 0
     forks: int = 0
     fork_seconds: float = 0.0

@@ -369,6 +369,7 @@ class _PromptLoop:
         stats = self.group.stats[branch.tree]
         stats.turns += 1
         stats.tokens += len(turn.action_ids)
+        stats.context_tokens += len(branch.ids)
         stats.tool_calls += made
         branch.parent = branch.last = node
         branch.obs_ids = list(turn.obs_ids)

@@ -49,11 +49,13 @@ def test_tree_metrics_of_a_hand_built_tree():
 
 
 def test_tree_metrics_count_what_the_loop_spent_beyond_the_tree():
-    stats = TreeStats(turns=6, tokens=12, tool_calls=2, forks=5, fork_seconds=0.25, errors=["RuntimeError: x"])
+    stats = TreeStats(turns=6, tokens=12, context_tokens=40, tool_calls=2, forks=5, fork_seconds=0.25,
+                      errors=["RuntimeError: x"])
     metrics = tree_metrics(worked_tree(), stats)
     assert (metrics["turns_generated"], metrics["tokens_generated"]) == (6.0, 12.0)  # pruned turns included
     assert metrics["token_ratio"] == pytest.approx(12 / 9)
-    assert (metrics["tool_calls"], metrics["forks"], metrics["fork_s"], metrics["errors"]) == (2.0, 5.0, 0.25, 1.0)
+    assert (metrics["context_tokens"], metrics["tool_calls"], metrics["forks"], metrics["fork_s"],
+            metrics["errors"]) == (40.0, 2.0, 5.0, 0.25, 1.0)
     assert metrics["branches"] == 0.0 and "high_entropy_frac" not in metrics
 
 

@@ -121,6 +121,8 @@ async def test_chain_runs_n_independent_chains_from_the_prompt():
         assert (leaf.reward, leaf.depth, leaf.info["status"], leaf.info["tool_calls"]) == (1.0, 2, "terminated", 1)
     stats = prompt.stats[0]
     assert (stats.turns, stats.tokens, stats.tool_calls, stats.forks) == (6, 3 * (18 + 29), 3, 3)
+    prompt_length = len(tree.prompt_ids)
+    assert stats.context_tokens == 3 * (prompt_length + (prompt_length + 18 + len(OBS)))
     assert all(node.env is None for node in tree.nodes())  # nothing kept after the rollout
     assert contexts(tree) == Counter(tuple(ids) for ids, _ in engine.calls)
     assert len({params.seed for _, params in engine.calls}) == 6  # one seed per (branch, turn)
