@@ -106,6 +106,7 @@ def print_table(rows: list[dict], startup: dict[str, float]) -> None:
         print(f"{r['engine']:<6} {r['mode']:<14} {r['requests']:>8} {r['tokens']:>7} {r['seconds']:>8.1f} "
               f"{r['tokens_per_s']:>9.1f} {r['vs_sequential']:>13.2f} {r['max_abs_logprob_diff']:>16.2e}")
     print("start-up: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items()))
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
 def main() -> None:
@@ -129,7 +130,8 @@ def main() -> None:
     print_table(rows, startup)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "startup_s": startup, "new_tokens": args.new_tokens, "cpu_count": os.cpu_count()}, f, indent=2)
+            json.dump({"rows": rows, "startup_s": startup, "new_tokens": args.new_tokens, "cpu_count": os.cpu_count(),
+                       "load_average_1min": os.getloadavg()[0]}, f, indent=2)
 
 
 if __name__ == "__main__":  # vLLM spawns its workers; the guard keeps them from rerunning this
