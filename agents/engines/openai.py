@@ -14,6 +14,7 @@ server's message.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,9 +97,10 @@ class OpenAIEngine(Engine):
             last = attempt == self.max_retries
             try:
                 async with session.post(self.url, json=body, headers=self.headers) as response:
+                    text = await response.text()
                     if response.status == 200:
-                        return await response.json()
-                    message = (await response.text())[:500]
+                        return _json(text, self.url)
+                    message = text[:500]
                     if response.status not in _RETRIED_STATUSES or last:
                         raise ServerError(f"{self.url} answered HTTP {response.status}: {message}")
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as error:
@@ -162,6 +164,13 @@ class OpenAIEngine(Engine):
         session = self._sessions.pop(asyncio.get_running_loop(), None)
         if session is not None:
             await session.close()
+
+
+def _json(text: str, url: str) -> dict[str, Any]:
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise ServerError(f"{url} answered with something that is not JSON: {text[:200]!r}") from error
 
 
 def _token_id(key: str) -> int:

@@ -38,7 +38,7 @@ class CompletionsServer:
 
     ``failures`` is consumed one per request before answering: an int answers with that HTTP
     status, a float sleeps that many seconds first (to trigger client timeouts), ``"no-ids"``
-    answers without token ids.
+    answers without token ids, ``"not-json"`` with an HTML page.
     """
 
     def __init__(self, engine, failures=()):
@@ -65,6 +65,8 @@ class CompletionsServer:
         failure = self.failures.pop(0) if self.failures else None
         if isinstance(failure, int):
             return web.Response(status=failure, text=f"scripted failure {failure}")
+        if failure == "not-json":
+            return web.Response(status=200, text="<html>proxy error</html>")
         if isinstance(failure, float):
             await asyncio.sleep(failure)
         params = SamplingParams(
@@ -331,6 +333,9 @@ async def test_openai_engine_retries_then_gives_up_clearly(tokenizer):
             await engine.generate([1], SamplingParams())
         server.failures = ["no-ids"]
         with pytest.raises(ServerError, match="returned no token ids"):
+            await engine.generate([1], SamplingParams())
+        server.failures = ["not-json"]
+        with pytest.raises(ServerError, match="not JSON: '<html>proxy error</html>'"):
             await engine.generate([1], SamplingParams())
     finally:
         await engine.close()
