@@ -58,9 +58,10 @@ class VLLMEngine(Engine):
     float32 on CPU and bfloat16 on GPU. ``max_model_len`` bounds prompt plus completion;
     ``max_num_seqs`` the requests decoded together; ``kv_cache_gib`` the KV cache (default: 2 GiB
     on CPU, where vLLM would otherwise reserve most of the memory, and vLLM's own sizing on
-    GPU); ``seed`` the engine's random state (requests
-    with their own ``seed`` are reproducible regardless). ``engine_args`` passes further
-    ``vllm.AsyncEngineArgs`` fields. Starting takes about 30 s on 2 CPU cores.
+    GPU); ``seed`` the engine's random state (requests with their own ``seed`` are reproducible
+    regardless). ``engine_args`` sets or overrides further ``vllm.AsyncEngineArgs`` fields.
+    Starting spawns vLLM's engine and worker processes and loads the model: about half a
+    minute on 2 idle CPU cores, several minutes when other work keeps them busy.
     """
 
     def __init__(
@@ -91,7 +92,7 @@ class VLLMEngine(Engine):
         self.sleep_mode = current_platform.is_sleep_mode_available()
         if kv_cache_gib is None and current_platform.is_cpu():
             kv_cache_gib = 2.0
-        args = AsyncEngineArgs(
+        settings: dict[str, Any] = dict(
             model=str(path),
             tokenizer=str(path),
             dtype=dtype or ("float32" if current_platform.is_cpu() else "bfloat16"),
@@ -108,9 +109,8 @@ class VLLMEngine(Engine):
             disable_log_stats=True,
             # torch.compile takes minutes on a few CPU cores; eager mode starts in seconds.
             enforce_eager=current_platform.is_cpu(),
-            **dict(engine_args or {}),
         )
-        self.vocab_size = len(self.tokenizer)
+        args = AsyncEngineArgs(**{**settings, **dict(engine_args or {})})
         self.max_logprobs = max_logprobs
         self._request_ids = itertools.count()
         self._loop = asyncio.new_event_loop()
@@ -125,8 +125,7 @@ class VLLMEngine(Engine):
         except BaseException:
             self._stop_loop()
             raise
-        config_vocab = self._llm.model_config.get_vocab_size()
-        self.vocab_size = max(self.vocab_size, config_vocab)
+        self.vocab_size = max(len(self.tokenizer), self._llm.model_config.get_vocab_size())
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         ids = self._check_request(prompt_ids, params, self.vocab_size)
