@@ -38,7 +38,7 @@ from agents.rollout import RolloutConfig, Trajectory, episodes_for, run_episodes
 ENV_ID = "multihop-qa"
 CONCURRENCY = (1, 16, 64, 256)
 ROUNDS = 2  # episodes per concurrency slot in (a)
-SCRIPTED_LATENCY_S = 0.5  # a short turn of a real engine; the loop's cost is measured against it
+SCRIPTED_LATENCY_S = 1.0  # one short engine turn: ~50 tokens at 20 ms per decode step (a 4B model on a GPU)
 REAL_EPISODES = 8  # (b): one CPU batch of the HFEngine's sweet spot
 REAL_MAX_NEW_TOKENS, REAL_MAX_RESPONSE_TOKENS = 32, 256  # small, so the sequential run stays short on 2 cores
 
