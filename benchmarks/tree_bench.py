@@ -19,7 +19,9 @@ requests of concurrent branches batched). Reported per run:
   signal), beside Chain's.
 
 Limits are small so that the run fits on two cores: short turns (``--max-new-tokens``), a short
-response budget per path, two tool calls per episode. Sampling is at temperature 1 with a
+response budget per path, two tool calls per episode. The path budget must leave room for three
+or more turns: when paths end after one or two, the only turns a tree can branch on are first
+turns, whose branches share nothing but the prompt (tokens per leaf then equal Chain's). Sampling is at temperature 1 with a
 fixed rollout seed. The small model rarely solves these tasks, so rewards are mostly equal; the
 signal fractions are reported as measured.
 """
@@ -160,8 +162,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--prompts", type=int, default=2, help="tasks per environment (default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per turn (default 24)")
-    parser.add_argument("--max-response-tokens", type=int, default=128,
-                        help="tokens per root-to-leaf path, tool results included (default 128)")
+    parser.add_argument("--max-response-tokens", type=int, default=320,
+                        help="tokens per root-to-leaf path, tool results included (default 320)")
     parser.add_argument("--envs", default=",".join(ENVS), help=f"comma-separated, from {', '.join(ENVS)}")
     parser.add_argument("--strategies", default=",".join(STRATEGIES),
                         help=f"comma-separated, from: {'; '.join(STRATEGIES)}")
