@@ -64,7 +64,7 @@ ENGINES = ("hf", "vllm")
 #: The sections of :class:`TrainConfig` that hold hyper-parameter overrides.
 SECTIONS = ("strategy", "credit", "loss", "trainer", "sampling", "rollout", "env_kwargs")
 #: Values that may change when a run resumes; any other change would make it another run.
-RESUMABLE = frozenset({"steps", "eval_every", "eval_questions", "checkpoint_every"})
+RESUMABLE = frozenset({"steps", "eval_every", "eval_before", "eval_questions", "checkpoint_every"})
 # Set by the run itself (or by the learner), never through a section.
 _RUN_OWNED = {
     "trainer": ("loss", "loss_kwargs", "kl_coef", "entropy_coef", "total_steps", "device", "progress", "temperature"),
@@ -93,6 +93,8 @@ class TrainConfig:
         eval_questions: Held-out questions evaluated (greedy, no tree); at most ``holdout``; 0: no
             evaluation.
         eval_every: Also evaluate after every this many steps; 0: only before and after training.
+        eval_before: Evaluate before the first step (step 0); off to save the time when the
+            initial policy's scores are known (the same model and questions).
         checkpoint_every: Save a checkpoint after every this many steps (and after the last).
         budget_reward: The reward of a path that the token budget (``rollout.max_response_tokens``
             or ``rollout.budget``) ended before the environment did, i.e. without an answer;
@@ -113,6 +115,7 @@ class TrainConfig:
     holdout: int = 100
     eval_questions: int = 100
     eval_every: int = 0
+    eval_before: bool = True
     checkpoint_every: int = 10
     budget_reward: float | None = None
     strategy: dict[str, Any] = field(default_factory=dict)
@@ -130,6 +133,8 @@ class TrainConfig:
             _require_int(name, getattr(self, name), minimum=1)
         for name in ("seed", "holdout", "eval_questions", "eval_every"):
             _require_int(name, getattr(self, name), minimum=0)
+        if not isinstance(self.eval_before, bool):
+            raise ValueError(f"eval_before must be true or false, got {self.eval_before!r}")
         if self.budget_reward is not None and not isinstance(self.budget_reward, (int, float)):
             raise ValueError(f"budget_reward must be a number or None, got {self.budget_reward!r}")
         if self.eval_questions > self.holdout:

@@ -21,12 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.engines.base import Engine
+from agents.engines.base import Engine, SamplingParams
 from agents.evaluation import evaluate
 from agents.metrics import MetricsLog
 from agents.rollout import RolloutConfig
+from agents.strategies import TreeConfig
 
-__all__ = ["SCORES", "HeldOut", "HeldOutLog", "Score", "comparison_table", "evaluate_heldout", "interval"]
+__all__ = [
+    "SCORES",
+    "HeldOut",
+    "HeldOutLog",
+    "Score",
+    "comparison_table",
+    "evaluate_heldout",
+    "greedy_rollout",
+    "interval",
+]
 
 #: The scores of a held-out evaluation and how they are read from each episode.
 SCORES: dict[str, str] = {
@@ -93,6 +103,13 @@ class HeldOut:
         scores = {name: Score(record[name], record[f"{name}_low"], record[f"{name}_high"])
                   for name in SCORES if name in record}
         return cls(int(record["step"]), int(record["questions"]), scores, float(record["seconds"]))
+
+
+def greedy_rollout(tree: TreeConfig) -> RolloutConfig:
+    """The evaluation's rollout for a run that trains with ``tree``: the same limits, greedy, no tree."""
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=tree.sampling.max_new_tokens)
+    return RolloutConfig(sampling=sampling, concurrency=tree.concurrency, max_prompt_tokens=tree.max_prompt_tokens,
+                         max_response_tokens=tree.max_response_tokens, keep_states=False)
 
 
 async def evaluate_heldout(

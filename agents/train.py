@@ -11,8 +11,8 @@ One step (read :func:`train` top to bottom):
 4. :meth:`agents.trainer.Trainer.step`: old log-probs, the loss's mini-batch updates, weight
    sync to the engine, metrics (with the rollout's numbers) to ``metrics.jsonl`` and TensorBoard;
 5. every ``checkpoint_every`` steps and after the last, a checkpoint holding the task order's
-   position; every ``eval_every`` steps, before the first and after the last, the held-out
-   evaluation (:mod:`agents.heldout`).
+   position; every ``eval_every`` steps, before the first (``eval_before``) and after the last,
+   the held-out evaluation (:mod:`agents.heldout`).
 
 ``resume=True`` continues a run folder from its latest checkpoint: weights, optimiser, schedule,
 random generators, step and task position; every step's rollout seed derives from the run's
@@ -46,10 +46,10 @@ from agentenv.wrappers import TokenEnv
 from agents.checkpoint import latest_checkpoint
 from agents.config import RESUMABLE, RunParts, TrainConfig, build, effective_config
 from agents.diagnostics import rollout_metrics
-from agents.engines.base import Engine, SamplingParams
-from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout
+from agents.engines.base import Engine
+from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, greedy_rollout
 from agents.learners import Learner
-from agents.rollout import Episode, RolloutConfig
+from agents.rollout import Episode
 from agents.strategies import PromptTrees, TreeConfig, rollout_trees
 from agents.trainer import Trainer
 from agents.tree import TrainingPath
@@ -183,7 +183,7 @@ async def train(
         order = TaskOrder(len(env.env.tasks) if hasattr(env.env, "tasks") else None, config.holdout, config.seed,
                           **position)
         evaluation = _HeldOutEvaluation(config, parts.tree, engine, trainer, heldout, progress, log)
-        if trainer.step_count == 0:
+        if trainer.step_count == 0 and config.eval_before:
             await evaluation.run(step=0)
         last_checkpoint = checkpoint
         for step in range(trainer.step_count + 1, config.steps + 1):
@@ -249,10 +249,7 @@ class _HeldOutEvaluation:
                  progress: bool | None, note: Callable[[str], None]) -> None:
         self.config, self.engine, self.trainer, self.log, self.note = config, engine, trainer, log, note
         self.progress = sys.stderr.isatty() if progress is None else progress
-        sampling = SamplingParams(temperature=0.0, max_new_tokens=tree.sampling.max_new_tokens)  # greedy, no tree
-        self.rollout = RolloutConfig(sampling=sampling, concurrency=tree.concurrency,
-                                     max_prompt_tokens=tree.max_prompt_tokens,
-                                     max_response_tokens=tree.max_response_tokens, keep_states=False)
+        self.rollout = greedy_rollout(tree)
 
     async def run(self, step: int) -> None:
         config = self.config

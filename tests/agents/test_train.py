@@ -202,9 +202,10 @@ async def test_a_learner_of_your_own_trains_through_the_same_loop(tiny_model, tm
         return loss, {"reinforce": loss.item()}
 
     mine = Learner(strategy=Chain(4), credit=sign_credit, loss=plain_pg_loss, name="sign-reinforce")
-    result = await train(letters_config(tiny_model, algo="sign-reinforce", steps=2, eval_questions=0, strategy={}),
-                         tmp_path, learner=mine, progress=False, log=lambda note: None)
+    result = await train(letters_config(tiny_model, algo="sign-reinforce", steps=2, eval_questions=2, strategy={},
+                                        eval_before=False), tmp_path, learner=mine, progress=False, log=lambda note: None)
     assert calls == [4, 4, 4, 4]  # 2 steps × 2 prompts, 4 leaves each
+    assert [h.step for h in result.heldout] == [2]  # after training only
     assert all("policy/reinforce" in record for record in result.history)
     assert json.loads((tmp_path / "config.json").read_text())["credit"] == {}
     assert result.config.algo == "sign-reinforce" and result.config.strategy == {"n": 4}

@@ -1,0 +1,385 @@
+"""Learning on CPU: AT²PO, AEPO and GRPO at one rollout budget, and the cost of a training step beside TRL.
+
+    python -m benchmarks.learning [--json PATH] [--algos at2po,aepo,grpo] [--steps N] [--eval-questions Q]
+                                  [--out DIR] [--trl-steps S | --no-trl]
+
+**Learning.** Each learner trains the embedded SmolLM2-135M on ``multihop-qa`` with the
+``cpu-demo`` preset (2 prompts per step, 6 leaves per prompt for every learner, 2 tool calls, the
+AT²PO reward: −1 bad format or no answer, 0 wrong, 1 exact match) from the same initial model,
+seed and task order. The policy before training and each learner's policy after ``--steps``
+steps are scored on ``--eval-questions`` held-out HotpotQA questions that no run trains on
+(greedy decoding, the papers' evaluation), with 95% intervals (Wilson for proportions, normal
+for the mean reward). The table lists format adherence, reward and EM, before and after; the
+plot (``OUT/learning.png``) draws each learner's training reward per step and the held-out
+scores. The claim is the direction and its uncertainty: a 135M model on two CPU cores learns
+the answer format in a few steps or not at all; the papers' EM gains need their budgets (a 4B
+model, 64 prompts × 22 leaves per step, hundreds of steps on GPUs: ``--preset paper``).
+
+**Throughput.** Seconds per step of each run split into rollout (tree generation with tool
+calls), old-log-prob recomputation (the reference policy's too, for GRPO's KL) and update, and
+the update's tokens/s (prompt, observation and action tokens through forward and backward).
+Beside it TRL's ``GRPOTrainer`` runs ``--trl-steps`` steps on the same model, the same 12
+sequences per step (2 prompts × 6 generations, micro-batches of 4), the same prompts and a
+completion cap equal to our response budget, with KL 0.001 like our GRPO. TRL is single-turn
+(one completion, no tools, HF ``generate`` with one prefill per batch), so its rollout column
+is not the same work as ours; the update columns are. TRL is installed for this run only, into
+a cache folder (``pip install --no-deps --target``), never into the project's environment,
+because its requirements (``datasets``, ``pyarrow``, ``pandas``) are not the product's and pip
+must not touch the CPU build of torch; it runs in a subprocess with that folder on its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from agents.config import TrainConfig, build, resolve
+from agents.heldout import HeldOut, comparison_table, evaluate_heldout, greedy_rollout
+from agents.models import cache_root, resolve_model
+from agents.train import TaskOrder, TrainResult, train
+
+ALGOS = ("at2po", "aepo", "grpo")
+DEFAULT_STEPS = 5
+DEFAULT_EVAL_QUESTIONS = 32
+DEFAULT_TRL_STEPS = 3
+# TRL and what it needs beyond the project's environment, pinned to the versions checked here.
+TRL_PACKAGES = ("trl==1.16.0", "datasets==5.2.0", "pyarrow==26.0.1", "pandas==3.1.1", "multiprocess==0.70.19",
+                "xxhash==4.1.0")
+# (column, metric of agents.train's records, unit)
+SPLIT = (("rollout s", "time/rollout_s"), ("old log-probs s", "time/old_logprobs_s"), ("update s", "time/update_s"))
+
+
+def learning_config(algo: str, steps: int, eval_questions: int) -> TrainConfig:
+    """The ``cpu-demo`` run of ``algo`` for ``steps`` steps, scored once after training."""
+    return resolve(preset_name="cpu-demo", values={
+        "algo": algo, "steps": steps, "eval_questions": eval_questions, "holdout": max(50, eval_questions),
+        "eval_before": False, "eval_every": 0, "checkpoint_every": steps})
+
+
+async def score_initial_policy(config: TrainConfig) -> HeldOut:
+    """The untrained model on the held-out questions, as every run would score it at step 0."""
+    from agents.engines.hf import HFEngine
+
+    tree = build(config).tree
+    engine = HFEngine(config.model, max_batch_size=tree.concurrency, seed=config.seed)
+    try:
+        return await evaluate_heldout(engine, engine.tokenizer, config.env, questions=config.eval_questions,
+                                      rollout=greedy_rollout(tree), step=0, env_kwargs=config.env_kwargs,
+                                      progress=False)
+    finally:
+        await engine.close()
+
+
+def step_split(result: TrainResult) -> dict[str, float]:
+    """Mean seconds per step of each phase, update tokens/s and sizes, over the run's steps."""
+    history = result.history
+
+    def mean(name: str) -> float:
+        return statistics.fmean(record[name] for record in history)
+
+    split = {column: mean(metric) for column, metric in SPLIT}
+    split["step s"] = sum(split.values())
+    split["update tokens/s"] = mean("throughput/update_tokens_per_s")
+    split["sequences/step"] = mean("batch/sequences")
+    split["tokens/sequence"] = mean("tokens/trained") / split["sequences/step"]
+    split["generated tokens/step"] = mean("tokens/generated")
+    return split
+
+
+# -- TRL --------------------------------------------------------------------------------------
+
+
+def trl_folder() -> Path:
+    """Where TRL and its requirements are installed for this benchmark (outside the project's venv)."""
+    return cache_root().parent / "benchmarks" / TRL_PACKAGES[0].replace("==", "-")
+
+
+def install_trl() -> Path:
+    """Install :data:`TRL_PACKAGES` without dependencies into :func:`trl_folder` (once); returns it."""
+    folder = trl_folder()
+    if (folder / ".complete").is_file():
+        return folder
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder),
+                           *TRL_PACKAGES], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"pip could not install {' '.join(TRL_PACKAGES)}: {done.stderr.strip()[-400:]}")
+    (folder / ".complete").write_text("\n".join(TRL_PACKAGES) + "\n")
+    return folder
+
+
+def trl_job(config: TrainConfig, steps: int) -> dict[str, Any]:
+    """What the TRL run gets: the model, our first ``steps`` batches of prompts, and our sizes."""
+    import agentenv
+
+    parts = build(config)
+    env = agentenv.make(config.env, **config.env_kwargs)
+    order = TaskOrder(len(env.tasks), config.holdout, config.seed)
+    prompts = []
+    for index in order.take(steps * config.prompts_per_step):
+        text, info = env.reset(options={"index": index})
+        prompts.append({"prompt": text, "answers": list(info["answers"])})
+    env.close()
+    micro, leaves = parts.trainer.micro_batch_size, parts.learner.strategy.n  # GRPO: Chain(n)
+    return {
+        "model": str(resolve_model(config.model)),
+        "prompts": prompts,
+        "steps": steps,
+        "num_generations": leaves,
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": config.prompts_per_step * leaves // micro,
+        "max_completion_length": parts.tree.max_response_tokens,
+        "temperature": parts.tree.sampling.temperature,
+        "learning_rate": parts.trainer.lr,
+        "beta": 0.001,  # GRPO's KL coefficient, as in our GRPO
+        "epsilon": 0.2,
+        "seed": config.seed,
+    }
+
+
+def run_trl(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Run :func:`trl_worker` in a subprocess with TRL on its path; its per-step timings."""
+    folder = install_trl()
+    with tempfile.TemporaryDirectory(prefix="trl-bench-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(Path(__file__).resolve().parents[1])]),
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+        done = subprocess.run([sys.executable, "-m", "benchmarks.learning", "--trl-worker", str(job_path),
+                               str(result_path)], env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0 or not result_path.is_file():
+            raise RuntimeError(f"the TRL run failed (exit {done.returncode}): {done.stderr.strip()[-600:]}")
+        return json.loads(result_path.read_text())
+
+
+def trl_worker(job_path: str, result_path: str) -> None:
+    """In the subprocess: ``GRPOTrainer`` for the job's steps, timing generation, scoring and update."""
+    import pyarrow
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentenv.graders import grade
+    from agentenv.parsers import get_parser
+    from agentenv.rewards import REWARD_SCHEMES
+
+    job = json.loads(Path(job_path).read_text())
+    parser = get_parser("xml")
+    phases: dict[str, float] = {"generate": 0.0, "prepare": 0.0}
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer that adds up the seconds of generation and of preparing each batch."""
+
+        def _generate(self, prompts):
+            start = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                phases["generate"] += time.perf_counter() - start
+
+        def _prepare_inputs(self, generation_batch):
+            start = time.perf_counter()
+            try:
+                return super()._prepare_inputs(generation_batch)
+            finally:
+                phases["prepare"] += time.perf_counter() - start
+
+    steps: list[dict[str, float]] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start, self.tokens = time.perf_counter(), state.num_input_tokens_seen
+            phases.update(generate=0.0, prepare=0.0)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            total = time.perf_counter() - self.start
+            steps.append({"step_s": total, "generate_s": phases["generate"],
+                          "logprobs_s": phases["prepare"] - phases["generate"],
+                          "update_s": total - phases["prepare"],
+                          "tokens": float(state.num_input_tokens_seen - self.tokens)})
+
+    def at2po_reward(completions, answers, **kwargs):
+        """AT²PO's reward of a single-turn answer: −1 bad format, 0 wrong, 1 exact match."""
+        rewards = []
+        for completion, gold in zip(completions, answers):
+            action = parser.parse(completion[0]["content"], {})
+            rewards.append(REWARD_SCHEMES["at2po"](grade(action.answer, gold), {}))
+        return rewards
+
+    torch.manual_seed(job["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    rows = [{"prompt": [{"role": "user", "content": row["prompt"]}], "answers": row["answers"]} for row in job["prompts"]]
+    # A fixed fingerprint: datasets would hash the Arrow table with dill, which fails on pyarrow 26's types.
+    dataset = Dataset(pyarrow.Table.from_pylist(rows), fingerprint="benchmarks.learning")
+    with tempfile.TemporaryDirectory(prefix="trl-out-") as out:
+        args = GRPOConfig(
+            output_dir=out, max_steps=job["steps"], per_device_train_batch_size=job["per_device_train_batch_size"],
+            gradient_accumulation_steps=job["gradient_accumulation_steps"], num_generations=job["num_generations"],
+            max_completion_length=job["max_completion_length"], temperature=job["temperature"],
+            learning_rate=job["learning_rate"], lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0,
+            beta=job["beta"], epsilon=job["epsilon"], loss_type="grpo", use_cpu=True, bf16=False,
+            report_to="none", logging_steps=1, save_strategy="no", seed=job["seed"], shuffle_dataset=False,
+            include_num_input_tokens_seen="all", disable_tqdm=True)
+        trainer = TimedGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=at2po_reward, args=args,
+                                   train_dataset=dataset, callbacks=[StepTimer()])
+        trainer.train()
+    Path(result_path).write_text(json.dumps({"steps": steps, "versions": {
+        "trl": __import__("trl").__version__, "torch": torch.__version__}}))
+
+
+def trl_split(result: dict[str, Any]) -> dict[str, float]:
+    """TRL's per-step timings in the columns of :func:`step_split` (its first step, warm-up, left out)."""
+    steps = result["steps"][1:] or result["steps"]
+
+    def mean(name: str) -> float:
+        return statistics.fmean(step[name] for step in steps)
+
+    split = {"rollout s": mean("generate_s"), "old log-probs s": mean("logprobs_s"), "update s": mean("update_s")}
+    split["step s"] = mean("step_s")
+    split["update tokens/s"] = mean("tokens") / split["update s"]
+    return split
+
+
+# -- tables and plot --------------------------------------------------------------------------
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in [head, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def throughput_table(splits: dict[str, dict[str, float]], trl: dict[str, float] | None) -> str:
+    columns = ["rollout s", "old log-probs s", "update s", "step s", "update tokens/s"]
+    rows = [[name, *(f"{split[c]:.1f}" for c in columns)] for name, split in splits.items()]
+    if trl is not None:
+        rows.append(["TRL GRPOTrainer", *(f"{trl[c]:.1f}" for c in columns)])
+        for name, split in splits.items():
+            rows.append([f"{name} / TRL", *(f"{split[c] / trl[c]:.2f}x" if trl[c] > 0 else "-" for c in columns)])
+    return table(["run", *columns], rows)
+
+
+def plot(results: dict[str, TrainResult], before: HeldOut, path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(13, 3.4), layout="constrained")
+    train_axis, *score_axes = figure.subplots(1, 3)
+    for name, result in results.items():
+        steps = [record["step"] for record in result.history]
+        train_axis.plot(steps, [record["reward/mean"] for record in result.history], marker="o", label=name)
+    train_axis.set(title="training reward (mean over leaves)", xlabel="step")
+    for axis, score in zip(score_axes, ("format_ok", "reward")):
+        labels = ["before"] + list(results)
+        heldout = [before] + [result.heldout[-1] for result in results.values()]
+        means = [h.scores[score].mean for h in heldout]
+        errors = [[m - h.scores[score].low for m, h in zip(means, heldout)],
+                  [h.scores[score].high - m for m, h in zip(means, heldout)]]
+        axis.bar(labels, means, yerr=errors, capsize=4, color=["grey"] + [f"C{i}" for i in range(len(results))])
+        axis.set(title=f"held-out {score} (95% CI)")
+    for axis in (train_axis, *score_axes):
+        axis.grid(alpha=0.3)
+    train_axis.legend(fontsize="small")
+    figure.savefig(path, dpi=100)
+    return path
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+async def learn(algos: list[str], steps: int, eval_questions: int, out: Path) -> tuple[HeldOut, dict[str, TrainResult]]:
+    before = await score_initial_policy(learning_config(algos[0], steps, eval_questions))
+    print(f"before training: {', '.join(f'{k} {v}' for k, v in before.scores.items())}", flush=True)
+    results = {}
+    for algo in algos:
+        start = time.perf_counter()
+        results[algo] = await train(learning_config(algo, steps, eval_questions), out / algo, progress=False,
+                                    log=lambda note: None)
+        after = results[algo].heldout[-1]
+        print(f"{algo}: {steps} steps in {time.perf_counter() - start:.0f} s; after: "
+              f"{', '.join(f'{k} {v}' for k, v in after.scores.items())}", flush=True)
+    return before, results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algos", default=",".join(ALGOS), help=f"learners, comma-separated (default {','.join(ALGOS)})")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per learner (default {DEFAULT_STEPS})")
+    parser.add_argument("--eval-questions", type=int, default=DEFAULT_EVAL_QUESTIONS,
+                        help=f"held-out questions scored before and after (default {DEFAULT_EVAL_QUESTIONS})")
+    parser.add_argument("--trl-steps", type=int, default=DEFAULT_TRL_STEPS,
+                        help=f"TRL GRPOTrainer steps for the throughput comparison (default {DEFAULT_TRL_STEPS})")
+    parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
+    parser.add_argument("--out", type=Path, help="folder for the runs and the plot (default: a temporary folder)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--trl-worker", nargs=2, metavar=("JOB", "RESULT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(*args.trl_worker)
+        return
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    if min(args.steps, args.eval_questions, args.trl_steps) < 1:
+        parser.error("--steps, --eval-questions and --trl-steps must be >= 1")
+    out = args.out or Path(tempfile.mkdtemp(prefix="learning-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    for algo in algos:
+        if (out / algo).exists():
+            parser.error(f"{out / algo} exists; give an empty --out")
+
+    start = time.perf_counter()
+    before, results = asyncio.run(learn(algos, args.steps, args.eval_questions, out))
+    learning_seconds = time.perf_counter() - start
+    labels = ["before training"] + [f"{algo}, step {result.steps}" for algo, result in results.items()]
+    print(f"\n=== held-out multihop-qa questions never trained on ({args.eval_questions}, greedy), 95% intervals; "
+          f"{len(algos)} learners × {args.steps} steps in {learning_seconds / 60:.1f} min")
+    print(comparison_table([before] + [result.heldout[-1] for result in results.values()], labels))
+    rows = [[algo, *(f"{record['reward/mean']:+.2f}" for record in result.history)] for algo, result in results.items()]
+    print("\n=== training reward per step (mean over the step's leaves)")
+    print(table(["learner", *(f"step {s}" for s in range(1, args.steps + 1))], rows))
+
+    splits = {algo: step_split(result) for algo, result in results.items()}
+    trl, trl_note = None, None
+    if args.no_trl:
+        trl_note = "skipped (--no-trl)"
+    else:
+        try:
+            trl_result = run_trl(trl_job(learning_config("grpo", args.steps, args.eval_questions), args.trl_steps),
+                                 timeout_s=3600)
+            trl = trl_split(trl_result)
+            trl_note = f"TRL {trl_result['versions']['trl']}, {len(trl_result['steps'])} steps, first left out"
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            trl_note = f"not measured: {error}"
+    print(f"\n=== seconds per training step (mean over steps) and update tokens/s; TRL: {trl_note}")
+    print(throughput_table(splits, trl))
+    sizes = {algo: f"{s['sequences/step']:.0f} sequences of {s['tokens/sequence']:.0f} tokens, "
+                   f"{s['generated tokens/step']:.0f} generated" for algo, s in splits.items()}
+    print("per step: " + "; ".join(f"{algo} {size}" for algo, size in sizes.items()))
+
+    figure = plot(results, before, out / "learning.png")
+    print(f"\nplot: {figure}\nruns: {out}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "steps": args.steps, "eval_questions": args.eval_questions, "learning_seconds": learning_seconds,
+            "before": before.record(),
+            "after": {algo: result.heldout[-1].record() for algo, result in results.items()},
+            "training_reward": {algo: [r["reward/mean"] for r in result.history] for algo, result in results.items()},
+            "throughput": splits, "trl": trl, "trl_note": trl_note, "plot": str(figure),
+        }, indent=2))
+        print(f"results written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
