@@ -246,6 +246,7 @@ class HFEngine(Engine):
         params = [r.params for r in batch.requests]
         generators = [r.generator or self._generator for r in batch.requests]
         sampled = sample_next_tokens(batch.logits, params, generators)
+        self.stats.generated_tokens += len(batch.requests)  # before settling: a woken caller may read it
         keep = []
         for row, request in enumerate(batch.requests):
             token = int(sampled.token_ids[row])
@@ -260,7 +261,6 @@ class HFEngine(Engine):
                 _settle(request.future, result=completion)
             elif not request.future.cancelled():
                 keep.append(row)
-        self.stats.generated_tokens += len(batch.requests)
         if not keep:
             return None
         if len(keep) < len(batch.requests):

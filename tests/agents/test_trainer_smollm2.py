@@ -54,7 +54,8 @@ async def test_shared_hf_engine_samples_match_the_trainer_and_one_update_moves_t
         after = action_logprob_sums(trainer, paths)
         # float32 everywhere: the engine's KV-cached decoding and the trainer's full forward pass
         # agree to rounding error.
-        assert metrics["mismatch/tokens"] == 48
+        # Every sampled token is compared (24 each unless one hits EOS first, as other CPUs may sample).
+        assert metrics["mismatch/tokens"] == sum(sum(path.mask) for path in paths) > 24
         assert metrics["mismatch/max_abs"] < 2e-3
         assert metrics["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
         assert 0 < metrics["policy/entropy"] < 11  # nats; log(49152) ≈ 10.8
