@@ -190,7 +190,8 @@ async def train(
             tasks = order.take(config.prompts_per_step)
             paths, metrics = await _rollout(env, engine, parts, tasks, rollout_seed(config.seed, step),
                                             config.budget_reward)
-            await trainer.step(paths, metrics)
+            record = await trainer.step(paths, metrics)
+            log(_step_note(step, config.steps, record))
             if step % config.checkpoint_every == 0 or step == config.steps:
                 last_checkpoint = trainer.save_checkpoint(data_position=order.position())
                 log(f"step {step}: checkpoint {last_checkpoint}")
@@ -235,8 +236,9 @@ async def _rollout(
     metrics = rollout_metrics(prompts, seconds)
     metrics["rollout/prompts_without_leaves"] = float(sum(not prompt.leaves for prompt in prompts))
     metrics["rollout/budget_cut_frac"] = len(cut) / max(1, sum(len(prompt.leaves) for prompt in prompts))
-    grades = [leaf.info["grade"] for prompt in prompts for leaf in prompt.leaves if "grade" in leaf.info]
-    if grades:
+    leaves = [leaf for prompt in prompts for leaf in prompt.leaves]
+    if any("grade" in leaf.info for leaf in leaves):  # the env grades answers; a leaf without one gave none
+        grades = [leaf.info.get("grade", {}) for leaf in leaves]
         metrics["reward/em"] = statistics.fmean(float(grade.get("em", 0.0)) for grade in grades)
         metrics["reward/format_ok"] = statistics.fmean(float(grade.get("format_ok", False)) for grade in grades)
     return paths, metrics
@@ -261,6 +263,15 @@ class _HeldOutEvaluation:
         self.log.add(result)
         scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
         self.note(f"step {step}: held-out ({result.questions} questions) {scores}")
+
+
+def _step_note(step: int, steps: int, record: dict[str, float]) -> str:
+    """One line about a finished step: its reward and where its time went."""
+    answered = f", format ok {record['reward/format_ok']:.0%}" if "reward/format_ok" in record else ""
+    return (f"step {step}/{steps}: reward {record['reward/mean']:+.3f} ± {record['reward/std']:.3f}{answered} over "
+            f"{record['batch/sequences']:.0f} leaves; {record['tokens/generated']:.0f} tokens sampled; "
+            f"{record['time/step_s']:.0f} s (rollout {record['time/rollout_s']:.0f}, old log-probs "
+            f"{record['time/old_logprobs_s']:.0f}, update {record['time/update_s']:.0f})")
 
 
 def saved_config(out_dir: str | Path) -> dict[str, Any]:

@@ -129,10 +129,12 @@ def make_real_engine(kind: str, concurrency: int) -> Engine:
     return VLLMEngine(DEFAULT_MODEL, max_num_seqs=concurrency, max_model_len=2048)
 
 
-async def timed_run(engine: Engine, tokenizer: Any, episodes: int, concurrency: int) -> tuple[list[Trajectory], float]:
+async def timed_run(engine: Engine, tokenizer: Any, episodes: int, concurrency: int,
+                    limits: tuple[int, int]) -> tuple[list[Trajectory], float]:
     base = TokenEnv(agentenv.make(ENV_ID), tokenizer)
-    config = RolloutConfig(sampling=SamplingParams(temperature=0, max_new_tokens=REAL_MAX_NEW_TOKENS),
-                           concurrency=concurrency, max_response_tokens=REAL_MAX_RESPONSE_TOKENS, keep_states=False)
+    max_new_tokens, max_response_tokens = limits
+    config = RolloutConfig(sampling=SamplingParams(temperature=0, max_new_tokens=max_new_tokens),
+                           concurrency=concurrency, max_response_tokens=max_response_tokens, keep_states=False)
     start = time.perf_counter()
     trajectories = await run_episodes(engine, episodes_for(base, range(episodes)), config)
     wall = time.perf_counter() - start
@@ -142,14 +144,14 @@ async def timed_run(engine: Engine, tokenizer: Any, episodes: int, concurrency: 
     return trajectories, wall
 
 
-def real_engine(kind: str, tokenizer: Any, episodes: int) -> tuple[dict[str, float], list[Trajectory]]:
+def real_engine(kind: str, tokenizer: Any, episodes: int, limits: tuple[int, int]) -> tuple[dict[str, Any], list[Trajectory]]:
     engine = make_real_engine(kind, episodes)
 
     async def both() -> tuple[tuple[list[Trajectory], float], tuple[list[Trajectory], float]]:
         try:
-            await timed_run(engine, tokenizer, 1, 1)  # warm-up: first-call costs are not the loop's
-            return (await timed_run(engine, tokenizer, episodes, episodes),
-                    await timed_run(engine, tokenizer, episodes, 1))
+            await timed_run(engine, tokenizer, 1, 1, limits)  # warm-up: first-call costs are not the loop's
+            return (await timed_run(engine, tokenizer, episodes, episodes, limits),
+                    await timed_run(engine, tokenizer, episodes, 1, limits))
         finally:
             await engine.close()
 
@@ -177,6 +179,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--engines", default="hf,vllm", help="real engines for (b) and (c): hf, vllm, both, or none")
+    parser.add_argument("--max-new-tokens", type=int, default=REAL_MAX_NEW_TOKENS, help="(b): tokens per turn")
+    parser.add_argument("--max-response-tokens", type=int, default=REAL_MAX_RESPONSE_TOKENS,
+                        help="(b): token budget per episode, tool results included")
     parser.add_argument("--no-overhead", action="store_true", help="skip (a)")
     parser.add_argument("--latency", type=float, default=SCRIPTED_LATENCY_S, help="scripted engine latency in seconds")
     parser.add_argument("--episodes", type=int, default=REAL_EPISODES, help="episodes per real-engine run")
@@ -186,7 +191,8 @@ def main() -> None:
         parser.error(f"--engines takes hf, vllm or none, got {args.engines!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = load_tokenizer(DEFAULT_MODEL)
-    results: dict[str, Any] = {"latency_s": args.latency}
+    results: dict[str, Any] = {"latency_s": args.latency, "max_new_tokens": args.max_new_tokens,
+                               "max_response_tokens": args.max_response_tokens, "load_average": os.getloadavg()}
 
     if not args.no_overhead:
         overhead = asyncio.run(loop_overhead(tokenizer, args.latency))
@@ -199,13 +205,13 @@ def main() -> None:
 
     rows, saved = [], {}
     for kind in engines:
-        row, trajectories = real_engine(kind, tokenizer, args.episodes)
+        row, trajectories = real_engine(kind, tokenizer, args.episodes, (args.max_new_tokens, args.max_response_tokens))
         rows.append(row)
         saved[kind] = trajectories
     if rows:
         results["real_engines"] = rows
-        print(f"\n(b) real engines on CPU: {args.episodes} greedy {ENV_ID} episodes, {REAL_MAX_NEW_TOKENS} tokens per "
-              f"turn, {REAL_MAX_RESPONSE_TOKENS} per episode; concurrent loop beside one episode after another")
+        print(f"\n(b) real engines on CPU: {args.episodes} greedy {ENV_ID} episodes, {args.max_new_tokens} tokens per "
+              f"turn, {args.max_response_tokens} per episode; concurrent loop beside one episode after another")
         print(table(["engine", "concurrent tok", "concurrent s", "tok/s", "sequential tok", "sequential s", "tok/s",
                      "speedup"],
                     [[r["engine"], r["concurrent_tokens"], r["concurrent_s"], r["concurrent_tok_per_s"],
