@@ -39,9 +39,14 @@ PROMPT_TEMPLATE = (
     "you get new information. After reasoning, if you lack some knowledge, you can use a tool; "
     "you can use tools at most {max_tool_calls} times.\n{tools}\n"
     "When no further information is needed, give the final answer inside <answer> and </answer>, "
-    "with the answer itself in \\boxed{{}}, for example <answer> \\boxed{{Beijing}} </answer>.\n"
+    "{answer_format}.\n"
     "Question: {question}\n"
 )
+# How the prompt's {answer_format} asks for the answer, matching what the grader accepts.
+ANSWER_FORMATS = {
+    True: "with the answer itself in \\boxed{}, for example <answer> \\boxed{Beijing} </answer>",  # AT²PO, ARPO
+    False: "for example <answer> Beijing </answer>",  # Search-R1
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +97,8 @@ class ToolEnv(Env):
         max_turns: Turns before truncation (default ``max_tool_calls + 2``: every call, one turn
             told the limit is reached, and the answer).
         max_obs_chars: Observations longer than this are cut and marked.
-        prompt_template: ``str.format`` template with ``{question}``, ``{tools}``, ``{max_tool_calls}``.
+        prompt_template: ``str.format`` template with ``{question}``, ``{tools}``, ``{max_tool_calls}`` and
+            ``{answer_format}`` (how to write the answer, as ``require_boxed`` grades it).
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
@@ -126,6 +132,7 @@ class ToolEnv(Env):
             self.tools[t.name] = t
         self.parser = get_parser(parser)
         self.reward_fn = get_reward(reward)
+        self.require_boxed = require_boxed
         self.grader = grader or functools.partial(grade, require_boxed=require_boxed)
         self.max_tool_calls = max_tool_calls
         self.max_turns = max_turns if max_turns is not None else max_tool_calls + 2
@@ -143,7 +150,8 @@ class ToolEnv(Env):
     def prompt(self, task: Example) -> str:
         """The first observation for ``task``: instructions, tool syntax and the question."""
         return self.prompt_template.format(
-            question=task.question, tools=self.parser.describe(self.tools), max_tool_calls=self.max_tool_calls
+            question=task.question, tools=self.parser.describe(self.tools), max_tool_calls=self.max_tool_calls,
+            answer_format=ANSWER_FORMATS[self.require_boxed],
         )
 
     # -- the episode --------------------------------------------------------------------------

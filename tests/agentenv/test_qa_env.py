@@ -95,6 +95,17 @@ def test_format_penalty_and_aepo_rewards():
     assert env.step("<answer>\\boxed{Protocol chief officer}</answer>")[1] == pytest.approx(2 / 3)
 
 
+def test_search_r1_answer_format_is_what_the_prompt_asks_for():
+    env = agentenv.make("multihop-qa", reward="at2po", require_boxed=False)
+    obs, _ = env.reset(options={"index": 0})
+    assert "for example <answer> Beijing </answer>.\n" in obs and "boxed" not in obs
+    assert env.step("<answer> Chief of Protocol </answer>")[1] == 1.0  # the tag's content is the answer
+    env.reset(options={"index": 0})
+    assert env.step("<answer> \\boxed{Chief of Protocol} </answer>")[1] == 1.0  # a box is still read
+    env.reset(options={"index": 0})
+    assert env.step("<answer>  </answer>")[1] == -1.0  # empty: no answer
+
+
 def test_observations_are_truncated():
     env = agentenv.make("multihop-qa", max_obs_chars=50)
     env.reset(options={"index": 0})
