@@ -179,7 +179,9 @@ class TrainConfig:
 #: - ``cpu-demo``: what two CPU cores train in minutes with the embedded 135M model on
 #:   ``multihop-qa``: 2 prompts per step, 6 leaves per prompt for every learner (one rollout
 #:   budget for all), 2 tool calls, one short search result, turns of at most 48 tokens, 256
-#:   response tokens, and a learning rate 20× the papers' so that a few steps move the policy.
+#:   response tokens, a learning rate 20× the papers' so that a few steps move the policy, and
+#:   the sampler's log-probs as π_old (HFEngine shares the trainer's float32 model, so they are
+#:   the policy's own; the mismatch is still measured), which saves a forward pass per step.
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {
         "common": {"env_kwargs": {"reward": "at2po"}, "budget_reward": -1.0},
@@ -187,13 +189,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cpu-demo": {
         "common": {
-            "steps": 4,
+            "steps": 3,
             "prompts_per_step": 2,
             "holdout": 50,
             "eval_questions": 8,
             "checkpoint_every": 2,
             "budget_reward": -1.0,
-            "trainer": {"lr": 2e-5, "mini_batches": 1, "micro_batch_size": 4},
+            "trainer": {"lr": 2e-5, "mini_batches": 1, "micro_batch_size": 4, "old_logprobs": "sampler"},
             "sampling": {"temperature": 1.0, "max_new_tokens": 48},
             "rollout": {"max_response_tokens": 256, "concurrency": 16},
             "env_kwargs": {"reward": "at2po", "max_tool_calls": 2, "topk": 1, "result_chars": 300},

@@ -41,8 +41,9 @@ def test_presets_layer_over_the_defaults_per_algorithm():
     demo = config_with(preset("cpu-demo", "grpo"), {"algo": "grpo"})
     parts = build(demo)
     assert parts.learner.strategy == Chain(6) and parts.learner.kl_coef == 0.001
-    assert (demo.steps, demo.prompts_per_step, demo.budget_reward) == (4, 2, -1.0)
+    assert (demo.steps, demo.prompts_per_step, demo.budget_reward) == (3, 2, -1.0)
     assert (parts.trainer.lr, parts.trainer.mini_batches, parts.tree.max_response_tokens) == (2e-5, 1, 256)
+    assert parts.trainer.old_logprobs == "sampler"
     assert demo.env_kwargs == {"reward": "at2po", "max_tool_calls": 2, "topk": 1, "result_chars": 300}
     strategies = {algo: build(config_with(preset("cpu-demo", algo), {"algo": algo})).learner.strategy
                   for algo in PRESETS["cpu-demo"]["strategy"]}
