@@ -163,7 +163,8 @@ def test_resolve_layers_defaults_preset_file_flags_and_set_in_that_order(tmp_pat
                      assignments=["trainer.lr=4e-5"])
     assert config.algo == "grpo" and config.strategy == {"n": 6}  # the preset of the algorithm the flags name
     assert (config.steps, config.prompts_per_step) == (9, 3)  # file over preset, flags over file
-    assert config.trainer == {"mini_batches": 1, "micro_batch_size": 2, "lr": 4e-5}  # --set over everything
+    assert config.trainer == {"mini_batches": 1, "micro_batch_size": 2, "lr": 4e-5,  # --set over everything
+                              "old_logprobs": "sampler"}
     resumed = resolve(base=config.to_dict(), values={"steps": 12})
     assert resumed.changed(config) == ["steps"]
     assert resolve().to_dict() == TrainConfig().to_dict()
