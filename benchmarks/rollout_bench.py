@@ -227,7 +227,7 @@ def main() -> None:
             same = sum(a.ids == b.ids for a, b in zip(hf, vllm))
             results["hf_vllm_same_greedy_episodes"] = same
         results["exactness"] = exactness
-        print(f"\n(c) token-in-token-out: sampler log-probs vs a fresh float32 forward pass over the saved ids")
+        print("\n(c) token-in-token-out: sampler log-probs vs a fresh float32 forward pass over the saved ids")
         print(table(["engine", "action tokens", "max |diff|"],
                     [[r["engine"], r["action_tokens"], f"{r['max_abs_logprob_diff']:.2e}"] for r in exactness]))
         if len(saved) == 2:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import math
+from collections.abc import Iterator
 from types import TracebackType
 
 from sandboxes.limits import Limits
@@ -32,6 +34,7 @@ class Sandbox(abc.ABC):
     """
 
     limits: Limits
+    _busy: bool = False  # a call is running (one at a time per sandbox)
 
     @abc.abstractmethod
     def run(self, code: str, timeout: float = 10.0) -> Result:
@@ -72,3 +75,15 @@ class Sandbox(abc.ABC):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                 or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Hold the sandbox for one call; a second concurrent call is refused, not interleaved."""
+        if self._busy:
+            raise SandboxError("this sandbox is already running a call; run one call at a time "
+                               "per sandbox and fork() it for parallel branches")
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False

@@ -20,7 +20,7 @@ import socket
 import struct
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import docker
@@ -217,17 +217,6 @@ class DockerSandbox(Sandbox):
             return "memory", status
         code = -(status - 128) if status > 128 else status  # the init reports 128 + signal
         return killed_by_exit_code(code), code
-
-    @contextlib.contextmanager
-    def _one_call(self) -> Iterator[None]:
-        if self._busy:
-            raise SandboxError("this sandbox is already running a call; run one call at a time "
-                               "per sandbox and fork() it for parallel branches")
-        self._busy = True
-        try:
-            yield
-        finally:
-            self._busy = False
 
     def run(self, code: str, timeout: float = 10.0) -> Result:
         self._check_call(code, timeout)

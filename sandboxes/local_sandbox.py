@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 from sandboxes import _worker
@@ -465,17 +465,6 @@ class LocalSandbox(Sandbox):
 
     def close(self) -> None:
         self._finalizer()
-
-    @contextlib.contextmanager
-    def _one_call(self) -> Iterator[None]:
-        if self._busy:
-            raise SandboxError("this sandbox is already running a call; run one call at a time "
-                               "per sandbox and fork() it for parallel branches")
-        self._busy = True
-        try:
-            yield
-        finally:
-            self._busy = False
 
     def run(self, code: str, timeout: float = 10.0) -> Result:
         self._check_call(code, timeout)
