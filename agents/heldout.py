@@ -121,14 +121,20 @@ async def evaluate_heldout(
     rollout: RolloutConfig,
     step: int,
     env_kwargs: Mapping[str, Any] | None = None,
+    budget_reward: float | None = None,
     progress: bool = True,
 ) -> HeldOut:
-    """Score the engine's policy on the first ``questions`` tasks of ``env_id`` (one greedy sample each)."""
+    """Score the engine's policy on the first ``questions`` tasks of ``env_id`` (one greedy sample each).
+
+    ``budget_reward`` is the reward of an episode cut by the token budget, as training gives it
+    (``TrainConfig.budget_reward``); ``None`` keeps the environment's (0 for an unfinished episode).
+    """
     report = await evaluate(engine, tokenizer, [env_id], limit=questions, rollout=rollout, env_kwargs=env_kwargs,
                             progress=progress)
     samples = [sample for question in report.envs[env_id].questions for sample in question.samples]
+    rewards = [budget_reward if budget_reward is not None and s.status == "budget" else s.reward for s in samples]
     columns = {"em": [s.em for s in samples], "f1": [s.f1 for s in samples],
-               "format_ok": [float(s.format_ok) for s in samples], "reward": [s.reward for s in samples]}
+               "format_ok": [float(s.format_ok) for s in samples], "reward": rewards}
     return HeldOut(step, len(samples), {name: interval(values) for name, values in columns.items()}, report.seconds)
 
 

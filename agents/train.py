@@ -259,7 +259,7 @@ class _HeldOutEvaluation:
             return
         result = await evaluate_heldout(
             self.engine, self.trainer.tokenizer, config.env, questions=config.eval_questions, rollout=self.rollout,
-            step=step, env_kwargs=config.env_kwargs, progress=self.progress)
+            step=step, env_kwargs=config.env_kwargs, budget_reward=config.budget_reward, progress=self.progress)
         self.log.add(result)
         scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
         self.note(f"step {step}: held-out ({result.questions} questions) {scores}")

@@ -74,7 +74,7 @@ async def score_initial_policy(config: TrainConfig) -> HeldOut:
     try:
         return await evaluate_heldout(engine, engine.tokenizer, config.env, questions=config.eval_questions,
                                       rollout=greedy_rollout(tree), step=0, env_kwargs=config.env_kwargs,
-                                      progress=False)
+                                      budget_reward=config.budget_reward, progress=False)
     finally:
         await engine.close()
 

@@ -199,3 +199,26 @@ async def test_transcript_shows_each_turn_with_its_source_and_the_grade(tok):
     assert any(line.startswith("--- turn 1: environment (") for line in lines)
     assert "Page 1: " in text
     assert lines[-1] == "--- terminated: reward 1, answer 'Chief of Protocol', gold ['Chief of Protocol'], EM 1, F1 1.00"
+
+
+async def test_heldout_scores_a_budget_cut_episode_with_the_training_budget_reward(tok):
+    from agents.heldout import evaluate_heldout
+
+    hotpot = tasks("multihop-qa")[:3]
+    gold = {t.question: t.answers[0] for t in hotpot}
+    rambling = "<think>" + "and then " * 40  # no answer, no tool call: runs into the budget
+
+    def plan(question):
+        return [answer(gold[question]) if question == hotpot[0].question else
+                answer("zzz") if question == hotpot[1].question else rambling]
+
+    rollout = RolloutConfig(sampling=SamplingParams(temperature=0, max_new_tokens=64), max_response_tokens=100)
+    scores = {}
+    for budget_reward in (None, -1.0):
+        held = await evaluate_heldout(plan_engine(tok, plan), tok, "multihop-qa", questions=3, rollout=rollout, step=0,
+                                      env_kwargs={"reward": "at2po"}, budget_reward=budget_reward, progress=False)
+        scores[budget_reward] = held.scores
+    # AT²PO's reward: 1 right, 0 wrong, and the cut episode 0 (the env's: unfinished) or -1 (training's).
+    assert scores[None]["reward"].mean == pytest.approx(1 / 3)
+    assert scores[-1.0]["reward"].mean == pytest.approx(0.0)
+    assert scores[-1.0]["em"].mean == pytest.approx(1 / 3) and scores[-1.0]["format_ok"].mean == pytest.approx(2 / 3)
