@@ -1,5 +1,6 @@
 """HFEngine internals: the sampler's exact numbers, batching of concurrent requests, requests that
-join a running batch, cancellation, a model shared with the trainer, weight updates."""
+join a running batch, cancellation, a model shared with the trainer, weight updates, the prefix
+cache."""
 
 import asyncio
 import math
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from agents.engines import HFEngine, SamplingParams
-from agents.engines.hf import sample_next_tokens
+from agents.engines.hf import PrefixCache, sample_next_tokens
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
@@ -190,3 +191,78 @@ async def test_bad_requests_and_closed_engine(model, tokenizer):
     await engine.close()
     with pytest.raises(RuntimeError, match="HFEngine is closed"):
         await engine.generate([1], SamplingParams())
+
+
+# ---- the prefix cache -----------------------------------------------------------------------
+
+
+def kv_of(ids):
+    """Fake KV of one layer whose values are the token ids, so slices show which tokens they hold."""
+    values = torch.tensor(ids, dtype=torch.float32)[None, :, None]
+    return [(values, -values)]
+
+
+def test_prefix_cache_finds_the_longest_common_prefix():
+    cache = PrefixCache(max_tokens=100)
+    cache.add([1, 2, 3, 4], kv_of([1, 2, 3, 4]))
+    cache.add([1, 2, 9], kv_of([1, 2, 9]))
+    prefix, kv = cache.lookup([1, 2, 3, 7, 8], limit=4)
+    assert prefix == [1, 2, 3] and kv[0][0][0, :3, 0].tolist() == [1, 2, 3]
+    assert cache.lookup([1, 2, 3, 4, 5], limit=2)[0] == [1, 2]  # never more than the limit
+    assert cache.lookup([5, 1, 2], limit=3) is None
+    assert cache.lookup([1, 2], limit=0) is None
+    assert (cache.num_layers, cache.shape) == (1, (1, 1))
+
+
+def test_prefix_cache_drops_covered_entries_and_the_least_recently_used():
+    cache = PrefixCache(max_tokens=10)
+    cache.add([1, 2, 3], kv_of([1, 2, 3]))
+    cache.add([1, 2, 3, 4, 5], kv_of([1, 2, 3, 4, 5]))  # the next turn of the same episode
+    assert len(cache) == 1 and cache.tokens == 5
+    cache.add([7, 8, 9], kv_of([7, 8, 9]))
+    cache.lookup([1, 2, 3, 4, 5, 6], limit=5)  # [1..5] is now the most recently used
+    cache.add([4, 4, 4], kv_of([4, 4, 4]))  # 11 tokens > 10: [7, 8, 9] goes
+    assert cache.tokens == 8 and cache.lookup([7, 8, 9, 1], limit=3) is None
+    assert cache.lookup([1, 2, 3, 4, 5, 6], limit=5)[0] == [1, 2, 3, 4, 5]
+    cache.add(list(range(11)), kv_of(list(range(11))))  # larger than the whole cache: not kept
+    assert cache.tokens == 8
+    cache.clear()
+    assert len(cache) == 0 and cache.tokens == 0
+    off = PrefixCache(max_tokens=0)
+    off.add([1], kv_of([1]))
+    assert len(off) == 0
+
+
+@pytest.mark.slow
+async def test_next_turn_reuses_the_kv_of_the_last_and_gets_the_same_tokens(model, tokenizer, prompts):
+    cached = HFEngine(model=model, tokenizer=tokenizer)
+    uncached = HFEngine(model=model, tokenizer=tokenizer, prefix_cache_tokens=0)
+    observation = tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd in German?<|im_end|>\n<|im_start|>assistant\n",
+                                   add_special_tokens=False)
+    try:
+        first = await cached.generate(prompts[2], greedy(8))
+        assert cached.stats.prefix_cache_hit_tokens == 0
+        second_turn = prompts[2] + first.token_ids + observation
+        second = await cached.generate(second_turn, greedy(8))
+        # All of the first turn's context but its last sampled token, whose KV was never computed.
+        assert cached.stats.prefix_cache_hit_tokens == len(prompts[2]) + len(first.token_ids) - 1
+        reference = await uncached.generate(second_turn, greedy(8))
+        assert uncached.stats.prefix_cache_hit_tokens == 0
+        assert second.token_ids == reference.token_ids
+        assert second.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+        # Concurrent requests with different cached prefixes share one prefill pass.
+        passes = cached.stats.prefill_passes
+        both = await asyncio.gather(cached.generate(second_turn, greedy(4)), cached.generate(prompts[3], greedy(4)))
+        alone = [await uncached.generate(p, greedy(4)) for p in (second_turn, prompts[3])]
+        assert cached.stats.prefill_passes == passes + 1
+        assert [c.token_ids for c in both] == [c.token_ids for c in alone]
+        assert [c.logprobs for c in both] == [pytest.approx(c.logprobs, abs=1e-4) for c in alone]
+        # A weight change empties the cache: the KV was computed with the old weights.
+        hits = cached.stats.prefix_cache_hit_tokens
+        with cached.forward_lock, torch.no_grad():
+            model.model.norm.weight.mul_(1.0)
+        await cached.generate(second_turn, greedy(2))
+        assert cached.stats.prefix_cache_hit_tokens == hits
+    finally:
+        await cached.close()
+        await uncached.close()
