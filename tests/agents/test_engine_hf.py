@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agents.engines import HFEngine, SamplingParams
-from agents.engines.hf import PrefixCache, sample_next_tokens
+from agents.engines.hf import CPU_GQA_ATTENTION, GROWTH, GrowingCache, PrefixCache, sample_next_tokens
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
@@ -266,3 +266,35 @@ async def test_next_turn_reuses_the_kv_of_the_last_and_gets_the_same_tokens(mode
     finally:
         await cached.close()
         await uncached.close()
+
+
+# ---- the decode path's memory traffic: in-place KV appends, no copies of grouped KV heads -------
+
+
+def test_growing_cache_holds_what_concatenation_would():
+    torch.manual_seed(0)
+    chunks = [torch.randn(2, 3, n, 4) for n in (5, 1, GROWTH, 1, 1)]  # the third overflows the spare room
+    cache = GrowingCache([(chunks[0], -chunks[0])])
+    for chunk in chunks[1:]:
+        keys, values = cache.layers[0].update(chunk, -chunk)
+    expected = torch.cat(chunks, dim=-2)
+    assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert cache.get_seq_length() == 5 + 1 + GROWTH + 2
+    assert cache.layers[0]._room[0].shape[-2] == 5 + 1 + GROWTH + GROWTH  # grown once, when the third came
+
+
+async def test_engine_attention_is_stock_sdpa_without_the_kv_copy(tokenizer):
+    stock, switched = load_model(DEFAULT_MODEL), load_model(DEFAULT_MODEL)
+    engine = HFEngine(model=switched, tokenizer=tokenizer)
+    assert switched.config._attn_implementation == CPU_GQA_ATTENTION
+    ids = torch.randint(0, 40000, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[0, :7] = 0  # left padding: the masked path is the one that changed
+    with torch.inference_mode():
+        assert torch.equal(switched(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                           stock(input_ids=ids, attention_mask=mask).logits[mask.bool()])
+    # With gradients (the trainer's passes) it is transformers' own sdpa.
+    loss = switched(input_ids=ids, attention_mask=mask).logits[mask.bool()].logsumexp(-1).sum()
+    loss.backward()
+    assert switched.model.layers[0].self_attn.k_proj.weight.grad.abs().sum() > 0
+    await engine.close()
