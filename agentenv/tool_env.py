@@ -40,7 +40,7 @@ PROMPT_TEMPLATE = (
     "you can use tools at most {max_tool_calls} times.\n{tools}\n"
     "When no further information is needed, give the final answer inside <answer> and </answer>, "
     "{answer_format}.\n"
-    "Question: {question}\n"
+    "{example}Question: {question}\n"
 )
 # How the prompt's {answer_format} asks for the answer, matching what the grader accepts.
 ANSWER_FORMATS = {
@@ -97,8 +97,13 @@ class ToolEnv(Env):
         max_turns: Turns before truncation (default ``max_tool_calls + 2``: every call, one turn
             told the limit is reached, and the answer).
         max_obs_chars: Observations longer than this are cut and marked.
-        prompt_template: ``str.format`` template with ``{question}``, ``{tools}``, ``{max_tool_calls}`` and
-            ``{answer_format}`` (how to write the answer, as ``require_boxed`` grades it).
+        prompt_template: ``str.format`` template with ``{question}``, ``{tools}``, ``{max_tool_calls}``,
+            ``{answer_format}`` (how to write the answer, as ``require_boxed`` grades it) and
+            ``{example}`` (empty, or ``"Example:\n" + example + "\n"``).
+        example: A worked episode in this env's syntax (question, turns, results, answer) shown
+            before the question: one-shot prompting, for models too small to follow the
+            instructions alone (the 135M default model writes the answer format far more often
+            with one). ``None`` (default) shows none, as the papers do.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
@@ -117,9 +122,12 @@ class ToolEnv(Env):
         max_turns: int | None = None,
         max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
         prompt_template: str = PROMPT_TEMPLATE,
+        example: str | None = None,
         render_mode: str | None = None,
     ) -> None:
         super().__init__(render_mode=render_mode)
+        if example and "{example}" not in prompt_template:
+            raise ValueError("example= needs a prompt_template with an {example} field to put it in")
         if not tasks:
             raise ValueError("ToolEnv needs at least one task")
         if max_tool_calls < 0 or (max_turns is not None and max_turns < 1) or max_obs_chars < 1:
@@ -138,6 +146,7 @@ class ToolEnv(Env):
         self.max_turns = max_turns if max_turns is not None else max_tool_calls + 2
         self.max_obs_chars = max_obs_chars
         self.prompt_template = prompt_template
+        self.example = example
         self.state: EpisodeState | None = None
 
     # -- what the model is told -------------------------------------------------------------
@@ -152,6 +161,7 @@ class ToolEnv(Env):
         return self.prompt_template.format(
             question=task.question, tools=self.parser.describe(self.tools), max_tool_calls=self.max_tool_calls,
             answer_format=ANSWER_FORMATS[self.require_boxed],
+            example=f"Example:\n{self.example}\n" if self.example else "",
         )
 
     # -- the episode --------------------------------------------------------------------------

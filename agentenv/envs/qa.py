@@ -18,10 +18,25 @@ from agentenv.tool_env import ToolEnv
 from agentenv.tools import Tool
 from agentenv.web_search import CachedSearch, CacheMode, DuckDuckGoSearch, RemoteSearch, ResultCache
 
-__all__ = ["QAEnv", "local_passages", "make_search_backend", "tool_qa"]
+__all__ = ["SEARCH_EXAMPLE", "QAEnv", "local_passages", "make_search_backend", "tool_qa"]
 
 DEFAULT_TOPK = 3  # AT²PO: top-3 passages per search
 DEFAULT_RESULT_CHARS = 1000  # each passage cut to about 1000 characters
+
+#: The worked episode that ``example=True`` shows (two searches, then the answer; ``{answer}`` is
+#: written as the env grades it, boxed or not). Not a question of any shipped dataset.
+SEARCH_EXAMPLE = (
+    "Question: In which country was the director of the film Amélie born?\n"
+    "<think> I need the director of Amélie first. </think>\n"
+    "<search> Amélie film director </search>\n"
+    "<result>\nPage 1: Amélie\nAmélie is a 2001 French romantic comedy film directed by Jean-Pierre Jeunet.\n</result>\n"
+    "<think> Jean-Pierre Jeunet directed it. Where was he born? </think>\n"
+    "<search> Jean-Pierre Jeunet born </search>\n"
+    "<result>\nPage 1: Jean-Pierre Jeunet\nJean-Pierre Jeunet (born 3 September 1953 in Roanne, France) is a "
+    "French film director.\n</result>\n"
+    "<think> He was born in Roanne, France. </think>\n"
+    "<answer> {answer} </answer>"
+)
 
 
 def local_passages(examples: Sequence[Example], corpus: str | Path | None) -> list[Paragraph]:
@@ -71,6 +86,8 @@ class QAEnv(ToolEnv):
         result_chars: Each passage cut to about this many characters.
         tools: Extra tools besides ``search``.
         reward: A scheme name (default ``"em"``) or a callable.
+        example: ``True`` shows :data:`SEARCH_EXAMPLE` before the question (one-shot prompting
+            for small models), a string shows that episode instead; ``False`` (default) none.
         **options: The options of :class:`~agentenv.tool_env.ToolEnv` (``parser``,
             ``max_tool_calls``, ``max_turns``, ``max_obs_chars``, ``require_boxed``, …).
     """
@@ -86,14 +103,17 @@ class QAEnv(ToolEnv):
         result_chars: int = DEFAULT_RESULT_CHARS,
         tools: Sequence[Tool | Callable[..., Any]] = (),
         reward: str | Callable[..., float] = "em",
+        example: bool | str = False,
         **options: Any,
     ) -> None:
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
         examples = load_examples(data if data is not None else dataset)
         self.backend = make_search_backend(search, examples, corpus)
+        if example is True:
+            example = SEARCH_EXAMPLE.format(answer="\\boxed{France}" if options.get("require_boxed", True) else "France")
         super().__init__(examples, [search_tool(self.backend, topk=topk, max_chars=result_chars), *tools],
-                         reward=reward, **options)
+                         reward=reward, example=example or None, **options)
 
 
 def tool_qa(

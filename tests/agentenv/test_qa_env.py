@@ -106,6 +106,23 @@ def test_search_r1_answer_format_is_what_the_prompt_asks_for():
     assert env.step("<answer>  </answer>")[1] == -1.0  # empty: no answer
 
 
+def test_example_shows_a_worked_episode_in_the_graded_format():
+    plain = agentenv.make("multihop-qa").reset(options={"index": 0})[0]
+    assert "Example:" not in plain  # the papers' prompt: no demonstration
+    obs = agentenv.make("multihop-qa", example=True).reset(options={"index": 0})[0]
+    example = obs[obs.index("Example:\n"):obs.index(f"Question: {QUESTION_0}")]
+    assert example.startswith("Example:\nQuestion: In which country was the director of the film Amélie born?\n")
+    assert example.count("<search>") == 2 and example.count("<result>\nPage 1: ") == 2
+    assert example.endswith("<answer> \\boxed{France} </answer>\n")
+    assert obs.replace(example, "") == plain
+    unboxed = agentenv.make("multihop-qa", example=True, require_boxed=False).reset(options={"index": 0})[0]
+    assert "<answer> France </answer>\nQuestion: " in unboxed
+    own = agentenv.make("multihop-qa", example="Question: 1+1?\n<answer> \\boxed{2} </answer>")
+    assert "Example:\nQuestion: 1+1?\n<answer> \\boxed{2} </answer>\nQuestion: " in own.reset(options={"index": 0})[0]
+    with pytest.raises(ValueError, match=r"example= needs a prompt_template with an \{example\} field"):
+        agentenv.make("multihop-qa", example=True, prompt_template="Q: {question}")
+
+
 def test_observations_are_truncated():
     env = agentenv.make("multihop-qa", max_obs_chars=50)
     env.reset(options={"index": 0})

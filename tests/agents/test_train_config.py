@@ -42,9 +42,10 @@ def test_presets_layer_over_the_defaults_per_algorithm():
     parts = build(demo)
     assert parts.learner.strategy == Chain(6) and parts.learner.kl_coef == 0.001
     assert (demo.steps, demo.prompts_per_step, demo.budget_reward) == (3, 2, -1.0)
-    assert (parts.trainer.lr, parts.trainer.mini_batches, parts.tree.max_response_tokens) == (2e-5, 1, 256)
-    assert parts.trainer.old_logprobs == "sampler"
-    assert demo.env_kwargs == {"reward": "at2po", "max_tool_calls": 2, "topk": 1, "result_chars": 300}
+    assert (parts.trainer.lr, parts.trainer.mini_batches, parts.tree.max_response_tokens) == (5e-5, 1, 256)
+    assert parts.trainer.old_logprobs == "sampler" and parts.tree.sampling.temperature == 0.6
+    assert demo.env_kwargs == {"reward": "at2po", "max_tool_calls": 2, "topk": 1, "result_chars": 300,
+                               "example": True, "require_boxed": False}
     strategies = {algo: build(config_with(preset("cpu-demo", algo), {"algo": algo})).learner.strategy
                   for algo in PRESETS["cpu-demo"]["strategy"]}
     leaves = {"at2po": strategies["at2po"].M + strategies["at2po"].L * strategies["at2po"].K,
@@ -113,14 +114,14 @@ def test_the_effective_config_lists_every_value_and_rebuilds_the_same_run(tmp_pa
     assert effective.loss == {"eps_low": 0.1, "eps_high": 0.2, "dual_clip": 3.0, "clip_balanced": True,
                               "entropy_aware_advantage": True, "entropy_advantage_coef": 0.2, "agg": "token-mean",
                               "kl_coef": 0.0, "entropy_coef": 0.0}
-    assert effective.trainer["lr"] == 2e-5 and "loss" not in effective.trainer
+    assert effective.trainer["lr"] == 5e-5 and "loss" not in effective.trainer
     assert effective.rollout["budget"] == {"leaves": None, "tool_calls": None, "tokens": None}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(effective.to_dict()))
     again = TrainConfig.from_dict(load_config_file(path))
     assert effective_config(again, build(again)).changed(effective) == []
     rebuilt = build(again)
-    assert rebuilt.learner.loss_kwargs["eps_low"] == 0.1 and rebuilt.trainer.lr == 2e-5
+    assert rebuilt.learner.loss_kwargs["eps_low"] == 0.1 and rebuilt.trainer.lr == 5e-5
 
 
 def test_config_files_in_yaml_and_json(tmp_path):
