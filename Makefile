@@ -33,12 +33,14 @@ $(STAMP): pyproject.toml Makefile
 # The main job: AT2PO trains the embedded model on multihop-qa for a few steps at a small tree budget
 # (the cpu-demo preset, about ten minutes on 2 cores), prints the held-out before/after table and
 # writes the curves; then `agents eval` scores the saved checkpoint on the first four held-out questions
-# with the papers' tool settings (top-3 passages of 1000 characters).
+# with the training prompt (worked example, plain <answer>) and the papers' tool settings (top-3
+# passages of 1000 characters).
 DEMO_RUN := runs/demo
 demo: $(STAMP)
 	rm -rf $(DEMO_RUN)
 	$(PY) -m agents train --algo at2po --env multihop-qa --model smollm2-135m --preset cpu-demo --out $(DEMO_RUN)
 	$(PY) -m agents eval --env multihop-qa --model $$(ls -d $(DEMO_RUN)/checkpoints/step_* | tail -1)/model \
+	  --env-arg example=true --env-arg require_boxed=false \
 	  --limit 4 --max-new-tokens 48 --max-response-tokens 1024 --transcripts 1
 	@echo "curves: $(DEMO_RUN)/curves.png, $(DEMO_RUN)/heldout.png; metrics: $(DEMO_RUN)/metrics.jsonl"
 

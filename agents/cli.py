@@ -70,6 +70,9 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name, local folder or Hugging Face id "
                                                           f"(default {DEFAULT_MODEL}, embedded, offline)")
     p.add_argument("--engine", choices=ENGINES, default="hf", help="generation engine (default hf)")
+    p.add_argument("--env-arg", dest="env_args", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of agentenv.make for every env, value read as YAML, e.g. example=true or "
+                        "require_boxed=false (a run's env_kwargs; repeatable)")
     p.add_argument("--limit", type=int, help="the first N questions of each environment (default all)")
     p.add_argument("--samples", type=int, default=1, help="samples per question; > 1 reports pass@k (needs --temperature > 0)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy decoding, the papers' evaluation (default 0)")
@@ -108,6 +111,9 @@ def _check_eval_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for assignment in args.env_args:
+        if not assignment.partition("=")[0].strip() or "=" not in assignment:
+            raise ValueError(f"--env-arg takes KEY=VALUE (e.g. require_boxed=false), got {assignment!r}")
     if args.transcripts < 0:
         raise ValueError(f"--transcripts must be >= 0, got {args.transcripts}")
     if args.samples > 1 and args.temperature == 0:
@@ -120,7 +126,10 @@ def _run_eval(args: argparse.Namespace) -> int:
     from agents.models import load_tokenizer
     from agents.rollout import RolloutConfig
 
+    from agents.config import parse_overrides
+
     env_ids = _check_eval_args(args)
+    env_kwargs = parse_overrides(args.env_args)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, seed=args.seed)
     rollout = RolloutConfig(sampling=sampling, concurrency=args.concurrency, episode_timeout=args.episode_timeout,
@@ -136,7 +145,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     async def run() -> Any:
         try:
             return await evaluate(engine, tokenizer, env_ids, limit=args.limit, samples=args.samples,
-                                  rollout=rollout, on_trajectory=save, progress=not args.no_progress)
+                                  rollout=rollout, env_kwargs=env_kwargs, on_trajectory=save,
+                                  progress=not args.no_progress)
         finally:
             await engine.close()
 

@@ -9,7 +9,8 @@
     the fraction of it the loop reaches, at C = 1, 16, 64 and 256.
 (b) Real engines. The same greedy ``multihop-qa`` episodes run through the loop all at once
     (concurrency = episodes) and one after another (concurrency 1), on HFEngine and VLLMEngine on
-    CPU; the table gives sampled tokens per second of each and their ratio.
+    CPU; the table gives sampled tokens per second of each, their ratio, and the share of prompt
+    tokens whose KV came from the engine's prefix cache (HFEngine) in the concurrent run.
 (c) Exactness. For the episodes of (b), the largest difference between the sampler's log-probs
     and a fresh forward pass of the transformers model over the saved ids, and whether both
     engines produced the same greedy tokens.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import time
@@ -43,8 +45,8 @@ ENV_ID = "multihop-qa"
 CONCURRENCY = (1, 16, 64, 256)
 ROUNDS = 2  # episodes per concurrency slot in (a)
 SCRIPTED_LATENCY_S = 1.0  # one short engine turn: ~50 tokens at 20 ms per decode step (a 4B model on a GPU)
-REAL_EPISODES = 8  # (b): one CPU batch of the HFEngine's sweet spot
-REAL_MAX_NEW_TOKENS, REAL_MAX_RESPONSE_TOKENS = 32, 256  # small, so the sequential run stays short on 2 cores
+REAL_EPISODES = 32  # (b): the episodes of a training step or an eval in flight together (HFEngine's batch cap)
+REAL_MAX_NEW_TOKENS, REAL_MAX_RESPONSE_TOKENS = 64, 768  # short, so the sequential run takes ~11 min on 2 cores
 
 
 # -- (a) loop overhead --------------------------------------------------------------------------
@@ -146,22 +148,33 @@ async def timed_run(engine: Engine, tokenizer: Any, episodes: int, concurrency: 
 
 def real_engine(kind: str, tokenizer: Any, episodes: int, limits: tuple[int, int]) -> tuple[dict[str, Any], list[Trajectory]]:
     engine = make_real_engine(kind, episodes)
+    stats = getattr(engine, "stats", None)  # HFEngine's counters: prompt tokens and prefix-cache hits
+    marks = []
 
     async def both() -> tuple[tuple[list[Trajectory], float], tuple[list[Trajectory], float]]:
         try:
             await timed_run(engine, tokenizer, 1, 1, limits)  # warm-up: first-call costs are not the loop's
-            return (await timed_run(engine, tokenizer, episodes, episodes, limits),
-                    await timed_run(engine, tokenizer, episodes, 1, limits))
+            marks.append(copy.copy(stats))
+            concurrent = await timed_run(engine, tokenizer, episodes, episodes, limits)
+            marks.append(copy.copy(stats))
+            return concurrent, await timed_run(engine, tokenizer, episodes, 1, limits)
         finally:
             await engine.close()
 
     (concurrent, wall_c), (sequential, wall_s) = asyncio.run(both())
+    hit_fraction = None
+    if stats is not None:
+        before, after = marks
+        hit_fraction = ((after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens)
+                        / (after.prompt_tokens - before.prompt_tokens))
     tokens_c = sum(t.num_action_tokens for t in concurrent)
     tokens_s = sum(t.num_action_tokens for t in sequential)
     row = {"engine": kind, "episodes": episodes, "concurrent_tokens": tokens_c, "concurrent_s": wall_c,
            "concurrent_tok_per_s": tokens_c / wall_c, "sequential_tokens": tokens_s, "sequential_s": wall_s,
            "sequential_tok_per_s": tokens_s / wall_s, "speedup": (tokens_c / wall_c) / (tokens_s / wall_s),
-           "same_ids_concurrent_vs_sequential": sum(a.ids == b.ids for a, b in zip(concurrent, sequential))}
+           "same_ids_concurrent_vs_sequential": sum(a.ids == b.ids for a, b in zip(concurrent, sequential)),
+           "turns_per_episode": sum(len(t.turns) for t in concurrent) / episodes,
+           "prefix_cache_hit_fraction": hit_fraction}
     return row, concurrent
 
 
@@ -212,10 +225,12 @@ def main() -> None:
         results["real_engines"] = rows
         print(f"\n(b) real engines on CPU: {args.episodes} greedy {ENV_ID} episodes, {args.max_new_tokens} tokens per "
               f"turn, {args.max_response_tokens} per episode; concurrent loop beside one episode after another")
-        print(table(["engine", "concurrent tok", "concurrent s", "tok/s", "sequential tok", "sequential s", "tok/s",
-                     "speedup"],
-                    [[r["engine"], r["concurrent_tokens"], r["concurrent_s"], r["concurrent_tok_per_s"],
-                      r["sequential_tokens"], r["sequential_s"], r["sequential_tok_per_s"], r["speedup"]] for r in rows]))
+        print(table(["engine", "turns/ep", "concurrent tok", "concurrent s", "tok/s", "sequential tok", "sequential s",
+                     "tok/s", "speedup", "prefix-cache hits"],
+                    [[r["engine"], r["turns_per_episode"], r["concurrent_tokens"], r["concurrent_s"],
+                      r["concurrent_tok_per_s"], r["sequential_tokens"], r["sequential_s"], r["sequential_tok_per_s"],
+                      r["speedup"], "-" if r["prefix_cache_hit_fraction"] is None
+                      else f"{r['prefix_cache_hit_fraction']:.0%}"] for r in rows]))
 
         model = load_model(DEFAULT_MODEL)
         exactness = []

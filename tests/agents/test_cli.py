@@ -28,6 +28,7 @@ def test_subcommands_are_listed_and_one_is_required(capsys):
         (["--env", "multihop-qa", "--samples", "2"], "--samples 2 with greedy decoding repeats one answer; add --temperature 1.0"),
         (["--env", "multihop-qa", "--limit", "0"], "--limit must be >= 1, got 0"),
         (["--env", "multihop-qa", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+        (["--env", "multihop-qa", "--env-arg", "example"], "--env-arg takes KEY=VALUE (e.g. require_boxed=false), got 'example'"),
         (["--env", " , "], "--env needs at least one environment id"),
         (["--env", "multihop-qa,nope-qa"], "No environment registered as 'nope-qa'"),
         (["--env", "multihop-qa", "--engine", "openai"], "--engine openai needs --base-url"),
@@ -126,7 +127,8 @@ def test_agents_eval_talks_to_an_openai_compatible_server(tmp_path, capsys):
     try:
         saved = tmp_path / "t.jsonl"
         code = main(["eval", "--env", "multihop-qa", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}",
-                     "--model", "smollm2-135m", "--limit", "2", "--no-progress", "--save-trajectories", str(saved)])
+                     "--model", "smollm2-135m", "--limit", "2", "--no-progress", "--save-trajectories", str(saved),
+                     "--env-arg", "example=true", "--env-arg", "require_boxed=false"])
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
@@ -135,6 +137,8 @@ def test_agents_eval_talks_to_an_openai_compatible_server(tmp_path, capsys):
     assert code == 0
     assert out.splitlines()[-2].split()[:4] == ["multihop-qa", "2", "50.00", "50.00"]  # question 0's gold answer
     assert len(requests) == 2 and {r["model"] for r in requests} == {"smollm2-135m"}
+    prompt = tok.decode(requests[0]["prompt"])  # the --env-arg options reached the env
+    assert "Example:\nQuestion: In which country" in prompt and "for example <answer> Beijing </answer>" in prompt
     assert all(r["stop"] == ["</search>"] and r["temperature"] == 0 and r["max_tokens"] == 512 for r in requests)
     records = [json.loads(line) for line in saved.read_text().splitlines()]
     assert sorted(r["ids"][-len(answer):] == answer for r in records) == [True, True]
