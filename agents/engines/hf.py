@@ -327,8 +327,9 @@ class HFEngine(Engine):
             self._weights_version = version
         # Keep at least one prompt token to run: its logits give the first sampled token.
         hits = [self.prefix_cache.lookup(r.prompt, limit=len(r.prompt) - 1) for r in requests]
-        cached = max(len(h[0]) if h else 0 for h in hits) if hits else 0
-        new = max(len(r.prompt) - (len(h[0]) if h else 0) for r, h in zip(requests, hits))
+        reused = [hit[0] if hit else 0 for hit in hits]
+        cached = max(reused)
+        new = max(len(r.prompt) - n for r, n in zip(requests, reused))
         device = self.model.device
         rows = len(requests)
         input_ids = torch.full((rows, new), self.pad_token_id, dtype=torch.long, device=device)
@@ -338,20 +339,17 @@ class HFEngine(Engine):
             heads, dim = self.prefix_cache.shape
             layers = [tuple(torch.zeros((rows, heads, cached, dim), dtype=self.model.dtype, device=device) for _ in "kv")
                       for _ in range(self.prefix_cache.num_layers)]
-        for row, (request, hit) in enumerate(zip(requests, hits)):
-            reused = 0
+        for row, (request, hit, n) in enumerate(zip(requests, hits, reused)):
             if hit:
-                prefix, kv = hit
-                reused = len(prefix)
-                for (k, v), (ck, cv) in zip(layers, kv):
-                    k[row, :, cached - reused :] = ck[:, :reused]
-                    v[row, :, cached - reused :] = cv[:, :reused]
-                attention_mask[row, cached - reused : cached] = 1
-            rest = request.prompt[reused:]
+                for (k, v), (ck, cv) in zip(layers, hit[1]):
+                    k[row, :, cached - n :] = ck[:, :n]
+                    v[row, :, cached - n :] = cv[:, :n]
+                attention_mask[row, cached - n : cached] = 1
+            rest = request.prompt[n:]
             input_ids[row, new - len(rest) :] = torch.tensor(rest, device=device)
             attention_mask[row, cached + new - len(rest) :] = 1
             self.stats.prompt_tokens += len(request.prompt)
-            self.stats.prefix_cache_hit_tokens += reused
+            self.stats.prefix_cache_hit_tokens += n
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, cached:]
         cache = GrowingCache(layers)
         output = self.model(
@@ -582,10 +580,10 @@ class PrefixCache:
         self._entries.clear()
         self.tokens = 0
 
-    def lookup(self, ids: Sequence[int], limit: int) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None:
-        """The longest cached prefix of ``ids`` (at most ``limit`` tokens) and its KV, or ``None``.
+    def lookup(self, ids: Sequence[int], limit: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The length of the longest cached prefix of ``ids`` (at most ``limit`` tokens) and its KV, or ``None``.
 
-        The KV tensors cover at least the returned prefix; use their first ``len(prefix)`` positions.
+        The KV tensors cover at least that prefix; use their first ``length`` positions.
         """
         if not self._entries or limit < 1:
             return None
@@ -600,7 +598,7 @@ class PrefixCache:
         if best_key is None:
             return None
         self._entries.move_to_end(best_key)
-        return list(ids[:best]), self._entries[best_key][1]
+        return best, self._entries[best_key][1]
 
     def add(self, ids: Sequence[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Keep ``kv`` (per layer, [heads, len(ids), head_dim]) as the KV of ``ids``."""

@@ -206,9 +206,9 @@ def test_prefix_cache_finds_the_longest_common_prefix():
     cache = PrefixCache(max_tokens=100)
     cache.add([1, 2, 3, 4], kv_of([1, 2, 3, 4]))
     cache.add([1, 2, 9], kv_of([1, 2, 9]))
-    prefix, kv = cache.lookup([1, 2, 3, 7, 8], limit=4)
-    assert prefix == [1, 2, 3] and kv[0][0][0, :3, 0].tolist() == [1, 2, 3]
-    assert cache.lookup([1, 2, 3, 4, 5], limit=2)[0] == [1, 2]  # never more than the limit
+    length, kv = cache.lookup([1, 2, 3, 7, 8], limit=4)
+    assert length == 3 and kv[0][0][0, :3, 0].tolist() == [1, 2, 3]
+    assert cache.lookup([1, 2, 3, 4, 5], limit=2)[0] == 2  # never more than the limit
     assert cache.lookup([5, 1, 2], limit=3) is None
     assert cache.lookup([1, 2], limit=0) is None
     assert (cache.num_layers, cache.shape) == (1, (1, 1))
@@ -223,7 +223,7 @@ def test_prefix_cache_drops_covered_entries_and_the_least_recently_used():
     cache.lookup([1, 2, 3, 4, 5, 6], limit=5)  # [1..5] is now the most recently used
     cache.add([4, 4, 4], kv_of([4, 4, 4]))  # 11 tokens > 10: [7, 8, 9] goes
     assert cache.tokens == 8 and cache.lookup([7, 8, 9, 1], limit=3) is None
-    assert cache.lookup([1, 2, 3, 4, 5, 6], limit=5)[0] == [1, 2, 3, 4, 5]
+    assert cache.lookup([1, 2, 3, 4, 5, 6], limit=5)[0] == 5
     cache.add(list(range(11)), kv_of(list(range(11))))  # larger than the whole cache: not kept
     assert cache.tokens == 8
     cache.clear()
