@@ -111,9 +111,6 @@ def _check_eval_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for assignment in args.env_args:
-        if not assignment.partition("=")[0].strip() or "=" not in assignment:
-            raise ValueError(f"--env-arg takes KEY=VALUE (e.g. require_boxed=false), got {assignment!r}")
     if args.transcripts < 0:
         raise ValueError(f"--transcripts must be >= 0, got {args.transcripts}")
     if args.samples > 1 and args.temperature == 0:
@@ -129,7 +126,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     from agents.config import parse_overrides
 
     env_ids = _check_eval_args(args)
-    env_kwargs = parse_overrides(args.env_args)
+    env_kwargs = parse_overrides(args.env_args, flag="--env-arg", example="require_boxed=false")
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, seed=args.seed)
     rollout = RolloutConfig(sampling=sampling, concurrency=args.concurrency, episode_timeout=args.episode_timeout,

@@ -350,8 +350,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
-def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
+def parse_overrides(assignments: Sequence[str], flag: str = "--set", example: str = "trainer.lr=1e-5") -> dict[str, Any]:
     """``["trainer.lr=1e-5", "strategy.K=3"]`` as a nested mapping; values are read as YAML.
+
+    ``flag`` and ``example`` name the command-line option in the error for a malformed assignment.
 
     Any float notation is a float (``1e-5``, which YAML alone reads as a string); ``true``,
     ``false``, ``null``, ``[1, 2]`` and ``{a: 1}`` are what YAML makes of them; anything else is
@@ -364,7 +366,7 @@ def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
         key, sep, text = assignment.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            raise ValueError(f"--set takes KEY=VALUE (e.g. trainer.lr=1e-5), got {assignment!r}")
+            raise ValueError(f"{flag} takes KEY=VALUE (e.g. {example}), got {assignment!r}")
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
