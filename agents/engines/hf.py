@@ -2,10 +2,11 @@
 
 One worker thread owns the model's forward passes, so the event loop never blocks. Requests
 queue up; whenever the worker is idle it waits ``batch_window_s`` for more to arrive, then
-prefills them together (left padding) and decodes them step by step with a KV cache. Requests
-that arrive while a batch is decoding join it at the next step (their prefill is merged into
-the running cache), and finished rows leave it at once, so the batch stays full when episodes
-finish their turns at different times. Each row keeps its own sampling parameters, stops and
+prefills them together (left padding) and decodes them step by step with a KV cache, a
+:class:`SlotCache` in which every row keeps its own length. Requests that arrive while a batch
+is decoding join it at the next step (their prefilled KV copied into free rows), and finished
+rows leave it at once, so the batch stays full when episodes finish their turns at different
+times; neither copies the other rows. Each row keeps its own sampling parameters, stops and
 random generator.
 
 A prefix cache keeps the KV of recently finished requests (up to ``prefix_cache_tokens``
@@ -18,14 +19,15 @@ tokens, not its whole context. Any change of the weights (an optimiser step on a
 On CPU the engine switches a model that uses ``sdpa`` attention to :data:`CPU_GQA_ATTENTION`:
 the same function, except that under no-grad it lets torch's kernel read the shared KV heads of
 grouped-query attention instead of copying them per query head (identical results; see
-:func:`_sdpa_cpu_gqa`). The trainer's forward passes, which need gradients, are unchanged.
+:func:`_sdpa_cpu_gqa`), and its forward passes compute every linear layer as weight times input
+(see :class:`WeightFirstLinear`). The trainer's forward passes, which need gradients, are unchanged.
 
 ``HFEngine(model=trainer_model, tokenizer=tokenizer)`` generates with the trainer's own model
 object: weights are never copied. Hold :attr:`HFEngine.forward_lock` while changing the weights
 in place (an optimiser step) if generations may be in flight.
 
 Supported models: decoder-only models with full attention in every layer (Llama, Qwen2/3,
-SmolLM2, Mistral without sliding windows); merging caches of different lengths by left padding
+SmolLM2, Mistral without sliding windows); batching sequences of different lengths in one cache
 is exact only for those.
 """
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -51,7 +55,7 @@ from transformers.masking_utils import sdpa_mask
 from agents.engines.base import Completion, Engine, FinishReason, SamplingParams, find_stop
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
 
-__all__ = ["CPU_GQA_ATTENTION", "BatchStats", "HFEngine", "PrefixCache", "sample_next_tokens"]
+__all__ = ["CPU_GQA_ATTENTION", "BatchStats", "HFEngine", "PrefixCache", "SlotCache", "WeightFirstLinear", "sample_next_tokens"]
 
 #: The attention implementation HFEngine gives an ``sdpa`` model on CPU (see :func:`_sdpa_cpu_gqa`).
 CPU_GQA_ATTENTION = "sdpa-cpu-gqa"
@@ -79,47 +83,136 @@ def _sdpa_cpu_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 AttentionInterface.register(CPU_GQA_ATTENTION, _sdpa_cpu_gqa)
 AttentionMaskInterface.register(CPU_GQA_ATTENTION, sdpa_mask)
 
-GROWTH = 256  # spare positions a cache layer allocates when it fills up
+class WeightFirstLinear(TorchFunctionMode):
+    """Within this mode, ``F.linear(x, W)`` runs as ``(W @ xᵀ)ᵀ``: HFEngine's forward passes on CPU use it.
 
-
-class _GrowingLayer(DynamicLayer):
-    """A DynamicLayer that appends in place into spare room instead of concatenating.
-
-    DynamicLayer copies the whole cache at every decode step (``torch.cat``): at 32 rows x 600
-    positions that copy was 45% of a step here. This layer copies only when its room (``GROWTH``
-    positions more than it needed last time) runs out; ``keys``/``values`` are views of the used part.
+    The same product, summed in another order (differences of float32 rounding, ~1e-6). MKL's
+    sgemm is slow when the input has few rows, as a decode step's has (one per sequence): it
+    is called with the weight as its transposed second operand, as F.linear does. With the weight first, SmolLM2-135M's 211
+    matmuls of one decode step took (this 2-core machine, weights read from memory as in a real
+    step) 64 ms instead of 126 at 2 rows and 182 at 4, 104 instead of 158 at 16, and still 7%
+    less at 1,024 rows (prefill). transformers and torch offer no switch for this.
     """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        # Contiguous again: the layers after it are slow on the transposed layout.
+        out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+
+GROWTH = 256  # spare columns a batch's cache allocates when a row outgrows its room
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer of a :class:`SlotCache`: its room, [row capacity, kv heads, column capacity, head dim] for keys and values."""
+
+    def __init__(self, cache: SlotCache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.room: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        used = self.get_seq_length()
-        needed = used + key_states.shape[-2]
-        if not self.is_initialized or needed > self._room[0].shape[-2]:
-            shape = (*key_states.shape[:-2], needed + GROWTH, key_states.shape[-1])
-            room = tuple(key_states.new_empty(shape) for _ in "kv")
-            if used:
-                room[0][..., :used, :] = self.keys
-                room[1][..., :used, :] = self.values
-            self._room = room
-            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-        self._room[0][..., used:needed, :] = key_states
-        self._room[1][..., used:needed, :] = value_states
-        self.keys, self.values = self._room[0][..., :needed, :], self._room[1][..., :needed, :]
-        return self.keys, self.values
+        """A decode step: write each row's new key and value at its own column; return columns [0, width]."""
+        if key_states.shape[-2] != 1:
+            raise ValueError("a SlotCache takes one new position per row and forward pass (prefill with a DynamicCache)")
+        rows, columns, width = self.cache.rows_index, self.cache.lengths, self.cache.width + 1
+        self.room[0][rows, :, columns] = key_states[:, :, 0]
+        self.room[1][rows, :, columns] = value_states[:, :, 0]
+        return self.room[0][: len(rows), :, :width], self.room[1][: len(rows), :, :width]
+
+    def get_seq_length(self) -> int:
+        return self.cache.width
 
 
-class GrowingCache(DynamicCache):
-    """A DynamicCache of :class:`_GrowingLayer` s, optionally filled with ``layers`` [(keys, values), ...]."""
+class SlotCache(Cache):
+    """The KV cache of a running batch: row r holds its sequence in columns [0, lengths[r]) of every layer.
 
-    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
-        filled = []
-        for keys, values in layers or ():
-            filled.append(_GrowingLayer())
-            filled[-1].update(keys, values)
-        if filled:
-            Cache.__init__(self, layers=filled)
-        else:
-            Cache.__init__(self, layer_class_to_replicate=_GrowingLayer)
+    transformers batches generation with left padding, so a sequence joining or leaving the batch
+    means re-padding and copying the whole cache; with 32 episodes of ~600 positions in flight
+    those copies took 23% of a concurrent rollout on 2 cores. Here a joining sequence's KV is
+    copied into free room, a leaving row is overwritten by the last row, and a decode step writes
+    each row's new key and value at its own column (its position id, too). Attention reads columns
+    [0, width] (``width`` is the longest row) under a padding mask. Room is added ``GROWTH``
+    columns at a time, rows doubling up to ``max_rows``.
+    """
+
+    def __init__(self, num_layers: int, max_rows: int, device: str | torch.device = "cpu") -> None:
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+        self.max_rows = max_rows
+        self._set_lengths(torch.zeros(0, dtype=torch.long, device=device))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    def add_rows(self, sequences: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Append sequences, each given per layer as (keys, values) of [kv heads, length, head dim]."""
+        lengths = [kv[0][0].shape[1] for kv in sequences]
+        first, rows = self.num_rows, self.num_rows + len(sequences)
+        self._reserve(rows, max(lengths), example=sequences[0][0][0])
+        for row, (kv, length) in enumerate(zip(sequences, lengths), start=first):
+            for layer, (keys, values) in zip(self.layers, kv):
+                layer.room[0][row, :, :length] = keys
+                layer.room[1][row, :, :length] = values
+        self._set_lengths(torch.cat([self.lengths, self.lengths.new_tensor(lengths)]))
+
+    def remove_row(self, row: int) -> None:
+        """Drop ``row``: the last row moves into its place."""
+        last = self.num_rows - 1
+        if row != last:
+            length = int(self.lengths[last])
+            for layer in self.layers:
+                for room in layer.room:
+                    room[row, :, :length] = room[last, :, :length]
+            self.lengths[row] = self.lengths[last]
+        self._set_lengths(self.lengths[:last])
+
+    def row(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of ``row``'s keys and values per layer, [kv heads, length, head dim] each."""
+        length = int(self.lengths[row])
+        return [(layer.room[0][row, :, :length].clone(), layer.room[1][row, :, :length].clone())
+                for layer in self.layers]
+
+    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make room for a decode step; its attention mask [rows, width + 1] and position ids [rows, 1]."""
+        self._reserve(self.num_rows, self.width + 1)
+        columns = torch.arange(self.width + 1, device=self.lengths.device)
+        return (columns[None] <= self.lengths[:, None]).long(), self.lengths[:, None]
+
+    def advance(self) -> None:
+        """After a decode step: every row holds one more position."""
+        self._set_lengths(self.lengths + 1)
+
+    def _set_lengths(self, lengths: torch.Tensor) -> None:
+        self.lengths = lengths  # [rows] positions each row holds
+        self.width = int(lengths.max()) if len(lengths) else 0
+        self.rows_index = torch.arange(len(lengths), device=lengths.device)
+
+    def _reserve(self, rows: int, columns: int, example: torch.Tensor | None = None) -> None:
+        """Grow every layer's room to at least ``rows`` x ``columns``, keeping what it holds."""
+        for layer in self.layers:
+            if layer.room is None:
+                heads, _, dim = example.shape
+                shape = (0, heads, 0, dim)
+                layer.room = tuple(example.new_empty(shape) for _ in "kv")
+            held_rows, heads, held_columns, dim = layer.room[0].shape
+            if rows <= held_rows and columns <= held_columns:
+                continue
+            shape = (held_rows if rows <= held_rows else max(rows, min(2 * held_rows, self.max_rows)), heads,
+                     held_columns if columns <= held_columns else columns + GROWTH, dim)
+            room = tuple(layer.room[0].new_empty(shape) for _ in "kv")
+            used_rows, used_columns = self.num_rows, self.width
+            for old, new in zip(layer.room, room):
+                new[:used_rows, :, :used_columns] = old[:used_rows, :, :used_columns]
+            layer.room = room
 
 
 @dataclass
@@ -148,12 +241,10 @@ class _Request:
 
 @dataclass
 class _Batch:
-    """Rows decoding together: their KV cache, attention mask and next-token logits."""
+    """Rows decoding together: their KV cache and next-token logits."""
 
-    requests: list[_Request]
-    cache: GrowingCache
-    attention_mask: torch.Tensor  # [rows, cached positions], 0 on left padding
-    next_positions: torch.Tensor  # [rows] position id of each row's next token
+    requests: list[_Request]  # row r's request; its cached positions are cache.lengths[r]
+    cache: SlotCache
     logits: torch.Tensor  # [rows, vocab] float32 logits of each row's next token
 
 
@@ -202,6 +293,7 @@ class HFEngine(Engine):
             )
         if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(CPU_GQA_ATTENTION)
+        self._linear_mode = WeightFirstLinear if model.device.type == "cpu" else contextlib.nullcontext
         self.model: PreTrainedModel = model
         self.tokenizer: PreTrainedTokenizerBase = (
             load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -282,9 +374,9 @@ class HFEngine(Engine):
             if batch is None and not newcomers:
                 continue
             try:
-                with self.forward_lock, torch.inference_mode():
+                with self.forward_lock, torch.inference_mode(), self._linear_mode():
                     if newcomers:
-                        batch = _merge(batch, self._prefill(newcomers))
+                        batch = self._join(batch, newcomers)
                     batch = self._step(batch)
             except Exception as error:  # a failed forward pass fails its rows, not the worker
                 for request in (batch.requests if batch else []) + newcomers:
@@ -315,11 +407,24 @@ class HFEngine(Engine):
         except queue.Empty:
             return True
 
-    def _prefill(self, requests: list[_Request]) -> _Batch:
+    def _join(self, batch: _Batch | None, requests: list[_Request]) -> _Batch:
+        """Prefill ``requests`` and add them to the running ``batch`` (or start one)."""
+        sequences, logits = self._prefill(requests)
+        if batch is None:
+            cache = SlotCache(len(sequences[0]), self.max_batch_size, device=logits.device)
+            batch = _Batch([], cache, logits[:0])
+        batch.cache.add_rows(sequences)
+        batch.requests += requests
+        batch.logits = torch.cat([batch.logits, logits])
+        return batch
+
+    def _prefill(self, requests: list[_Request]
+                 ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]:
         """One forward pass over the prompts' tokens that the prefix cache does not hold.
 
-        Row layout: [left padding | cached prefix | padding | new tokens], so the new tokens of
-        every row end at the right edge, where decoding appends.
+        Returns each prompt's KV per layer ([kv heads, prompt length, head dim]) and the logits of
+        its next token. Row layout of the pass: [left padding | cached prefix | padding | new
+        tokens], so that the new tokens of every row end at the right edge.
         """
         version = sum(p._version for p in self.model.parameters())  # bumped by every in-place change
         if version != self._weights_version:
@@ -334,24 +439,25 @@ class HFEngine(Engine):
         rows = len(requests)
         input_ids = torch.full((rows, new), self.pad_token_id, dtype=torch.long, device=device)
         attention_mask = torch.zeros((rows, cached + new), dtype=torch.long, device=device)
-        layers = None
+        cache = DynamicCache()
         if cached:
             heads, dim = self.prefix_cache.shape
-            layers = [tuple(torch.zeros((rows, heads, cached, dim), dtype=self.model.dtype, device=device) for _ in "kv")
-                      for _ in range(self.prefix_cache.num_layers)]
-        for row, (request, hit, n) in enumerate(zip(requests, hits, reused)):
-            if hit:
-                for (k, v), (ck, cv) in zip(layers, hit[1]):
-                    k[row, :, cached - n :] = ck[:, :n]
-                    v[row, :, cached - n :] = cv[:, :n]
-                attention_mask[row, cached - n : cached] = 1
+            for layer in range(self.prefix_cache.num_layers):
+                keys, values = (torch.zeros((rows, heads, cached, dim), dtype=self.model.dtype, device=device)
+                                for _ in "kv")
+                for row, (hit, n) in enumerate(zip(hits, reused)):
+                    if hit:
+                        keys[row, :, cached - n :] = hit[1][layer][0][:, :n]
+                        values[row, :, cached - n :] = hit[1][layer][1][:, :n]
+                cache.update(keys, values, layer)
+        for row, (request, n) in enumerate(zip(requests, reused)):
+            attention_mask[row, cached - n : cached] = 1
             rest = request.prompt[n:]
             input_ids[row, new - len(rest) :] = torch.tensor(rest, device=device)
             attention_mask[row, cached + new - len(rest) :] = 1
             self.stats.prompt_tokens += len(request.prompt)
             self.stats.prefix_cache_hit_tokens += n
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, cached:]
-        cache = GrowingCache(layers)
         output = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -361,7 +467,12 @@ class HFEngine(Engine):
             logits_to_keep=1,
         )
         self.stats.prefill_passes += 1
-        return _Batch(requests, cache, attention_mask, attention_mask.sum(-1), output.logits[:, -1].float())
+        sequences = []
+        for row in range(rows):
+            columns = attention_mask[row].nonzero()[:, 0]
+            sequences.append([(keys[row].index_select(1, columns), values[row].index_select(1, columns))
+                              for keys, values, *_ in cache])
+        return sequences, output.logits[:, -1].float()
 
     def _step(self, batch: _Batch) -> _Batch | None:
         """Sample one token for every row, settle finished rows, and run the next decode pass."""
@@ -369,7 +480,7 @@ class HFEngine(Engine):
         generators = [r.generator or self._generator for r in batch.requests]
         sampled = sample_next_tokens(batch.logits, params, generators)
         self.stats.generated_tokens += len(batch.requests)  # before settling: a woken caller may read it
-        keep = []
+        leaving = []
         for row, request in enumerate(batch.requests):
             token = int(sampled.token_ids[row])
             request.token_ids.append(token)
@@ -378,30 +489,32 @@ class HFEngine(Engine):
                 request.top_logprobs.append(sampled.top_logprobs[row][: request.params.logprobs_topk])
             if request.params.return_entropy:
                 request.entropies.append(float(sampled.entropies[row]))
-            completion = self._finish(request, token, int(batch.next_positions[row]) + 1)
+            completion = self._finish(request, token, int(batch.cache.lengths[row]) + 1)
             if completion is not None:
                 # The cache holds the prompt and every sampled token but this last one.
-                self.prefix_cache.add(request.prompt + request.token_ids[:-1], _row_kv(batch, row))
+                self.prefix_cache.add(request.prompt + request.token_ids[:-1], batch.cache.row(row))
                 _settle(request.future, result=completion)
-            elif not request.future.cancelled():
-                keep.append(row)
-        if not keep:
+            if completion is not None or request.future.cancelled():
+                leaving.append(row)
+        for row in reversed(leaving):  # from the end, so the last row, moved into the gap, is one that stays
+            batch.cache.remove_row(row)
+            batch.requests[row] = batch.requests[-1]
+            batch.requests.pop()
+        if not batch.requests:
             return None
-        if len(keep) < len(batch.requests):
-            batch = _select_rows(batch, keep)
-        next_tokens = torch.tensor([[batch.requests[i].token_ids[-1]] for i in range(len(keep))], device=self.model.device)
-        batch.attention_mask = F.pad(batch.attention_mask, (0, 1), value=1)
+        next_tokens = torch.tensor([[r.token_ids[-1]] for r in batch.requests], device=self.model.device)
+        attention_mask, position_ids = batch.cache.decode_inputs()
         output = self.model(
             input_ids=next_tokens,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.next_positions[:, None],
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             past_key_values=batch.cache,
             use_cache=True,
         )
-        batch.next_positions = batch.next_positions + 1
+        batch.cache.advance()
         batch.logits = output.logits[:, -1].float()
         self.stats.decode_passes += 1
-        self.stats.largest_batch = max(self.stats.largest_batch, len(keep))
+        self.stats.largest_batch = max(self.stats.largest_batch, len(batch.requests))
         return batch
 
     def _finish(self, request: _Request, token: int, used_positions: int) -> Completion | None:
@@ -507,50 +620,6 @@ def _filter_top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) 
     outside = (probs.cumsum(-1) - probs) >= top_p[:, None]
     ordered = ordered.masked_fill(outside, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered)
-
-
-def _merge(running: _Batch | None, joining: _Batch) -> _Batch:
-    """One batch from two, left-padding the shorter cache so positions line up at the right."""
-    if running is None:
-        return joining
-    length = max(running.attention_mask.shape[1], joining.attention_mask.shape[1])
-
-    def pad(batch: _Batch, tensor: torch.Tensor, dim_from_end: int) -> torch.Tensor:
-        missing = length - batch.attention_mask.shape[1]
-        return F.pad(tensor, (0, 0) * (dim_from_end - 1) + (missing, 0)) if missing else tensor
-
-    layers = [
-        (torch.cat([pad(running, k1, 2), pad(joining, k2, 2)]), torch.cat([pad(running, v1, 2), pad(joining, v2, 2)]))
-        for (k1, v1, _), (k2, v2, _) in zip(running.cache, joining.cache)
-    ]
-    return _Batch(
-        running.requests + joining.requests,
-        GrowingCache(layers),
-        torch.cat([pad(running, running.attention_mask, 1), pad(joining, joining.attention_mask, 1)]),
-        torch.cat([running.next_positions, joining.next_positions]),
-        torch.cat([running.logits, joining.logits]),
-    )
-
-
-def _select_rows(batch: _Batch, rows: list[int]) -> _Batch:
-    """Keep ``rows``, and drop leading cache columns that are padding in every remaining row."""
-    index = torch.tensor(rows, device=batch.logits.device)
-    mask = batch.attention_mask[index]
-    unused = int(mask.any(0).long().argmax())  # columns before the first one any row uses
-    layers = [(k[index, :, unused:], v[index, :, unused:]) for k, v, _ in batch.cache]
-    return _Batch(
-        [batch.requests[i] for i in rows],
-        GrowingCache(layers),
-        mask[:, unused:],
-        batch.next_positions[index],
-        batch.logits[index],
-    )
-
-
-def _row_kv(batch: _Batch, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Row ``row``'s KV per layer without its padding columns: [heads, positions, head_dim] each."""
-    columns = batch.attention_mask[row].nonzero()[:, 0]
-    return [(k[row].index_select(1, columns), v[row].index_select(1, columns)) for k, v, _ in batch.cache]
 
 
 class PrefixCache:

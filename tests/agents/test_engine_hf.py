@@ -10,9 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from agents.engines import HFEngine, SamplingParams
-from agents.engines.hf import CPU_GQA_ATTENTION, GROWTH, GrowingCache, PrefixCache, sample_next_tokens
+from agents.engines.hf import (CPU_GQA_ATTENTION, GROWTH, PrefixCache, SlotCache, WeightFirstLinear,
+                               sample_next_tokens)
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
@@ -271,16 +273,40 @@ async def test_next_turn_reuses_the_kv_of_the_last_and_gets_the_same_tokens(mode
 # ---- the decode path's memory traffic: in-place KV appends, no copies of grouped KV heads -------
 
 
-def test_growing_cache_holds_what_concatenation_would():
-    torch.manual_seed(0)
-    chunks = [torch.randn(2, 3, n, 4) for n in (5, 1, GROWTH, 1, 1)]  # the third overflows the spare room
-    cache = GrowingCache([(chunks[0], -chunks[0])])
-    for chunk in chunks[1:]:
-        keys, values = cache.layers[0].update(chunk, -chunk)
-    expected = torch.cat(chunks, dim=-2)
-    assert torch.equal(keys, expected) and torch.equal(values, -expected)
-    assert cache.get_seq_length() == 5 + 1 + GROWTH + 2
-    assert cache.layers[0]._room[0].shape[-2] == 5 + 1 + GROWTH + GROWTH  # grown once, when the third came
+def kv(length, seed):
+    keys = torch.randn(2, length, 4, generator=torch.Generator().manual_seed(seed))  # [kv heads, length, head dim]
+    return [(keys, -keys), (2 * keys, -2 * keys)]  # two layers
+
+
+def test_slot_cache_rows_join_grow_and_leave_without_touching_the_others():
+    cache = SlotCache(num_layers=2, max_rows=8)
+    a, b, c = kv(5, 0), kv(3, 1), kv(GROWTH + 10, 2)
+    cache.add_rows([a, b])
+    assert cache.lengths.tolist() == [5, 3] and cache.width == 5
+    # A decode step: row 0 writes its new key at column 5, row 1 at column 3.
+    mask, positions = cache.decode_inputs()
+    assert mask.tolist() == [[1] * 6, [1, 1, 1, 1, 0, 0]] and positions.tolist() == [[5], [3]]
+    new = torch.stack([torch.full((2, 1, 4), 7.0), torch.full((2, 1, 4), 8.0)])  # [rows, heads, 1, dim]
+    keys, values = cache.layers[1].update(new, -new)
+    assert keys.shape == (2, 2, 6, 4)
+    assert torch.equal(keys[0, :, :5], a[1][0]) and torch.equal(keys[0, :, 5], new[0, :, 0])
+    assert torch.equal(keys[1, :, :3], b[1][0]) and torch.equal(keys[1, :, 3], new[1, :, 0])
+    assert torch.equal(values[1, :, 3], -new[1, :, 0])
+    cache.advance()
+    assert cache.lengths.tolist() == [6, 4] and cache.get_seq_length() == 6
+    assert cache.layers[0].room[0].shape == (2, 2, 5 + GROWTH, 4)  # room for the first rows, plus GROWTH columns
+    # A longer row outgrows it: the room grows to GROWTH columns beyond the need, rows double; the rows stay.
+    cache.add_rows([c])
+    assert cache.layers[0].room[0].shape == (4, 2, GROWTH + 10 + GROWTH, 4)
+    assert torch.equal(cache.row(1)[1][0], torch.cat([b[1][0], new[1, :, :1].expand(2, 1, 4)], dim=1))
+    # Row 0 leaves: the last row (c) moves into its place; row 1 is untouched.
+    cache.remove_row(0)
+    assert cache.lengths.tolist() == [GROWTH + 10, 4] and cache.width == GROWTH + 10
+    assert torch.equal(cache.row(0)[0][0], c[0][0]) and torch.equal(cache.row(0)[1][1], c[1][1])
+    assert cache.row(1)[0][0].shape == (2, 4, 4)
+    cache.remove_row(1)
+    cache.remove_row(0)
+    assert cache.num_rows == 0 and cache.width == 0
 
 
 async def test_engine_attention_is_stock_sdpa_without_the_kv_copy(tokenizer):
@@ -298,3 +324,25 @@ async def test_engine_attention_is_stock_sdpa_without_the_kv_copy(tokenizer):
     loss.backward()
     assert switched.model.layers[0].self_attn.k_proj.weight.grad.abs().sum() > 0
     await engine.close()
+
+
+def test_weight_first_linear_is_the_same_product():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(2, 3, 16), torch.randn(8, 16), torch.randn(8)
+    expected = x @ weight.T + bias
+    with WeightFirstLinear():
+        out = F.linear(x, weight, bias)
+        no_bias = F.linear(x, weight)
+    assert out.shape == (2, 3, 8) and out.is_contiguous()
+    assert torch.allclose(out, expected, atol=1e-5) and torch.allclose(no_bias, expected - bias, atol=1e-5)
+
+
+def test_weight_first_linear_keeps_the_models_logits(tokenizer):
+    model = load_model(DEFAULT_MODEL)
+    ids = torch.randint(0, 40000, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        stock = model(input_ids=ids).logits
+        with WeightFirstLinear():
+            weight_first = model(input_ids=ids).logits
+    assert (weight_first - stock).abs().max() < 1e-4
+    assert torch.equal(weight_first.argmax(-1), stock.argmax(-1))
