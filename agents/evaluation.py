@@ -352,6 +352,7 @@ def sampler_logprob_gap(model: Any, trajectories: Sequence[Trajectory]) -> tuple
         fresh = torch.log_softmax(logits[[t - 1 for t in positions]], dim=-1)
         fresh = fresh[torch.arange(len(positions)), torch.tensor([ids[t] for t in positions])].cpu()
         sampled = torch.tensor([logprobs[t] for t in positions], dtype=torch.float32)
-        gap = max(gap, (fresh - sampled).abs().max().item())
+        # NaN (a broken sampler) counts as an infinite gap; max() would silently skip it.
+        gap = max(gap, (fresh - sampled).abs().nan_to_num(nan=math.inf).max().item())
         count += len(positions)
     return gap, count

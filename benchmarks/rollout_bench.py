@@ -10,7 +10,8 @@
 (b) Real engines. The same greedy ``multihop-qa`` episodes run through the loop all at once
     (concurrency = episodes) and one after another (concurrency 1), on HFEngine and VLLMEngine on
     CPU; the table gives sampled tokens per second of each, their ratio, and the share of prompt
-    tokens whose KV came from the engine's prefix cache (HFEngine) in the concurrent run.
+    tokens whose KV came from the engine's prefix cache and the tokens sampled per decode pass (the
+    batch's mean rows; HFEngine) in the concurrent run.
 (c) Exactness. For the episodes of (b), the largest difference between the sampler's log-probs
     and a fresh forward pass of the transformers model over the saved ids, and whether both
     engines produced the same greedy tokens.
@@ -148,7 +149,7 @@ async def timed_run(engine: Engine, tokenizer: Any, episodes: int, concurrency: 
 
 def real_engine(kind: str, tokenizer: Any, episodes: int, limits: tuple[int, int]) -> tuple[dict[str, Any], list[Trajectory]]:
     engine = make_real_engine(kind, episodes)
-    stats = getattr(engine, "stats", None)  # HFEngine's counters: prompt tokens and prefix-cache hits
+    stats = getattr(engine, "stats", None)  # HFEngine's counters: prompt tokens, prefix-cache hits, passes
     marks = []
 
     async def both() -> tuple[tuple[list[Trajectory], float], tuple[list[Trajectory], float]]:
@@ -162,11 +163,13 @@ def real_engine(kind: str, tokenizer: Any, episodes: int, limits: tuple[int, int
             await engine.close()
 
     (concurrent, wall_c), (sequential, wall_s) = asyncio.run(both())
-    hit_fraction = None
+    hit_fraction = rows_per_pass = None
     if stats is not None:
         before, after = marks
         hit_fraction = ((after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens)
                         / (after.prompt_tokens - before.prompt_tokens))
+        rows_per_pass = ((after.generated_tokens - before.generated_tokens)
+                         / (after.decode_passes - before.decode_passes))
     tokens_c = sum(t.num_action_tokens for t in concurrent)
     tokens_s = sum(t.num_action_tokens for t in sequential)
     row = {"engine": kind, "episodes": episodes, "concurrent_tokens": tokens_c, "concurrent_s": wall_c,
@@ -174,7 +177,7 @@ def real_engine(kind: str, tokenizer: Any, episodes: int, limits: tuple[int, int
            "sequential_tok_per_s": tokens_s / wall_s, "speedup": (tokens_c / wall_c) / (tokens_s / wall_s),
            "same_ids_concurrent_vs_sequential": sum(a.ids == b.ids for a, b in zip(concurrent, sequential)),
            "turns_per_episode": sum(len(t.turns) for t in concurrent) / episodes,
-           "prefix_cache_hit_fraction": hit_fraction}
+           "prefix_cache_hit_fraction": hit_fraction, "tokens_per_decode_pass": rows_per_pass}
     return row, concurrent
 
 
@@ -226,11 +229,12 @@ def main() -> None:
         print(f"\n(b) real engines on CPU: {args.episodes} greedy {ENV_ID} episodes, {args.max_new_tokens} tokens per "
               f"turn, {args.max_response_tokens} per episode; concurrent loop beside one episode after another")
         print(table(["engine", "turns/ep", "concurrent tok", "concurrent s", "tok/s", "sequential tok", "sequential s",
-                     "tok/s", "speedup", "prefix-cache hits"],
+                     "tok/s", "speedup", "prefix-cache hits", "rows/pass"],
                     [[r["engine"], r["turns_per_episode"], r["concurrent_tokens"], r["concurrent_s"],
                       r["concurrent_tok_per_s"], r["sequential_tokens"], r["sequential_s"], r["sequential_tok_per_s"],
                       r["speedup"], "-" if r["prefix_cache_hit_fraction"] is None
-                      else f"{r['prefix_cache_hit_fraction']:.0%}"] for r in rows]))
+                      else f"{r['prefix_cache_hit_fraction']:.0%}",
+                      "-" if r["tokens_per_decode_pass"] is None else r["tokens_per_decode_pass"]] for r in rows]))
 
         model = load_model(DEFAULT_MODEL)
         exactness = []

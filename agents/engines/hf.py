@@ -84,15 +84,20 @@ AttentionInterface.register(CPU_GQA_ATTENTION, _sdpa_cpu_gqa)
 AttentionMaskInterface.register(CPU_GQA_ATTENTION, sdpa_mask)
 
 class WeightFirstLinear(TorchFunctionMode):
-    """Within this mode, ``F.linear(x, W)`` runs as ``(W @ xᵀ)ᵀ``: HFEngine's forward passes on CPU use it.
+    """Within this mode, ``F.linear(x, W)`` with 2 to ``max_rows`` input rows runs as ``(W @ xᵀ)ᵀ``.
 
-    The same product, summed in another order (differences of float32 rounding, ~1e-6). MKL's
-    sgemm is slow when the input has few rows, as a decode step's has (one per sequence): it
-    is called with the weight as its transposed second operand, as F.linear does. With the weight first, SmolLM2-135M's 211
-    matmuls of one decode step took (this 2-core machine, weights read from memory as in a real
-    step) 64 ms instead of 126 at 2 rows and 182 at 4, 104 instead of 158 at 16, and still 7%
-    less at 1,024 rows (prefill). transformers and torch offer no switch for this.
+    The same product, summed in another order (float32 rounding differences, ~1e-6). MKL's sgemm
+    is slow for an input of a few rows, as a decode step's is (one per sequence), when the weight is
+    its transposed second operand, as F.linear has it. SmolLM2-135M decode steps on this 2-core
+    machine (400 cached positions): 4 rows 222-317 ms as F.linear, 122-141 ms weight first; 16 rows
+    295-339 vs 216-239 ms; 32 rows about even. One row (12% slower) and prefill-sized inputs (50%
+    slower at 32 x 300 tokens) keep F.linear. HFEngine's forward passes on CPU use this mode.
+    transformers and torch offer no switch for it.
     """
+
+    def __init__(self, max_rows: int = 32) -> None:
+        super().__init__()
+        self.max_rows = max_rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,8 +105,11 @@ class WeightFirstLinear(TorchFunctionMode):
             return func(*args, **kwargs)
         x, weight = args[0], args[1]
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        rows = x.numel() // x.shape[-1]
+        if not 2 <= rows <= self.max_rows:
+            return func(*args, **kwargs)
         # Contiguous again: the layers after it are slow on the transposed layout.
-        out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()
+        out = torch.mm(weight, x.reshape(rows, -1).t()).t().contiguous()
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -201,14 +209,14 @@ class SlotCache(Cache):
         for layer in self.layers:
             if layer.room is None:
                 heads, _, dim = example.shape
-                shape = (0, heads, 0, dim)
-                layer.room = tuple(example.new_empty(shape) for _ in "kv")
+                layer.room = tuple(example.new_zeros((0, heads, 0, dim)) for _ in "kv")
             held_rows, heads, held_columns, dim = layer.room[0].shape
             if rows <= held_rows and columns <= held_columns:
                 continue
             shape = (held_rows if rows <= held_rows else max(rows, min(2 * held_rows, self.max_rows)), heads,
                      held_columns if columns <= held_columns else columns + GROWTH, dim)
-            room = tuple(layer.room[0].new_empty(shape) for _ in "kv")
+            # Zeros, not empty memory: attention reads masked columns too, and a NaN there (0 x NaN) spoils the row.
+            room = tuple(layer.room[0].new_zeros(shape) for _ in "kv")
             used_rows, used_columns = self.num_rows, self.width
             for old, new in zip(layer.room, room):
                 new[:used_rows, :, :used_columns] = old[:used_rows, :, :used_columns]

@@ -295,9 +295,12 @@ def test_slot_cache_rows_join_grow_and_leave_without_touching_the_others():
     cache.advance()
     assert cache.lengths.tolist() == [6, 4] and cache.get_seq_length() == 6
     assert cache.layers[0].room[0].shape == (2, 2, 5 + GROWTH, 4)  # room for the first rows, plus GROWTH columns
+    # Zeros beyond each row's length: attention reads them under the mask, and NaN there would spread.
+    assert not cache.layers[0].room[0][1, :, 3:].any()
     # A longer row outgrows it: the room grows to GROWTH columns beyond the need, rows double; the rows stay.
     cache.add_rows([c])
     assert cache.layers[0].room[0].shape == (4, 2, GROWTH + 10 + GROWTH, 4)
+    assert not cache.layers[1].room[1][:, :, GROWTH + 10 :].any() and not cache.layers[1].room[1][3].any()
     assert torch.equal(cache.row(1)[1][0], torch.cat([b[1][0], new[1, :, :1].expand(2, 1, 4)], dim=1))
     # Row 0 leaves: the last row (c) moves into its place; row 1 is untouched.
     cache.remove_row(0)
@@ -330,11 +333,21 @@ def test_weight_first_linear_is_the_same_product():
     torch.manual_seed(0)
     x, weight, bias = torch.randn(2, 3, 16), torch.randn(8, 16), torch.randn(8)
     expected = x @ weight.T + bias
-    with WeightFirstLinear():
-        out = F.linear(x, weight, bias)
-        no_bias = F.linear(x, weight)
+    calls = []
+    real_mm = torch.mm
+    with WeightFirstLinear(max_rows=6):
+        torch.mm = lambda a, b: calls.append(a.shape) or real_mm(a, b)  # which operand comes first
+        try:
+            out = F.linear(x, weight, bias)  # 6 rows: weight first
+            no_bias = F.linear(x, weight)
+            one_row = F.linear(x[0, :1], weight, bias)  # 1 row and more than max_rows: F.linear itself
+            seven_rows = F.linear(torch.cat([x.reshape(6, 16), x[0, :1]]), weight)
+        finally:
+            torch.mm = real_mm
+    assert calls == [(8, 16), (8, 16)]
     assert out.shape == (2, 3, 8) and out.is_contiguous()
     assert torch.allclose(out, expected, atol=1e-5) and torch.allclose(no_bias, expected - bias, atol=1e-5)
+    assert torch.allclose(one_row, expected[0, :1], atol=1e-5) and seven_rows.shape == (7, 8)
 
 
 def test_weight_first_linear_keeps_the_models_logits(tokenizer):

@@ -222,3 +222,27 @@ async def test_heldout_scores_a_budget_cut_episode_with_the_training_budget_rewa
     assert scores[None]["reward"].mean == pytest.approx(1 / 3)
     assert scores[-1.0]["reward"].mean == pytest.approx(0.0)
     assert scores[-1.0]["em"].mean == pytest.approx(1 / 3) and scores[-1.0]["format_ok"].mean == pytest.approx(2 / 3)
+
+
+def test_sampler_logprob_gap_compares_action_tokens_and_counts_nan_as_infinite():
+    import torch
+    from types import SimpleNamespace
+
+    from agents.evaluation import sampler_logprob_gap
+
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [2.0, 0.0, 0.0], [0.0, 0.0, 3.0]]])  # [1, positions, vocab]
+
+    class Model:
+        device = torch.device("cpu")
+
+        def __call__(self, ids):
+            return SimpleNamespace(logits=logits)
+
+    fresh = torch.log_softmax(logits[0], -1)
+    ids, mask = [0, 2, 0], [0, 1, 1]  # tokens 1 and 2 are actions, scored by positions 0 and 1
+    exact = [None, fresh[0, 2].item(), fresh[1, 0].item()]
+    off = [None, exact[1] + 0.25, exact[2]]
+    broken = [None, exact[1], math.nan]
+    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=exact)]) == (0.0, 2)
+    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=off)])[0] == pytest.approx(0.25)
+    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=broken)])[0] == math.inf
