@@ -19,8 +19,8 @@ tokens, not its whole context. Any change of the weights (an optimiser step on a
 On CPU the engine switches a model that uses ``sdpa`` attention to :data:`CPU_GQA_ATTENTION`:
 the same function, except that under no-grad it lets torch's kernel read the shared KV heads of
 grouped-query attention instead of copying them per query head (identical results; see
-:func:`_sdpa_cpu_gqa`), and its forward passes compute every linear layer as weight times input
-(see :class:`WeightFirstLinear`). The trainer's forward passes, which need gradients, are unchanged.
+:func:`_sdpa_cpu_gqa`), and its forward passes compute linear layers on inputs of 2 to 32 rows
+(decode steps) as weight times input (see :class:`WeightFirstLinear`). The trainer's forward passes, which need gradients, are unchanged.
 
 ``HFEngine(model=trainer_model, tokenizer=tokenizer)`` generates with the trainer's own model
 object: weights are never copied. Hold :attr:`HFEngine.forward_lock` while changing the weights
