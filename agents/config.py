@@ -11,11 +11,11 @@ section         what it sets
 ``credit``      fields of the learner's credit assignment (``backup`` of TurnwiseCredit, …)
 ``loss``        the loss's keyword hyper-parameters (``eps_high``, …), plus ``kl_coef``
                 and ``entropy_coef``
-``trainer``     fields of :class:`agents.trainer.TrainerConfig` (``lr``, ``mini_batches``, …)
+``trainer``     fields of :class:`agents.training.trainer_config.TrainerConfig` (``lr``, ``mini_batches``, …)
 ``sampling``    fields of :class:`agents.engines.SamplingParams` (``temperature``, …)
-``rollout``     fields of :class:`agents.strategies.TreeConfig` (``max_response_tokens``,
+``rollout``     fields of :class:`agents.rollout.RolloutConfig` and :class:`agents.rollout.tree_loop.TreeConfig` (``max_response_tokens``,
                 ``concurrency``, ``turn_timeout``; ``budget`` as a dict of
-                :class:`agents.strategies.Budget` fields)
+                :class:`agents.rollout.strategies.Budget` fields)
 ``env_kwargs``  keyword arguments of ``agentenv.make`` (``reward``, ``max_tool_calls``, …)
 ==============  =======================================================================
 
@@ -40,8 +40,11 @@ from typing import Any
 from agents.engines.base import SamplingParams
 from agents.learners import LEARNERS, Learner
 from agents.models import DEFAULT_MODEL
-from agents.strategies import Budget, TreeConfig
-from agents.trainer import LOSSES, TrainerConfig
+from agents.rollout.strategies import Budget
+from agents.rollout.episodes import RolloutConfig
+from agents.rollout.tree_loop import TreeConfig
+from agents.training.losses import LOSSES, TRAINER_INPUTS
+from agents.training.trainer_config import TrainerConfig
 
 __all__ = [
     "ENGINES",
@@ -69,10 +72,9 @@ RESUMABLE = frozenset({"steps", "eval_every", "eval_before", "eval_questions", "
 _RUN_OWNED = {
     "trainer": ("loss", "loss_kwargs", "kl_coef", "entropy_coef", "total_steps", "device", "progress", "temperature"),
     "sampling": ("seed",),
-    "rollout": ("sampling", "seed"),
+    # The rollout section is flat: RolloutConfig's fields and TreeConfig's own (a tree times out per turn).
+    "rollout": ("sampling", "seed", "rollout", "episode_timeout"),
 }
-# Loss parameters that are tensors the trainer supplies, not hyper-parameters.
-_LOSS_INPUTS = ("ref_logprobs", "entropy", "turn_ids")
 
 
 @dataclass
@@ -110,7 +112,7 @@ class TrainConfig:
     engine: str = "hf"
     device: str | None = None
     steps: int = 100
-    prompts_per_step: int = 64  # AT²PO: 64 prompts × 22 leaves per batch (ALGORITHMS.md)
+    prompts_per_step: int = 64  # AT²PO: 64 prompts × 22 leaves per batch (docs/algorithms.md "Mini-batches and micro-batches")
     seed: int = 0
     holdout: int = 100
     eval_questions: int = 100
@@ -171,7 +173,7 @@ class TrainConfig:
 
 #: Named presets: overrides shared by every algorithm (``common``) and per-algorithm ``strategy`` sizes.
 #:
-#: - ``paper``: the setting of the AT²PO tables (ALGORITHMS.md, "Reference results"), in which
+#: - ``paper``: the setting of the AT²PO tables (docs/algorithms.md "Reference results"), in which
 #:   every learner was run: the defaults (each paper's strategy, 64 prompts in 8 mini-batches,
 #:   lr 1e-6, prompt 2000 and response 6192 tokens, 6 tool calls, top-3 passages) with AT²PO's
 #:   reward (−1 bad format, 0 wrong, 1 exact match). For the search-QA environments on a GPU
@@ -267,7 +269,10 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
         if not isinstance(rollout["budget"], Mapping):
             raise ValueError(f"rollout.budget must be a mapping of Budget fields, got {rollout['budget']!r}")
         rollout["budget"] = Budget(**_checked(Budget, rollout["budget"], "rollout.budget"))
-    tree = TreeConfig(sampling=sampling, **_checked(TreeConfig, rollout, "rollout"))
+    # One flat section for the turns' RolloutConfig and the tree's own TreeConfig fields.
+    _checked_rollout(rollout)
+    turns = {name: rollout.pop(name) for name in _rollout_fields(RolloutConfig) if name in rollout}
+    tree = TreeConfig(rollout=RolloutConfig(sampling=sampling, **turns), **rollout)
     return RunParts(learner, trainer, tree)
 
 
@@ -276,10 +281,11 @@ def effective_config(config: TrainConfig, parts: RunParts) -> TrainConfig:
     learner = parts.learner
     loss = learner.loss if callable(learner.loss) else LOSSES[learner.loss]
     trainer = {name: value for name, value in parts.trainer.to_dict().items() if name not in _RUN_OWNED["trainer"]}
-    rollout = {f.name: getattr(parts.tree, f.name) for f in dataclasses.fields(parts.tree)
-               if f.name not in _RUN_OWNED["rollout"]}
+    tree = parts.tree
+    rollout = {**{name: getattr(tree.rollout, name) for name in _rollout_fields(RolloutConfig)},
+               **{name: getattr(tree, name) for name in _rollout_fields(TreeConfig)}}
     rollout["budget"] = dataclasses.asdict(rollout["budget"])
-    sampling = {f.name: getattr(parts.tree.sampling, f.name) for f in dataclasses.fields(parts.tree.sampling)
+    sampling = {f.name: getattr(tree.rollout.sampling, f.name) for f in dataclasses.fields(tree.rollout.sampling)
                 if f.name not in _RUN_OWNED["sampling"]}
     sampling.update(stop=list(sampling["stop"]), stop_token_ids=list(sampling["stop_token_ids"]))
     return dataclasses.replace(
@@ -405,6 +411,19 @@ def _checked(cls: type, values: Mapping[str, Any], section: str) -> dict[str, An
     return dict(values)
 
 
+def _rollout_fields(cls: type) -> list[str]:
+    """The fields of ``cls`` (RolloutConfig or TreeConfig) that the flat ``rollout`` section sets."""
+    return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in _RUN_OWNED["rollout"]]
+
+
+def _checked_rollout(values: Mapping[str, Any]) -> None:
+    """Every name of the ``rollout`` section is a field of RolloutConfig or TreeConfig; else an error listing them."""
+    names = _rollout_fields(RolloutConfig) + _rollout_fields(TreeConfig)
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"rollout has no setting {unknown[0]!r}; the settings are {', '.join(names)}")
+
+
 def _fields(part: Any) -> dict[str, Any]:
     """A strategy's or credit's init fields (empty for a part that is not a dataclass)."""
     if not dataclasses.is_dataclass(part):
@@ -414,7 +433,7 @@ def _fields(part: Any) -> dict[str, Any]:
 
 def _loss_defaults(loss: Any) -> dict[str, Any]:
     """The keyword hyper-parameters of a loss function with their defaults (no tensors, no KL)."""
-    skip = {*_LOSS_INPUTS, "kl_coef", "entropy_coef"}
+    skip = set(TRAINER_INPUTS)
     parameters = list(inspect.signature(loss).parameters.values())[4:]  # after the four tensors
     return {p.name: p.default for p in parameters if p.name not in skip and p.default is not inspect.Parameter.empty
             and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}

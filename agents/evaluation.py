@@ -331,14 +331,16 @@ def transcript(trajectory: Trajectory, tokenizer: Any) -> str:
     return "\n".join([*parts, ending])
 
 
-def sampler_logprob_gap(model: Any, trajectories: Sequence[Trajectory]) -> tuple[float, int]:
+def sampler_logprob_gap(model: Any, trajectories: Sequence[Trajectory], temperature: float = 1.0) -> tuple[float, int]:
     """Largest |sampler log-prob − a fresh forward pass of ``model``| over all action tokens, and their count.
 
-    The token-in-token-out check: the trainer recomputes log-probs on exactly the saved ids. The
-    engine's log-probs are those of greedy or temperature-1 sampling (``log_softmax(logits)``);
-    under another temperature they are not comparable with this forward pass.
+    The token-in-token-out check: the trainer recomputes log-probs on exactly the saved ids.
+    ``temperature`` is the one the trajectories were sampled at (greedy sampling reports
+    temperature-1 log-probs, so 1 for greedy runs).
     """
     import torch
+
+    from agents.training.scoring import score_tokens
 
     gap, count = 0.0, 0
     for trajectory in trajectories:
@@ -346,11 +348,10 @@ def sampler_logprob_gap(model: Any, trajectories: Sequence[Trajectory]) -> tuple
         positions = [t for t, m in enumerate(mask) if m]
         if not positions:
             continue
+        tokens = torch.tensor([ids], device=model.device)
         with torch.inference_mode():
-            logits = model(torch.tensor([ids], device=model.device)).logits[0].float()
-        # The logits at position t-1 score token t (teacher forcing).
-        fresh = torch.log_softmax(logits[[t - 1 for t in positions]], dim=-1)
-        fresh = fresh[torch.arange(len(positions)), torch.tensor([ids[t] for t in positions])].cpu()
+            scores, _ = score_tokens(model(tokens).logits, tokens, temperature)
+        fresh = scores[0, [t - 1 for t in positions]].cpu()  # scores[:, t - 1] belongs to token t
         sampled = torch.tensor([logprobs[t] for t in positions], dtype=torch.float32)
         # NaN (a broken sampler) counts as an infinite gap; max() would silently skip it.
         gap = max(gap, (fresh - sampled).abs().nan_to_num(nan=math.inf).max().item())

@@ -14,6 +14,7 @@ evaluation with ``em``, ``em_low``, ``em_high``, … (see :data:`SCORES`), and a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -23,9 +24,9 @@ from typing import Any
 
 from agents.engines.base import Engine, SamplingParams
 from agents.evaluation import evaluate
-from agents.metrics import MetricsLog
+from agents.training.metrics import MetricsLog
 from agents.rollout import RolloutConfig
-from agents.strategies import TreeConfig
+from agents.rollout.tree_loop import TreeConfig
 
 __all__ = [
     "SCORES",
@@ -91,7 +92,7 @@ class HeldOut:
     seconds: float
 
     def record(self) -> dict[str, float]:
-        """Flat numbers for :class:`~agents.metrics.MetricsLog`: ``em``, ``em_low``, ``em_high``, …"""
+        """Flat numbers for :class:`~agents.training.metrics.MetricsLog`: ``em``, ``em_low``, ``em_high``, …"""
         record = {"questions": float(self.questions), "seconds": self.seconds}
         for name, score in self.scores.items():
             record.update({name: score.mean, f"{name}_low": score.low, f"{name}_high": score.high})
@@ -107,9 +108,8 @@ class HeldOut:
 
 def greedy_rollout(tree: TreeConfig) -> RolloutConfig:
     """The evaluation's rollout for a run that trains with ``tree``: the same limits, greedy, no tree."""
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=tree.sampling.max_new_tokens)
-    return RolloutConfig(sampling=sampling, concurrency=tree.concurrency, max_prompt_tokens=tree.max_prompt_tokens,
-                         max_response_tokens=tree.max_response_tokens, keep_states=False)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=tree.rollout.sampling.max_new_tokens)
+    return dataclasses.replace(tree.rollout, sampling=sampling, keep_states=False)
 
 
 async def evaluate_heldout(

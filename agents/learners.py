@@ -2,15 +2,15 @@
 
 A :class:`Learner` is a plain composition a user can take apart or replace piece by piece:
 
-- ``strategy`` (:mod:`agents.strategies`): where the rollout trees of a prompt branch;
+- ``strategy`` (:mod:`agents.rollout.strategies`): where the rollout trees of a prompt branch;
 - ``credit``: from the finished trees of one prompt to training paths with advantages, any
   callable ``credit(trees) -> list[TrainingPath]`` (:class:`GRPOCredit`, :class:`TreeGRPOCredit`
-  and :class:`TurnwiseCredit` wrap the formulas of :mod:`agents.credit`);
-- ``loss`` (:mod:`agents.losses`): a name of :data:`agents.trainer.LOSSES` or any callable with
+  and :class:`TurnwiseCredit` wrap the formulas of :mod:`agents.training.credit`);
+- ``loss`` (:mod:`agents.training.losses`): a name of :data:`agents.training.losses.LOSSES` or any callable with
   the losses' signature, with ``loss_kwargs``, and the KL coefficient to a reference policy.
 
 The five learners of the papers are subclasses that only change the defaults (each names its
-sources; the formulas are in ``ALGORITHMS.md``):
+sources; the formulas: docs/algorithms.md "Learners"):
 
 =============  ============================  ==================  ===========================
 learner        strategy                      credit              loss
@@ -34,10 +34,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.credit import ADVANTAGES, BACKUPS, grpo_credit, tree_grpo_credit, turnwise_credit
-from agents.strategies import Chain, EntropyBalancedBranching, EntropyBranching, EntropyTree, RandomTree, Strategy
-from agents.trainer import LOSSES, LossFn, TrainerConfig
-from agents.tree import RolloutTree, TrainingPath
+from agents.training.credit import ADVANTAGES, BACKUPS, grpo_credit, tree_grpo_credit, turnwise_credit
+from agents.rollout.strategies import Chain, EntropyBalancedBranching, EntropyBranching, EntropyTree, RandomTree, Strategy
+from agents.training.losses import LOSSES, LossFn
+from agents.training.trainer_config import TrainerConfig
+from agents.rollout.tree import RolloutTree, TrainingPath
 
 __all__ = [
     "AEPO",
@@ -64,7 +65,7 @@ class GRPOCredit:
 
     Args:
         eps: Added to the std (verl's ``epsilon``).
-        unbiased: Bessel-corrected std, the official code's (see :func:`agents.credit.grpo_advantages`).
+        unbiased: Bessel-corrected std, the official code's (see :func:`agents.training.credit.grpo_advantages`).
     """
 
     eps: float = 1e-6
@@ -94,7 +95,7 @@ class TreeGRPOCredit:
 class TurnwiseCredit:
     """AT²PO turn-wise credit: values backed up each tree, every turn trained with its own advantage.
 
-    The arguments are those of :func:`agents.credit.turnwise_credit`; the defaults are the
+    The arguments are those of :func:`agents.training.credit.turnwise_credit`; the defaults are the
     official code's (leaves z-scored within the tree, softmax-of-entropy backup, ``A_n = V_n``).
     """
 
@@ -122,7 +123,7 @@ class Learner:
     """A rollout strategy, a credit assignment and a policy loss, with their hyper-parameters.
 
     Args:
-        strategy: Where the trees of a prompt branch (an :class:`agents.strategies.Strategy`).
+        strategy: Where the trees of a prompt branch (an :class:`agents.rollout.strategies.Strategy`).
         credit: ``credit(trees) -> paths`` over the finished trees of one prompt (:data:`Credit`).
         loss: A loss name (``ppo_clip``, ``gspo``, ``atpo``, ``aepo``) or a callable
             ``f(logprobs, old_logprobs, advantages, mask, **hyper) -> (loss, metrics)``.
@@ -140,7 +141,7 @@ class Learner:
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, Strategy):
-            raise TypeError(f"{type(self).__name__}.strategy must be an agents.strategies.Strategy, "
+            raise TypeError(f"{type(self).__name__}.strategy must be an agents.rollout.strategies.Strategy, "
                             f"got {type(self.strategy).__name__}")
         if not callable(self.credit):
             raise TypeError(f"{type(self).__name__}.credit must be a callable credit(trees) -> paths, "
@@ -182,12 +183,12 @@ class Learner:
         """The training paths of one prompt's finished trees, with advantages from ``credit``."""
         paths = self.credit(trees)
         if not isinstance(paths, list) or not all(isinstance(path, TrainingPath) for path in paths):
-            raise TypeError(f"credit {self.credit!r} must return a list of agents.tree.TrainingPath "
+            raise TypeError(f"credit {self.credit!r} must return a list of agents.rollout.tree.TrainingPath "
                             "(tree.paths(...) after filling the advantages)")
         return paths
 
     def trainer_config(self, **fields: Any) -> TrainerConfig:
-        """A :class:`~agents.trainer.TrainerConfig` with this learner's loss and KL, plus ``fields``."""
+        """A :class:`~agents.training.trainer_config.TrainerConfig` with this learner's loss and KL, plus ``fields``."""
         for own in ("loss", "loss_kwargs", "kl_coef"):
             if own in fields:
                 raise ValueError(f"{own} belongs to the learner; set it with learner.replace({own}=...)")
@@ -245,13 +246,13 @@ class GRPO(Learner):
     """GRPO (Shao et al. 2024, DeepSeekMath): 16 independent chains, group z-scores, PPO clip and KL.
 
     Chain n=16; ``ppo_clip_loss`` ε 0.2, dual clip 3, token-mean; KL (k3) to the initial
-    policy with coefficient 0.001 (``ALGORITHMS.md``).
+    policy with coefficient 0.001 (docs/algorithms.md eq. 50).
     """
 
     strategy: Strategy = Chain()
     credit: Credit = GRPOCredit()
     loss: str | LossFn = "ppo_clip"
-    kl_coef: float = 0.001  # DeepSeekMath's β; ALGORITHMS.md
+    kl_coef: float = 0.001  # DeepSeekMath's β; docs/algorithms.md "KL penalty (k3)"
     name: str = "grpo"
 
 
@@ -260,7 +261,7 @@ class TreeGRPO(Learner):
     """Tree-GRPO (Ji et al. 2025, arXiv 2509.21240): random tree expansion, intra- plus inter-tree advantages.
 
     RandomTree M=2, N=2, L=1, K=3 (6 leaves per prompt); ``ppo_clip_loss`` with its defaults; no
-    KL (``ALGORITHMS.md`` names a KL term for GRPO only).
+    KL (docs/algorithms.md "KL penalty (k3)": a KL term for GRPO only).
     """
 
     strategy: Strategy = RandomTree()
@@ -275,7 +276,7 @@ class ARPO(Learner):
     """ARPO (Dong et al. 2025, arXiv 2507.19849): entropy-adaptive branching after tool results.
 
     EntropyBranching n=16, N=8; GRPO advantages; ``ppo_clip_loss`` with its defaults; no KL
-    (``ALGORITHMS.md`` names a KL term for GRPO only).
+    (docs/algorithms.md "KL penalty (k3)": a KL term for GRPO only).
     """
 
     strategy: Strategy = EntropyBranching()

@@ -6,9 +6,9 @@ One step (read :func:`train` top to bottom):
    (:class:`TaskOrder`: a seeded permutation of the tasks after the held-out ones, renewed
    every epoch);
 2. their rollout trees under the learner's strategy, all prompts concurrently on the engine
-   (:func:`agents.strategies.rollout_trees`), seeded from the run's seed and the step;
+   (:func:`agents.rollout.strategies.rollout_trees`), seeded from the run's seed and the step;
 3. credit assignment per prompt (the learner's ``credit``) into training paths;
-4. :meth:`agents.trainer.Trainer.step`: old log-probs, the loss's mini-batch updates, weight
+4. :meth:`agents.training.trainer.Trainer.step`: old log-probs, the loss's mini-batch updates, weight
    sync to the engine, metrics (with the rollout's numbers) to ``metrics.jsonl`` and TensorBoard;
 5. every ``checkpoint_every`` steps and after the last, a checkpoint holding the task order's
    position; every ``eval_every`` steps, before the first (``eval_before``) and after the last,
@@ -43,16 +43,17 @@ import numpy as np
 
 import agentenv
 from agentenv.wrappers import TokenEnv
-from agents.checkpoint import latest_checkpoint
+from agents.training.checkpoint import latest_checkpoint
 from agents.config import RESUMABLE, RunParts, TrainConfig, build, effective_config
-from agents.diagnostics import rollout_metrics
+from agents.rollout.diagnostics import rollout_metrics
 from agents.engines.base import Engine
 from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, greedy_rollout
 from agents.learners import Learner
 from agents.rollout import Episode
-from agents.strategies import PromptTrees, TreeConfig, rollout_trees
-from agents.trainer import Trainer
-from agents.tree import TrainingPath
+from agents.rollout.strategies import PromptTrees
+from agents.rollout.tree_loop import TreeConfig, rollout_trees
+from agents.training.trainer import Trainer
+from agents.rollout.tree import TrainingPath
 
 __all__ = ["CONFIG_FILE", "TaskOrder", "TrainResult", "rollout_seed", "saved_config", "train"]
 
@@ -306,7 +307,7 @@ def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path
 
 def _make_engine(config: TrainConfig, parts: RunParts, trainer: Trainer) -> Engine:
     """The engine: an HFEngine on the trainer's own model object, or vLLM synced after every step."""
-    concurrency = parts.tree.concurrency
+    concurrency = parts.tree.rollout.concurrency
     if config.engine == "hf":
         from agents.engines.hf import HFEngine
 
@@ -314,7 +315,7 @@ def _make_engine(config: TrainConfig, parts: RunParts, trainer: Trainer) -> Engi
     from agents.engines.vllm import VLLMEngine
 
     return VLLMEngine(config.model, max_num_seqs=concurrency, seed=config.seed,
-                      max_model_len=parts.tree.max_prompt_tokens + parts.tree.max_response_tokens)
+                      max_model_len=parts.tree.rollout.max_prompt_tokens + parts.tree.rollout.max_response_tokens)
 
 
 def _errors(prompt: PromptTrees) -> list[str]:

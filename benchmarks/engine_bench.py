@@ -21,6 +21,7 @@ import torch
 
 from agents.engines import Completion, Engine, HFEngine, SamplingParams
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
+from agents.training.scoring import score_tokens
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -67,8 +68,8 @@ def logprob_mismatch(model, batch, completions: list[Completion]) -> float:
     worst = 0.0
     with torch.no_grad():
         for (prompt, _), completion in zip(batch, completions):
-            logits = model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
-            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+            ids = torch.tensor([prompt + completion.token_ids])
+            expected = score_tokens(model(ids).logits, ids)[0][0, len(prompt) - 1 :]  # the completion's tokens
             worst = max(worst, (expected - torch.tensor(completion.logprobs)).abs().max().item())
     return worst
 

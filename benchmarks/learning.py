@@ -70,7 +70,7 @@ async def score_initial_policy(config: TrainConfig) -> HeldOut:
     from agents.engines.hf import HFEngine
 
     tree = build(config).tree
-    engine = HFEngine(config.model, max_batch_size=tree.concurrency, seed=config.seed)
+    engine = HFEngine(config.model, max_batch_size=tree.rollout.concurrency, seed=config.seed)
     try:
         return await evaluate_heldout(engine, engine.tokenizer, config.env, questions=config.eval_questions,
                                       rollout=greedy_rollout(tree), step=0, env_kwargs=config.env_kwargs,
@@ -136,8 +136,8 @@ def trl_job(config: TrainConfig, steps: int) -> dict[str, Any]:
         "num_generations": leaves,
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": config.prompts_per_step * leaves // micro,
-        "max_completion_length": parts.tree.max_response_tokens,
-        "temperature": parts.tree.sampling.temperature,
+        "max_completion_length": parts.tree.rollout.max_response_tokens,
+        "temperature": parts.tree.rollout.sampling.temperature,
         "learning_rate": parts.trainer.lr,
         "beta": 0.001,  # GRPO's KL coefficient, as in our GRPO
         "epsilon": 0.2,

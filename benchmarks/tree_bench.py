@@ -37,10 +37,10 @@ from typing import Any
 
 import agentenv
 from agentenv import TokenEnv
-from agents.diagnostics import rollout_metrics
+from agents.rollout.diagnostics import rollout_metrics
 from agents.engines import HFEngine, SamplingParams
 from agents.models import DEFAULT_MODEL
-from agents.rollout import Episode
+from agents.rollout import Episode, RolloutConfig
 from agents.strategies import (
     Chain,
     EntropyBalancedBranching,
@@ -101,8 +101,9 @@ async def run(prompts: int, max_new_tokens: int, max_response_tokens: int, envs:
               strategies: list[str], json_path: str | None = None) -> dict[str, Any]:
     """Measure every (env, strategy) pair; prints each row as it is done (and rewrites ``json_path``)."""
     engine = HFEngine(DEFAULT_MODEL, max_batch_size=32, seed=0)
-    config = TreeConfig(sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), seed=0,
-                        max_response_tokens=max_response_tokens)
+    turns = RolloutConfig(sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
+                          max_response_tokens=max_response_tokens)
+    config = TreeConfig(rollout=turns, seed=0)
     results: dict[str, Any] = {
         "config": {"model": DEFAULT_MODEL, "prompts": prompts, "max_new_tokens": max_new_tokens,
                    "max_response_tokens": max_response_tokens, "temperature": 1.0, "seed": 0,

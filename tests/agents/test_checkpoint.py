@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, get_scheduler
 
-from agents.checkpoint import (
+from agents.training.checkpoint import (
     checkpoint_name,
     get_rng_state,
     latest_checkpoint,

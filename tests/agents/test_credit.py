@@ -1,4 +1,4 @@
-"""Credit assignment against the formulas of ALGORITHMS.md, with exact numbers."""
+"""Credit assignment against the formulas of docs/algorithms.md (eqs. 19–31), with exact numbers."""
 
 import itertools
 import math
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from agents.credit import (
+from agents.training.credit import (
     ADVANTAGES,
     BACKUPS,
     grpo_advantages,
@@ -15,7 +15,7 @@ from agents.credit import (
     tree_grpo_credit,
     turnwise_credit,
 )
-from agents.tree import RolloutTree
+from agents.rollout.tree import RolloutTree
 
 EPS = 1e-6
 
@@ -101,7 +101,7 @@ def test_tree_grpo_credit_fills_leaves_of_each_tree():
 # ---- AT²PO turn-wise credit --------------------------------------------------------------------
 
 def worked_example():
-    """ALGORITHMS.md: root -> a, b; a -> a1 (r̂ = +1, H = 0.4), a2 (r̂ = -1, H = 0.6); b -> b1 (0)."""
+    """docs/algorithms.md "Turn-wise worked example", extended: root -> a, b; a -> a1 (r̂ = +1, H = 0.4), a2 (r̂ = -1, H = 0.6); b -> b1 (0)."""
     tree = RolloutTree([1, 2])
     a = turn(tree, tree.root, 0.3, tokens=2)
     b = turn(tree, tree.root, 0.2)

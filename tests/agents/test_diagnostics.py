@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from agents.diagnostics import SEGMENT_ENTROPY, rollout_metrics, tree_metrics
-from agents.metrics import GENERATED_TOKENS, ROLLOUT_TIME
-from agents.strategies import BranchEvent, PromptTrees, TreeStats
-from agents.tree import RolloutTree
+from agents.rollout.diagnostics import SEGMENT_ENTROPY, rollout_metrics, tree_metrics
+from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME
+from agents.rollout.strategies import BranchEvent, PromptTrees, TreeStats
+from agents.rollout.tree import RolloutTree
 
 
 def worked_tree() -> RolloutTree:

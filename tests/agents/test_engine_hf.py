@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from agents.engines import HFEngine, SamplingParams
-from agents.engines.hf import (CPU_GQA_ATTENTION, GROWTH, PrefixCache, SlotCache, WeightFirstLinear,
-                               sample_next_tokens)
+from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear
+from agents.engines.kv_cache import GROWTH, PrefixCache, SlotCache
+from agents.engines.sampling import sample_next_tokens
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])

@@ -243,6 +243,10 @@ def test_sampler_logprob_gap_compares_action_tokens_and_counts_nan_as_infinite()
     exact = [None, fresh[0, 2].item(), fresh[1, 0].item()]
     off = [None, exact[1] + 0.25, exact[2]]
     broken = [None, exact[1], math.nan]
-    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=exact)]) == (0.0, 2)
+    gap, count = sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=exact)])
+    assert count == 2 and gap < 1e-6  # log Z subtracted rather than log_softmax: one float32 ulp at most
+    # At temperature 2 the same logits give other log-probs: the gap is against the scaled distribution.
+    halved = [None, torch.log_softmax(logits[0] / 2, -1)[0, 2].item(), torch.log_softmax(logits[0] / 2, -1)[1, 0].item()]
+    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=halved)], temperature=2.0)[0] < 1e-6
     assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=off)])[0] == pytest.approx(0.25)
     assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=broken)])[0] == math.inf

@@ -12,7 +12,7 @@ import pytest
 
 from agentenv import TokenEnv, ToolEnv
 from agentenv.datasets import Example
-from agents.credit import grpo_advantages, tree_grpo_advantages
+from agents.training.credit import grpo_advantages, tree_grpo_advantages
 from agents.engines.scripted import ScriptedEngine, ScriptedTurn
 from agents.learners import (
     AEPO,
@@ -26,7 +26,7 @@ from agents.learners import (
     TreeGRPOCredit,
     TurnwiseCredit,
 )
-from agents.losses import ppo_clip_loss
+from agents.training.losses import ppo_clip_loss
 from agents.rollout import Episode
 from agents.strategies import (
     Chain,
@@ -37,7 +37,7 @@ from agents.strategies import (
     TreeConfig,
     rollout_trees,
 )
-from agents.tree import RolloutTree, TrainingPath
+from agents.rollout.tree import RolloutTree, TrainingPath
 
 
 class ByteTokenizer:
@@ -122,7 +122,7 @@ def test_configure_sets_fields_by_name_and_names_the_fields_of_a_part_that_lacks
 
 
 def test_learner_parts_are_checked():
-    with pytest.raises(TypeError, match="strategy must be an agents.strategies.Strategy"):
+    with pytest.raises(TypeError, match="strategy must be an agents.rollout.strategies.Strategy"):
         Learner(strategy="tree", credit=GRPOCredit())
     with pytest.raises(TypeError, match="credit must be a callable"):
         Learner(strategy=Chain(2), credit=3)
@@ -134,9 +134,9 @@ def test_learner_parts_are_checked():
 
 def test_describe_is_json_ready_and_names_every_part():
     described = json.loads(json.dumps(AT2PO(loss=ppo_clip_loss).describe()))
-    assert described["strategy"] == {"class": "agents.strategies.entropy_tree.EntropyTree", "M": 10, "L": 2, "K": 6,
+    assert described["strategy"] == {"class": "agents.rollout.strategies.entropy_tree.EntropyTree", "M": 10, "L": 2, "K": 6,
                                      "alpha": 0.05, "root_candidate": True}
-    assert described["loss"] == "agents.losses.ppo_clip_loss"
+    assert described["loss"] == "agents.training.losses.ppo_clip_loss"
     assert Learner(Chain(2), credit=lambda trees: []).describe()["credit"]["function"].endswith("<lambda>")
 
 
@@ -144,7 +144,7 @@ def test_describe_is_json_ready_and_names_every_part():
 
 
 def worked_example() -> RolloutTree:
-    """ALGORITHMS.md's worked example: first turn a with leaves a1 (H = 0.4) and a2 (H = 0.6)."""
+    """docs/algorithms.md "Turn-wise worked example": first turn a with leaves a1 (H = 0.4) and a2 (H = 0.6)."""
     tree = RolloutTree([1, 2])
     a = tree.add_turn(tree.root, action_ids=[3, 4], logprobs=[-0.1, -0.3])
     tree.add_turn(a, obs_ids=[5], action_ids=[6], logprobs=[-0.4], terminal=True, reward=1.0)
@@ -178,7 +178,7 @@ def test_grpo_and_tree_grpo_credit_broadcast_the_leaf_advantage_over_the_path():
 
 def test_assign_credit_refuses_a_credit_that_returns_no_paths():
     learner = GRPO(credit=lambda trees: {"advantages": [1.0]})
-    with pytest.raises(TypeError, match="must return a list of agents.tree.TrainingPath"):
+    with pytest.raises(TypeError, match="must return a list of agents.rollout.tree.TrainingPath"):
         learner.assign_credit([worked_example()])
 
 

@@ -1,11 +1,11 @@
-"""Losses: values, gradients and metrics against hand-derived cases (ALGORITHMS.md)."""
+"""Losses: values, gradients and metrics against hand-derived cases (docs/algorithms.md "Losses")."""
 
 import math
 
 import pytest
 import torch
 
-from agents.losses import (
+from agents.training.losses import (
     aepo_loss,
     aggregate,
     atpo_loss,

@@ -6,7 +6,7 @@ import math
 import pytest
 from PIL import Image
 
-from agents.metrics import MetricsLog, plot_curves, read_jsonl
+from agents.training.metrics import MetricsLog, plot_curves, read_jsonl
 
 
 def test_records_go_to_jsonl_and_tensorboard(tmp_path):

@@ -25,7 +25,7 @@ from agents.rollout import (
     run_episodes,
     stream_episodes,
 )
-from agents.tree import RolloutTree
+from agents.rollout.tree import RolloutTree
 
 EOS = 2
 OFFSET = 10  # byte b has id b + OFFSET
@@ -306,7 +306,7 @@ async def test_seeded_sampling_gives_each_episode_and_turn_its_own_reproducible_
 
 async def test_states_at_turn_boundaries_fork_the_episode_where_each_action_was_sampled():
     env = make_env()
-    trajectory = await run_episode(ScriptEngine(), Episode(env, options={"index": 5}), RolloutConfig())
+    trajectory = await run_episode(ScriptEngine(), Episode(env, options={"index": 5}), RolloutConfig(keep_states=True))
     first, second = trajectory.turns
     assert first.state.sequence()[0] == trajectory.prompt_ids
     assert second.state.sequence()[0] == trajectory.ids[: second.action_span[0]]
@@ -316,8 +316,8 @@ async def test_states_at_turn_boundaries_fork_the_episode_where_each_action_was_
     assert (reward, terminated, info["grade"]["em"]) == (0.0, True, 0.0)
     assert env.sequence()[0] == trajectory.ids and env.env.state.reward == 1.0
 
-    bare = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 5}), RolloutConfig(keep_states=False))
-    assert [t.state for t in bare.turns] == [None, None]
+    bare = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 5}), RolloutConfig())
+    assert [t.state for t in bare.turns] == [None, None]  # off by default: a fork may hold a sandbox
     trajectory.close_states()
     assert [t.state for t in trajectory.turns] == [None, None]
 
@@ -347,7 +347,8 @@ async def test_to_dict_is_one_json_line_with_ids_mask_logprobs_reward_and_text()
 
 
 async def test_a_trajectory_becomes_a_chain_of_a_rollout_tree_with_the_same_training_ids():
-    trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 0}))
+    trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 0}),
+                                   RolloutConfig(keep_states=True))
     tree = RolloutTree(trajectory.prompt_ids)
     leaf = trajectory.add_to(tree)
     assert leaf.terminal and leaf.reward == 1.0 and leaf.depth == 2
@@ -416,7 +417,8 @@ def test_the_papers_token_limits_are_the_defaults():
 async def test_take_turn_resumes_an_episode_from_a_kept_state_without_touching_the_original():
     from agents.rollout import take_turn
 
-    trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 2}))
+    trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 2}),
+                                   RolloutConfig(keep_states=True))
     second = trajectory.turns[1]
     context = second.state.sequence()[0]
     assert context == trajectory.ids[: second.action_span[0]]

@@ -14,7 +14,7 @@ import agentenv
 from agentenv import TokenEnv, ToolEnv
 from agentenv.datasets import Example
 from agents.engines.scripted import ScriptedEngine, ScriptedTurn
-from agents.rollout import Episode, TurnRecord
+from agents.rollout import Episode, RolloutConfig, TurnRecord
 from agents.strategies import (
     SEGMENT_ENTROPY,
     Branch,
@@ -34,7 +34,7 @@ from agents.strategies import (
     segment_entropy,
 )
 from agents.engines.base import SamplingParams
-from agents.tree import RolloutTree
+from agents.rollout.tree import RolloutTree
 
 EOS = 2
 
@@ -286,7 +286,7 @@ class Draws:
 def hand_group(*draws, started=0):
     tree = RolloutTree([1, 2, 3])
     group = PromptTrees(index=0, key=None, trees=[tree], rng=Draws(*draws), started=started)
-    group.state["vocab_size"] = 4
+    group.notes["vocab_size"] = 4
     return group
 
 
@@ -427,8 +427,8 @@ async def test_aepo_pre_monitoring_sets_the_global_chains():
     [prompt] = await rollout_trees(engine, episodes(), strategy, TreeConfig(seed=0))
 
     m = math.floor(8 / (1 + math.exp(-0.5 * 3.5))) + 1  # ⌊8·σ(1.75)⌋ + 1 = 7
-    assert prompt.state["h_root_topk"] == pytest.approx(3.5) and prompt.state["h_tool_topk"] == 0.0
-    assert prompt.state["global_samples"] == m == 7
+    assert prompt.notes["h_root_topk"] == pytest.approx(3.5) and prompt.notes["h_tool_topk"] == 0.0
+    assert prompt.notes["global_samples"] == m == 7
     assert engine.calls[0][1].max_new_tokens == 50  # the question-only sample
     assert prompt.premonitor_tokens == 7 + 18 + 29  # the sample and the discarded probe episode
     assert prompt.tokens == prompt.stats[0].tokens + prompt.premonitor_tokens
@@ -481,14 +481,18 @@ async def test_a_failing_turn_abandons_its_branch_only():
 
 
 async def test_a_prompt_that_cannot_start_is_recorded():
-    config = TreeConfig(max_prompt_tokens=5)
+    config = TreeConfig(rollout=RolloutConfig(max_prompt_tokens=5))
     [prompt] = await rollout_trees(engine_for(lookups_then_answer()), episodes(), Chain(2), config)
     assert prompt.error.startswith("ValueError: the prompt has") and prompt.leaves == []
 
 
 def test_bad_configuration_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="TreeConfig.seed"):
-        TreeConfig(sampling=SamplingParams(seed=1))
+        TreeConfig(rollout=RolloutConfig(sampling=SamplingParams(seed=1)))
+    with pytest.raises(ValueError, match="TreeConfig.turn_timeout"):
+        TreeConfig(rollout=RolloutConfig(episode_timeout=5.0))
+    with pytest.raises(TypeError, match="agents.rollout.RolloutConfig"):
+        TreeConfig(rollout=SamplingParams())
     with pytest.raises(ValueError, match="Budget.tokens"):
         Budget(tokens=0)
     with pytest.raises(ValueError, match="EntropyTree.K"):
@@ -500,7 +504,7 @@ def test_bad_configuration_is_refused_with_the_reason():
 
 
 async def test_keep_states_keeps_each_turn_s_starting_state():
-    config = TreeConfig(seed=0, keep_states=True)
+    config = TreeConfig(rollout=RolloutConfig(keep_states=True), seed=0)
     [prompt] = await rollout_trees(engine_for(lookups_then_answer()), episodes(), Chain(2), config)
     for node in prompt.trees[0].nodes():
         ids, _ = node.env.sequence()

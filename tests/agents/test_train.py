@@ -16,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import agentenv
 from agents.config import TrainConfig, merge
 from agents.learners import AEPO, Learner
-from agents.metrics import read_jsonl
-from agents.strategies import Chain
+from agents.training.metrics import read_jsonl
+from agents.rollout.strategies import Chain
 from agents.train import TaskOrder, rollout_seed, train
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

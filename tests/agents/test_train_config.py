@@ -16,8 +16,8 @@ from agents.config import (
     resolve,
 )
 from agents.learners import AT2PO, GRPOCredit, Learner
-from agents.losses import gspo_loss
-from agents.strategies import Budget, Chain, EntropyTree
+from agents.training.losses import gspo_loss
+from agents.rollout.strategies import Budget, Chain, EntropyTree
 
 
 def config_with(*layers) -> TrainConfig:
@@ -32,8 +32,8 @@ def test_the_defaults_are_the_papers_budgets():
     assert parts.learner.strategy == EntropyTree(M=10, L=2, K=6, alpha=0.05)
     assert (parts.trainer.lr, parts.trainer.weight_decay, parts.trainer.max_grad_norm) == (1e-6, 0.01, 1.0)
     assert (parts.trainer.mini_batches, parts.trainer.loss, parts.trainer.total_steps) == (8, "atpo", 100)
-    assert (parts.tree.max_prompt_tokens, parts.tree.max_response_tokens) == (2000, 6192)
-    assert parts.tree.sampling.temperature == 1.0 and parts.tree.seed is None
+    assert (parts.tree.rollout.max_prompt_tokens, parts.tree.rollout.max_response_tokens) == (2000, 6192)
+    assert parts.tree.rollout.sampling.temperature == 1.0 and parts.tree.seed is None
     assert TrainConfig().prompts_per_step == 64
 
 
@@ -42,8 +42,8 @@ def test_presets_layer_over_the_defaults_per_algorithm():
     parts = build(demo)
     assert parts.learner.strategy == Chain(6) and parts.learner.kl_coef == 0.001
     assert (demo.steps, demo.prompts_per_step, demo.budget_reward) == (3, 2, -1.0)
-    assert (parts.trainer.lr, parts.trainer.mini_batches, parts.tree.max_response_tokens) == (5e-5, 1, 256)
-    assert parts.trainer.old_logprobs == "sampler" and parts.tree.sampling.temperature == 0.6
+    assert (parts.trainer.lr, parts.trainer.mini_batches, parts.tree.rollout.max_response_tokens) == (5e-5, 1, 256)
+    assert parts.trainer.old_logprobs == "sampler" and parts.tree.rollout.sampling.temperature == 0.6
     assert demo.env_kwargs == {"reward": "at2po", "max_tool_calls": 2, "topk": 1, "result_chars": 300,
                                "example": True, "require_boxed": False}
     strategies = {algo: build(config_with(preset("cpu-demo", algo), {"algo": algo})).learner.strategy
@@ -68,7 +68,7 @@ def test_overrides_reach_every_part_by_name():
     assert parts.learner.strategy.K == 3 and parts.learner.credit.backup == "leaf_mean"
     assert parts.learner.loss_kwargs == {"eps_high": 0.01}
     assert (parts.trainer.kl_coef, parts.trainer.entropy_coef, parts.trainer.lr) == (0.002, 1e-3, 1e-5)
-    assert parts.tree.sampling.max_new_tokens == 64 and parts.tree.budget == Budget(tokens=4000)
+    assert parts.tree.rollout.sampling.max_new_tokens == 64 and parts.tree.budget == Budget(tokens=4000)
     assert (parts.tree.turn_timeout, config.env_kwargs, parts.trainer.total_steps) == (30, {"reward": "f1"}, 7)
 
 

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from agents.cli import main
-from agents.metrics import read_jsonl
+from agents.training.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 

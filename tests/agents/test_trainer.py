@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agents.losses import aepo_loss
-from agents.tree import RolloutTree, TrainingPath, collate
-from agents.trainer import Trainer, TrainerConfig
+from agents.training.losses import aepo_loss
+from agents.rollout.tree import RolloutTree, TrainingPath
+from agents.training.batch import collate
+from agents.training.trainer import Trainer, TrainerConfig
 
 VOCAB = 50
 

@@ -10,8 +10,8 @@ import torch
 from agents.engines.base import SamplingParams
 from agents.engines.hf import HFEngine
 from agents.models import load_model, load_tokenizer
-from agents.tree import RolloutTree
-from agents.trainer import Trainer, TrainerConfig
+from agents.rollout.tree import RolloutTree
+from agents.training.trainer import Trainer, TrainerConfig
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from agents.tree import FORMAT, RolloutTree, collate
+from agents.rollout.tree import FORMAT, RolloutTree
+from agents.training.batch import collate
 
 
 def small_tree() -> RolloutTree:

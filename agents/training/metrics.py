@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agents.rollout.diagnostics import GENERATED_TOKENS, ROLLOUT_TIME
+
 __all__ = [
     "GENERATED_TOKENS",
     "PLOT_PANELS",
@@ -39,10 +41,6 @@ __all__ = [
     "read_jsonl",
 ]
 
-#: Seconds the caller spent sampling the batch (engine and environments).
-ROLLOUT_TIME = "time/rollout_s"
-#: Number of tokens the caller's engine generated for the batch.
-GENERATED_TOKENS = "tokens/generated"
 
 #: The panels of :func:`plot_curves`: a title and the metrics drawn in it. ``reward/mean`` is
 #: drawn with a ±``reward/std`` band.

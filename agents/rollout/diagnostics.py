@@ -1,7 +1,7 @@
 """Diagnostics of rollout trees: what a strategy's branching produced and what it cost.
 
 :func:`tree_metrics` describes one tree as a flat ``{name: float}`` dict (the loop stores one per
-tree in :attr:`agents.strategies.PromptTrees.metrics`); :func:`rollout_metrics` sums a batch up
+tree in :attr:`agents.rollout.strategies.PromptTrees.metrics`); :func:`rollout_metrics` sums a batch up
 under ``tree/…`` names, plus ``tokens/generated`` and ``time/rollout_s``, ready to pass to the
 trainer with its step (``trainer.step(paths, rollout_metrics(results, seconds))``).
 
@@ -18,13 +18,13 @@ Per tree:
 - ``high_entropy_frac``: of the branches a node caused, the fraction whose node's H(n) was above
   the median H(n) of the turns open at that moment (random branching scores about 0.5);
 - ``node_entropy_mean``: mean H(n) over the tree's turns (H(n) = mean negative sampler
-  log-prob of the turn's action, the Monte-Carlo estimate of ALGORITHMS.md);
+  log-prob of the turn's action, the Monte-Carlo estimate of docs/algorithms.md eq. 1);
   ``segment_entropy_topk_mean``: mean of ARPO's and AEPO's segment entropy over the turns that
   have one (``node.info["segment_entropy_topk"]``: top-k log-probs of the first tokens over ln|V|);
 - ``reward_mean``, ``reward_std`` (population), ``reward_min``, ``reward_max``,
   ``reward_spread`` (max − min) of the leaves;
 - ``context_tokens``: context tokens the engine read to sample the tree's turns (see
-  :class:`agents.strategies.TreeStats`);
+  :class:`agents.rollout.strategies.TreeStats`);
 - ``tool_calls``, ``forks``, ``fork_s`` (seconds spent forking environments), ``errors``.
 """
 
@@ -36,17 +36,19 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from agents.metrics import GENERATED_TOKENS, ROLLOUT_TIME
-from agents.tree import RolloutTree
+from agents.rollout.strategies.entropy_branching import SEGMENT_ENTROPY
+from agents.rollout.tree import RolloutTree
 
 if TYPE_CHECKING:
-    from agents.strategies.base import BranchEvent, PromptTrees, TreeStats
+    from agents.rollout.strategies.base import BranchEvent, PromptTrees, TreeStats
 
-__all__ = ["SEGMENT_ENTROPY", "rollout_metrics", "tree_metrics"]
+__all__ = ["GENERATED_TOKENS", "ROLLOUT_TIME", "rollout_metrics", "tree_metrics"]
 
-#: Where ARPO and AEPO write a turn's segment entropy: ``node.info[SEGMENT_ENTROPY]``. The name
-#: says which estimate it is: top-k log-probs of the segment's first tokens, normalised by ln|V|.
-SEGMENT_ENTROPY = "segment_entropy_topk"
+#: Seconds the caller spent sampling the batch (engine and environments); the trainer's metrics
+#: (:mod:`agents.training.metrics`) take it from the rollout record.
+ROLLOUT_TIME = "time/rollout_s"
+#: Number of tokens the engine generated for the batch.
+GENERATED_TOKENS = "tokens/generated"
 
 
 def tree_metrics(tree: RolloutTree, stats: TreeStats | None = None,

@@ -2,7 +2,7 @@
 
 One :meth:`Trainer.step` (read :meth:`Trainer._update` top to bottom):
 
-1. collate the paths (:func:`agents.tree.collate`) into right-padded ``[batch, tokens]`` tensors;
+1. collate the paths (:func:`agents.training.batch.collate`) into right-padded ``[batch, tokens]`` tensors;
 2. old log-probs: recompute them with the current policy before any update (verl's
    ``compute_log_prob``; the default), or take the sampler's. Either way the sampler's
    log-probs are compared with the trainer's and the mismatch reported;
@@ -12,7 +12,7 @@ One :meth:`Trainer.step` (read :meth:`Trainer._update` top to bottom):
    the gradient norm, and steps AdamW and the learning-rate schedule;
 5. weight sync to the engine: nothing to copy when it shares the model object (``HFEngine``
    built on ``trainer.model``), ``await engine.update_weights(state_dict)`` otherwise;
-6. metrics (:mod:`agents.metrics`), merged with the caller's rollout numbers, to JSONL and
+6. metrics (:mod:`agents.training.metrics`), merged with the caller's rollout numbers, to JSONL and
    TensorBoard.
 
 Every hyper-parameter is a field of :class:`TrainerConfig` with its default and source.
@@ -32,37 +32,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import inspect
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from agents.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
-from agents.losses import aepo_loss, atpo_loss, gspo_loss, ppo_clip_loss
-from agents.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog, plot_curves
+from agents.training.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
+from agents.training.losses import LOSSES, TRAINER_INPUTS, LossFn
+from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog, plot_curves
 from agents.models import load_model, load_tokenizer
-from agents.tree import PathBatch, TrainingPath, collate
+from agents.rollout.tree import TrainingPath
+from agents.training.batch import PathBatch, collate
+from agents.training.scoring import score_tokens
+from agents.training.trainer_config import TrainerConfig
 
-__all__ = ["LOSSES", "LossFn", "Trainer", "TrainerConfig"]
+__all__ = ["Trainer", "TrainerConfig"]
 
-#: ``f(logprobs, old_logprobs, advantages, mask, **hyper) -> (loss, metrics)``, as in :mod:`agents.losses`.
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-
-#: The losses :class:`TrainerConfig` knows by name.
-LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "atpo": atpo_loss, "aepo": aepo_loss}
-
-# Tensors and coefficients the trainer hands to a loss that names them (never via loss_kwargs).
-_TRAINER_INPUTS = ("entropy", "ref_logprobs", "turn_ids", "kl_coef", "entropy_coef")
-# Metric names the trainer writes (see agents.metrics); the caller's rollout metrics must avoid them.
+# Metric names the trainer writes (see agents.training.metrics); the caller's rollout metrics must avoid them.
 _TRAINER_GROUPS = ("policy/", "mismatch/", "optim/", "batch/", "throughput/")
 _TRAINER_METRICS = frozenset({"reward/mean", "reward/std", "reward/min", "reward/max", "tokens/trained",
                               "tokens/action", "time/old_logprobs_s", "time/update_s", "time/sync_s", "time/step_s"})
@@ -70,98 +63,8 @@ _TRAINER_METRICS = frozenset({"reward/mean", "reward/std", "reward/min", "reward
 _COUNT_METRICS = frozenset({"turns", "clipped_turns", "sequences", "clipped_sequences"})
 
 
-@dataclass
-class TrainerConfig:
-    """Every hyper-parameter of :class:`Trainer`, with its default and where the default comes from."""
-
-    # Optimiser. ALGORITHMS.md, "Optimiser in all papers": AdamW, lr 1e-6 constant, weight
-    # decay 0.01, grad-norm clip 1.0.
-    lr: float = 1e-6
-    weight_decay: float = 0.01  # applied to every parameter, as verl's actor optimiser does
-    adam_betas: tuple[float, float] = (0.9, 0.999)  # torch.optim.AdamW default (verl's too)
-    adam_eps: float = 1e-8  # torch.optim.AdamW default
-    max_grad_norm: float = 1.0
-    lr_schedule: str = "constant"  # a transformers.get_scheduler name; every paper: constant
-    warmup_steps: int = 0  # optimiser updates of linear warm-up; the papers use none
-    # Steps (rollout batches) the run will take: needed by decaying schedules, and sizes the
-    # progress bar. None: unknown.
-    total_steps: int | None = None
-
-    # Batching. One epoch over each rollout batch, split into mini-batches (ALGORITHMS.md;
-    # AT²PO: 64 prompts × 22 leaves with mini-batches of 8 prompts = 8 updates per batch).
-    mini_batches: int = 1  # optimiser updates per epoch; the batch is split in order
-    epochs: int = 1  # passes over each rollout batch (verl ppo_epochs; every paper: 1)
-    micro_batch_size: int = 4  # sequences per forward/backward pass; gradients accumulate
-    packing: bool = False  # pack a micro-batch into one row (position ids restart) instead of padding
-
-    # Loss: a name in LOSSES or a callable with the agents.losses signature, and its
-    # hyper-parameters (each loss documents its own defaults and their sources).
-    loss: str | LossFn = "ppo_clip"
-    loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Train a turn shared by k leaf paths once in total (advantages × TrainingPath.weights)
-    # instead of once per path. ALGORITHMS.md: the AT²PO code trains it once per path (False).
-    dedup_shared_turns: bool = False
-
-    # Old log-probs: "recompute" (verl's actor recomputes them before the update; every paper's
-    # code) or "sampler" (the engine's, skipping that forward pass; the mismatch is then measured
-    # on the first mini-batch, the only one trained before the policy changes).
-    old_logprobs: Literal["recompute", "sampler"] = "recompute"
-    temperature: float = 1.0  # the sampler's temperature: logits are divided by it (verl); papers: 1.0
-
-    # Regularisers. KL (k3) to a reference policy: 0 in AT²PO and AEPO, 0.001 in GRPO
-    # (DeepSeekMath); any value > 0 needs a reference (see Trainer). Entropy bonus: 0 everywhere.
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-
-    # LoRA through peft, for small machines. 0: full fine-tuning (verl's lora_rank default).
-    lora_rank: int = 0
-    lora_alpha: int = 16  # verl default
-    lora_target_modules: str | list[str] = "all-linear"  # verl default
-
-    # Precision. Parameters and optimiser state stay float32; "auto" computes in bfloat16
-    # (autocast) on a GPU and in float32 on a CPU (bfloat16 is inexact and slow on these CPUs).
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    device: str | None = None  # where a model loaded by name goes; None: CUDA if present, else CPU
-
-    # Logging.
-    tensorboard: bool = True  # TensorBoard events besides metrics.jsonl (with out_dir)
-    progress: bool | None = None  # tqdm bars; None: only when writing to a terminal
-
-    def __post_init__(self) -> None:
-        positive = {"lr": self.lr, "max_grad_norm": self.max_grad_norm, "mini_batches": self.mini_batches,
-                    "epochs": self.epochs, "micro_batch_size": self.micro_batch_size,
-                    "temperature": self.temperature}
-        for name, value in positive.items():
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"TrainerConfig.{name} must be a finite number > 0, got {value!r}")
-        non_negative = {"weight_decay": self.weight_decay, "warmup_steps": self.warmup_steps,
-                        "kl_coef": self.kl_coef, "entropy_coef": self.entropy_coef, "lora_rank": self.lora_rank}
-        for name, value in non_negative.items():
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"TrainerConfig.{name} must be a finite number >= 0, got {value!r}")
-        if self.total_steps is not None and self.total_steps < 1:
-            raise ValueError(f"TrainerConfig.total_steps must be >= 1 or None, got {self.total_steps!r}")
-        if self.old_logprobs not in ("recompute", "sampler"):
-            raise ValueError(f"TrainerConfig.old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
-        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"TrainerConfig.compute_dtype must be 'auto', 'float32' or 'bfloat16', "
-                             f"got {self.compute_dtype!r}")
-        if isinstance(self.loss, str) and self.loss not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)} or pass a callable")
-        if not isinstance(self.loss, str) and not callable(self.loss):
-            raise TypeError(f"TrainerConfig.loss must be a name or a callable, got {type(self.loss).__name__}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The configuration as JSON-ready values (a callable loss by its qualified name)."""
-        values = dataclasses.asdict(self)
-        if callable(self.loss):
-            values["loss"] = f"{self.loss.__module__}.{self.loss.__qualname__}"
-        values["adam_betas"] = list(self.adam_betas)
-        return values
-
-
 class Trainer:
-    """Trains a causal LM on :class:`~agents.tree.TrainingPath` batches with a policy-gradient loss.
+    """Trains a causal LM on :class:`~agents.rollout.tree.TrainingPath` batches with a policy-gradient loss.
 
     Args:
         model: a transformers causal LM with float32 parameters (the trainer changes it in
@@ -277,7 +180,7 @@ class Trainer:
             paths: the batch's training paths (or an already collated :class:`PathBatch`),
                 with advantages from credit assignment and the sampler's log-probs.
             rollout_metrics: the caller's numbers for this batch, merged into the record, for
-                instance ``time/rollout_s`` and ``tokens/generated`` (see :mod:`agents.metrics`)
+                instance ``time/rollout_s`` and ``tokens/generated`` (see :mod:`agents.training.metrics`)
                 or ``reward/em``; names must differ from the trainer's own.
         """
         rollout_metrics = _checked_rollout_metrics(rollout_metrics or {})
@@ -397,7 +300,7 @@ class Trainer:
         """Log-probs of every token under the current policy, ``[batch, tokens]`` like the collated batch.
 
         ``[b, t]`` scores token ``t`` of path ``b`` given the tokens before it (the
-        :class:`~agents.tree.PathBatch` convention); 0 at ``t = 0`` and on padding.
+        :class:`~agents.training.batch.PathBatch` convention); 0 at ``t = 0`` and on padding.
         """
         batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
         return self._score(self.model, batch.to(self.device))
@@ -429,14 +332,8 @@ class Trainer:
             inputs = {"input_ids": ids, "attention_mask": attention_mask}
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             logits = model(**inputs, use_cache=False).logits
-        logits = logits[:, :-1].float() / self.config.temperature
-        targets = inputs["input_ids"][:, 1:]
-        log_z = torch.logsumexp(logits, dim=-1)
-        token_logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z  # log softmax(z/T)[token]
-        token_entropy = None
-        if entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                token_entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = log Z − Σ_v p_v z_v
+        token_logprobs, token_entropy = score_tokens(logits, inputs["input_ids"], self.config.temperature,
+                                                     entropy=entropy, entropy_grad=entropy_grad)
         results = []
         for values in (token_logprobs, token_entropy):
             if values is None:
@@ -572,7 +469,7 @@ def _loss_parameters(loss_fn: LossFn, cfg: TrainerConfig, uses_reference: bool) 
     params = {name: p.default for name, p in signature.parameters.items()
               if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
     name = getattr(loss_fn, "__name__", repr(loss_fn))
-    reserved = sorted(set(cfg.loss_kwargs) & set(_TRAINER_INPUTS))
+    reserved = sorted(set(cfg.loss_kwargs) & set(TRAINER_INPUTS))
     if reserved:
         raise ValueError(f"loss_kwargs sets {reserved}, which the trainer supplies; set kl_coef and entropy_coef "
                          "on TrainerConfig, and leave the tensors to the trainer")
@@ -586,7 +483,7 @@ def _loss_parameters(loss_fn: LossFn, cfg: TrainerConfig, uses_reference: bool) 
         raise ValueError(f"loss {name} takes no {', '.join(missing)}, so it cannot apply the configured "
                          "KL penalty or entropy bonus")
     if takes_any:
-        params.update(dict.fromkeys(_TRAINER_INPUTS))
+        params.update(dict.fromkeys(TRAINER_INPUTS))
     return {**params, **cfg.loss_kwargs}
 
 

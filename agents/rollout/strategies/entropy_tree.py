@@ -6,8 +6,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from agents.strategies.base import BranchPoint, PromptTrees, Strategy, fresh_chain, require_positive, resample
-from agents.tree import Node, RolloutTree
+from agents.rollout.strategies.base import BranchPoint, PromptTrees, Strategy, fresh_chain, require_positive, resample
+from agents.rollout.tree import Node, RolloutTree
 
 __all__ = ["EntropyTree"]
 
@@ -54,10 +54,10 @@ class EntropyTree(Strategy):
         return [fresh_chain(group, 0) for _ in range(self.M)]
 
     def next_round(self, group: PromptTrees) -> list[BranchPoint]:
-        done = group.state.get("rounds", 0)
+        done = group.notes.get("rounds", 0)
         if done >= self.L:
             return []
-        group.state["rounds"] = done + 1
+        group.notes["rounds"] = done + 1
         return [fresh_chain(group, 0, kind="branch", source=node) if node.is_root else resample(0, node)
                 for node in self.select(group.trees[0])]
 

@@ -1,8 +1,8 @@
 """The strategy contract: a strategy only decides where the trees of one prompt branch.
 
-The loop (:func:`agents.strategies.rollout_trees`) owns everything else: it resets the env,
+The loop (:func:`agents.rollout.strategies.rollout_trees`) owns everything else: it resets the env,
 runs every live branch one turn at a time on the engine, records each turn as a
-:class:`~agents.tree.Node`, forks environments, enforces budgets and counts what it spent. A
+:class:`~agents.rollout.tree.Node`, forks environments, enforces budgets and counts what it spent. A
 strategy answers four questions, each with a list of :class:`BranchPoint`:
 
 - :meth:`Strategy.start`: which chains to start once the prompt is known;
@@ -22,16 +22,14 @@ import abc
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from agentenv.wrappers import TokenEnv
-from agents.rollout import TurnRecord
-from agents.tree import Node, RolloutTree
-
-if TYPE_CHECKING:
-    from agents.strategies.loop import Probe
+from agents.engines.base import Completion
+from agents.rollout.episodes import Trajectory, TurnRecord
+from agents.rollout.tree import Node, RolloutTree
 
 __all__ = [
     "Branch",
@@ -39,6 +37,7 @@ __all__ = [
     "BranchKind",
     "BranchPoint",
     "Budget",
+    "Probe",
     "PromptTrees",
     "Strategy",
     "TreeStats",
@@ -214,11 +213,11 @@ class PromptTrees:
         started: Branches started so far.
         refused: Branch points refused by ``Budget.leaves``.
         premonitor_tokens: Tokens sampled before the trees (AEPO's pre-monitoring).
-        state: The strategy's own notes about this prompt (e.g. AEPO's entropies and split).
+        notes: The strategy's own notes about this prompt (e.g. AEPO's entropies and split).
         budget_exhausted: Names of the budgets that ran out.
         error: ``"ExceptionType: message"`` when the prompt could not be rolled out at all.
         seconds: Wall time of the whole prompt.
-        metrics: Per-tree diagnostics (:func:`agents.diagnostics.tree_metrics`), filled at the end.
+        metrics: Per-tree diagnostics (:func:`agents.rollout.diagnostics.tree_metrics`), filled at the end.
     """
 
     index: int
@@ -232,7 +231,7 @@ class PromptTrees:
     started: int = 0
     refused: int = 0
     premonitor_tokens: int = 0
-    state: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
     budget_exhausted: list[str] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
@@ -267,11 +266,29 @@ class PromptTrees:
         return statistics.median(entropies) if entropies else None
 
 
+class Probe(Protocol):
+    """Pre-monitoring samples a strategy may draw in :meth:`Strategy.prepare`; none of them enters the trees.
+
+    The loop that runs the strategy implements it; their tokens count in
+    :attr:`PromptTrees.premonitor_tokens` and in the token budget.
+    """
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The engine's vocabulary size, when it tells."""
+
+    async def sample(self, max_new_tokens: int) -> Completion:
+        """One completion of the prompt alone, stopping at the env's stop strings."""
+
+    async def episode(self) -> Trajectory:
+        """One whole episode of the prompt's task on a fork of the env (its tools really run)."""
+
+
 class Strategy(abc.ABC):
     """Decides where the trees of one prompt branch; see the module docstring for the protocol.
 
     A strategy object holds only hyper-parameters: the same object serves every prompt of a
-    batch concurrently, so per-prompt notes go in :attr:`PromptTrees.state` and per-path notes
+    batch concurrently, so per-prompt notes go in :attr:`PromptTrees.notes` and per-path notes
     in :attr:`Branch.notes`. Randomness comes only from :attr:`PromptTrees.rng`.
     """
 

@@ -6,9 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from agents.strategies.base import Branch, PromptTrees, require_positive
-from agents.strategies.entropy_branching import SegmentEntropyBranching, clamp01
-from agents.strategies.loop import Probe
+from agents.rollout.strategies.base import Branch, Probe, PromptTrees, require_positive
+from agents.rollout.strategies.entropy_branching import SegmentEntropyBranching, clamp01
 
 __all__ = ["EntropyBalancedBranching", "global_samples", "penalized_branch_probability"]
 
@@ -46,8 +45,8 @@ class EntropyBalancedBranching(SegmentEntropyBranching):
        branch and refill of the prompt started in earlier steps of this rollout.
 
     Pre-monitoring tokens count in ``PromptTrees.premonitor_tokens``; the entropies and the
-    split are in ``PromptTrees.state`` (``h_root_topk``, ``h_tool_topk``, ``global_samples``).
-    See :class:`~agents.strategies.entropy_branching.SegmentEntropyBranching` for the rest.
+    split are in ``PromptTrees.notes`` (``h_root_topk``, ``h_tool_topk``, ``global_samples``).
+    See :class:`~agents.rollout.strategies.entropy_branching.SegmentEntropyBranching` for the rest.
 
     Args:
         k: Trajectories per prompt (16; 12 in the deep-search scripts).
@@ -80,14 +79,14 @@ class EntropyBalancedBranching(SegmentEntropyBranching):
         episode = await probe.episode()
         entropies = [self.entropy(group, turn.top_logprobs) for turn in episode.turns]
         h_tool = math.fsum(entropies) / len(entropies) if entropies else h_root  # the code's fallback
-        group.state.update(h_root_topk=h_root, h_tool_topk=h_tool, probe_status=episode.status,
+        group.notes.update(h_root_topk=h_root, h_tool_topk=h_tool, probe_status=episode.status,
                            global_samples=global_samples(self.k, h_root, h_tool, self.beta))
 
     def rollouts(self, group: PromptTrees) -> int:
         return self.k
 
     def initial_chains(self, group: PromptTrees) -> int:
-        return group.state["global_samples"]
+        return group.notes["global_samples"]
 
     def probability(self, group: PromptTrees, branch: Branch, delta_h: float) -> float:
         if self.penalty_count == "path":

@@ -1,4 +1,4 @@
-"""Rollout strategies: where the trees of a prompt branch, and the one loop that grows them.
+"""Rollout strategies: where the trees of a prompt branch. The loop that grows them is :mod:`agents.rollout.tree_loop`.
 
 ``rollout_trees(engine, episodes, strategy, TreeConfig(...))`` grows every prompt's trees
 concurrently on one engine; a strategy only decides where to branch:
@@ -10,15 +10,17 @@ concurrently on one engine; a strategy only decides where to branch:
 - :class:`EntropyBalancedBranching` ``(k=16)``: AEPO's pre-monitoring split and consecutive-branch penalty.
 
 Every branch resumes from a fork of the environment at its branch point (``env.fork()``), so
-stateful tools branch correctly. The exact rules are in ``ALGORITHMS.md``; each class says
-where the official code and the papers differ and which one is the default.
+stateful tools branch correctly. Each strategy depends only on the contract in
+:mod:`agents.rollout.strategies.base`; the exact rules are in docs/algorithms.md "Rollout strategies",
+and each class says where the official code and the papers differ and which one is the default.
 """
 
-from agents.strategies.base import (
+from agents.rollout.strategies.base import (
     Branch,
     BranchEvent,
     BranchPoint,
     Budget,
+    Probe,
     PromptTrees,
     Strategy,
     TreeStats,
@@ -27,18 +29,21 @@ from agents.strategies.base import (
     fresh_chain,
     resample,
 )
-from agents.strategies.chain import Chain
-from agents.strategies.entropy_balanced import EntropyBalancedBranching, global_samples, penalized_branch_probability
-from agents.diagnostics import SEGMENT_ENTROPY
-from agents.strategies.entropy_branching import (
+from agents.rollout.strategies.chain import Chain
+from agents.rollout.strategies.entropy_balanced import (
+    EntropyBalancedBranching,
+    global_samples,
+    penalized_branch_probability,
+)
+from agents.rollout.strategies.entropy_branching import (
+    SEGMENT_ENTROPY,
     EntropyBranching,
     SegmentEntropyBranching,
     branch_probability,
     segment_entropy,
 )
-from agents.strategies.entropy_tree import EntropyTree
-from agents.strategies.loop import Probe, TreeConfig, rollout_trees
-from agents.strategies.random_tree import RandomTree
+from agents.rollout.strategies.entropy_tree import EntropyTree
+from agents.rollout.strategies.random_tree import RandomTree
 
 __all__ = [
     "SEGMENT_ENTROPY",
@@ -55,7 +60,6 @@ __all__ = [
     "RandomTree",
     "SegmentEntropyBranching",
     "Strategy",
-    "TreeConfig",
     "TreeStats",
     "branch_probability",
     "continue_after",
@@ -64,6 +68,5 @@ __all__ = [
     "global_samples",
     "penalized_branch_probability",
     "resample",
-    "rollout_trees",
     "segment_entropy",
 ]

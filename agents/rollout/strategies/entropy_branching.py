@@ -1,6 +1,6 @@
 """``EntropyBranching``: ARPO's entropy-adaptive branching (Dong et al. 2025, arXiv 2507.19849).
 
-Also the machinery it shares with AEPO (:mod:`agents.strategies.entropy_balanced`): the segment
+Also the machinery it shares with AEPO (:mod:`agents.rollout.strategies.entropy_balanced`): the segment
 entropy estimated from top-k log-probs, the branching decision after a turn, and refills.
 """
 
@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agents.diagnostics import SEGMENT_ENTROPY
-from agents.rollout import TurnRecord
-from agents.strategies.base import (
+from agents.rollout.episodes import TurnRecord
+from agents.rollout.strategies.base import (
     Branch,
     BranchPoint,
+    Probe,
     PromptTrees,
     Strategy,
     continue_after,
@@ -24,10 +24,13 @@ from agents.strategies.base import (
     require_positive,
     resample,
 )
-from agents.strategies.loop import Probe
-from agents.tree import Node
+from agents.rollout.tree import Node
 
-__all__ = ["EntropyBranching", "SegmentEntropyBranching", "branch_probability", "clamp01", "segment_entropy"]
+__all__ = ["SEGMENT_ENTROPY", "EntropyBranching", "SegmentEntropyBranching", "branch_probability", "clamp01", "segment_entropy"]
+
+#: Where ARPO and AEPO write a turn's segment entropy: ``node.info[SEGMENT_ENTROPY]``. The name
+#: says which estimate it is: top-k log-probs of the segment's first tokens, normalised by ln|V|.
+SEGMENT_ENTROPY = "segment_entropy_topk"
 
 
 def segment_entropy(top_logprobs: Sequence[Sequence[tuple[int, float]]], vocab_size: int, window: int = 20,
@@ -133,14 +136,14 @@ class SegmentEntropyBranching(Strategy):
         if vocab is None:
             raise ValueError(f"{type(self).__name__} normalises entropies by ln|V|: give vocab_size=, or use an "
                              "engine with a vocab_size attribute")
-        group.state["vocab_size"] = vocab
+        group.notes["vocab_size"] = vocab
 
     def entropy(self, group: PromptTrees, top_logprobs: Sequence[Sequence[tuple[int, float]]] | None) -> float:
         """:func:`segment_entropy` of one sample with this strategy's settings."""
         if top_logprobs is None:
             raise ValueError(f"{type(self).__name__} needs the top-{self.topk} log-probs of every token; the engine "
                              "returned none (use an engine that supports SamplingParams.logprobs_topk)")
-        return segment_entropy(top_logprobs, group.state["vocab_size"], self.window, self.reduce)
+        return segment_entropy(top_logprobs, group.notes["vocab_size"], self.window, self.reduce)
 
     def start(self, group: PromptTrees) -> list[BranchPoint]:
         return [fresh_chain(group, 0) for _ in range(min(self.initial_chains(group), self.rollouts(group)))]

@@ -16,7 +16,7 @@ engine this is the largest batch it can form), gives each episode an optional wa
 timeout, and records a failing episode (an exception in the env or the engine, a timeout) with
 its error instead of stopping the others. Cancelling the caller cancels every running episode.
 
-Token budget (the papers' limits, ALGORITHMS.md "Limits"): a prompt longer than
+Token budget (the papers' limits, docs/algorithms.md "Token budgets"): a prompt longer than
 ``max_prompt_tokens`` (2000) is an error; the response, tool results included, is capped at
 ``max_response_tokens`` (6192): each turn may sample at most what is left, an observation that
 would overrun the budget is cut to fit, and the episode ends with status ``"budget"`` as soon as
@@ -45,7 +45,7 @@ from agentenv.wrappers import TokenEnv
 from agents.engines.base import Completion, Engine, SamplingParams
 
 if TYPE_CHECKING:
-    from agents.tree import Node, RolloutTree
+    from agents.rollout.tree import Node, RolloutTree
 
 __all__ = [
     "DEFAULT_MAX_PROMPT_TOKENS",
@@ -88,8 +88,8 @@ class RolloutConfig:
         max_response_tokens: Token budget of everything after the prompt, actions and tool
             results together (6192 in AT²PO and AEPO).
         keep_states: Keep a fork of the env at each turn boundary (:attr:`TurnRecord.state`),
-            so a rollout tree can branch from any turn later. Forks of the shipped envs are
-            O(1); switch off for evaluation, which never branches.
+            so a rollout tree can branch from any turn later. Off by default: a fork of a
+            stateful tool holds resources (a sandbox is a process) until it is closed.
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -97,7 +97,7 @@ class RolloutConfig:
     episode_timeout: float | None = None
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     max_response_tokens: int = DEFAULT_MAX_RESPONSE_TOKENS
-    keep_states: bool = True
+    keep_states: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):

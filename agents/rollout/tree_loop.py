@@ -35,11 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agents.diagnostics import tree_metrics
-from agents.engines.base import Completion, Engine, SamplingParams
-from agents.rollout import (
-    DEFAULT_MAX_PROMPT_TOKENS,
-    DEFAULT_MAX_RESPONSE_TOKENS,
+from agents.rollout.diagnostics import tree_metrics
+from agents.engines.base import Completion, Engine
+from agents.rollout.episodes import (
     Episode,
     EpisodeStatus,
     RolloutConfig,
@@ -48,55 +46,49 @@ from agents.rollout import (
     run_episode,
     take_turn,
 )
-from agents.strategies.base import Branch, BranchEvent, BranchPoint, Budget, PromptTrees, Strategy, TreeStats
-from agents.tree import Node, RolloutTree
+from agents.rollout.strategies.base import Branch, BranchEvent, BranchPoint, Budget, PromptTrees, Strategy, TreeStats
+from agents.rollout.tree import Node, RolloutTree
 from agentenv.wrappers import TokenEnv
 
-__all__ = ["Probe", "TreeConfig", "rollout_trees"]
-
-DEFAULT_CONCURRENCY = 64  # turns in flight across the batch, as agents.rollout's episodes in flight
-
+__all__ = ["TreeConfig", "rollout_trees"]
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """How :func:`rollout_trees` runs.
+    """How :func:`rollout_trees` runs: the turns as in :func:`agents.rollout.run_episodes`, plus a tree's own settings.
 
     Attributes:
-        sampling: Sampling parameters of every turn (``seed`` must stay ``None``: use ``seed``).
-            The env's stop strings are added; the strategy may raise ``logprobs_topk``.
+        rollout: How every turn runs (:class:`~agents.rollout.RolloutConfig`): sampling (its
+            ``seed`` must stay ``None``: set ``seed``; the env's stop strings are added and the
+            strategy may raise ``logprobs_topk``), ``concurrency`` (turns in flight across all
+            prompts), ``max_prompt_tokens``, ``max_response_tokens`` (the token budget of one
+            root-to-leaf path; a path that uses it up ends as a leaf) and ``keep_states`` (keep
+            each node's environment state, ``node.env``, after the rollout to branch again later;
+            off by default: the loop closes them, since they may hold sandboxes). Its
+            ``episode_timeout`` must stay ``None``: a tree times out per turn (``turn_timeout``).
         seed: The rollout seed (see the module docstring); ``None`` samples freshly.
         budget: Caps per prompt on leaves, tool calls and tokens.
-        concurrency: Turns in flight at once across all prompts.
         turn_timeout: Seconds one turn (generation and tool) may take; ``None``: no limit. A
             turn that times out abandons its branch, like any failing turn.
-        max_prompt_tokens: Longest prompt accepted (2000 in AT²PO and AEPO).
-        max_response_tokens: Token budget of one root-to-leaf path, actions and tool results
-            together (6192 in AT²PO and AEPO); a path that uses it up ends as a leaf.
-        keep_states: Keep each node's environment state (``node.env``) after the rollout, to
-            branch again later; by default the loop closes them (they may hold sandboxes).
     """
 
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int | None = None
     budget: Budget = field(default_factory=Budget)
-    concurrency: int = DEFAULT_CONCURRENCY
     turn_timeout: float | None = None
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
-    max_response_tokens: int = DEFAULT_MAX_RESPONSE_TOKENS
-    keep_states: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
-        if self.sampling.seed is not None:
-            raise ValueError("TreeConfig.sampling.seed must be None; set TreeConfig.seed, from which the loop "
-                             "derives one seed per turn")
+        if not isinstance(self.rollout, RolloutConfig):
+            raise TypeError(f"rollout must be an agents.rollout.RolloutConfig, got {type(self.rollout).__name__}")
+        if self.rollout.sampling.seed is not None:
+            raise ValueError("TreeConfig.rollout.sampling.seed must be None; set TreeConfig.seed, from which the "
+                             "loop derives one seed per turn")
+        if self.rollout.episode_timeout is not None:
+            raise ValueError("TreeConfig.rollout.episode_timeout must be None; a tree's branches time out per "
+                             "turn: set TreeConfig.turn_timeout")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if not isinstance(self.budget, Budget):
             raise TypeError(f"budget must be an agents.strategies.Budget, got {type(self.budget).__name__}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency!r}")
         if self.turn_timeout is not None and not self.turn_timeout > 0:
             raise ValueError(f"turn_timeout must be > 0 seconds or None, got {self.turn_timeout!r}")
 
@@ -113,13 +105,13 @@ async def rollout_trees(
 
     Returns:
         One :class:`PromptTrees` per episode, in order, with ``metrics`` filled
-        (:func:`agents.diagnostics.tree_metrics`).
+        (:func:`agents.rollout.diagnostics.tree_metrics`).
     """
     config = config or TreeConfig()
     if not isinstance(engine, Engine):
         raise TypeError(f"engine must be an agents.engines.Engine, got {type(engine).__name__}")
     if not isinstance(strategy, Strategy):
-        raise TypeError(f"strategy must be an agents.strategies.Strategy, got {type(strategy).__name__}")
+        raise TypeError(f"strategy must be an agents.rollout.strategies.Strategy, got {type(strategy).__name__}")
     episodes = list(episodes)
     for position, episode in enumerate(episodes):
         if not isinstance(episode, Episode):
@@ -140,13 +132,12 @@ class _Run:
         self.engine = engine
         self.strategy = strategy
         self.config = config
-        sampling = dataclasses.replace(
-            config.sampling, logprobs_topk=max(config.sampling.logprobs_topk, strategy.logprobs_topk))
-        self.rollout = RolloutConfig(sampling=sampling, concurrency=config.concurrency,
-                                     max_prompt_tokens=config.max_prompt_tokens,
-                                     max_response_tokens=config.max_response_tokens, keep_states=False)
-        self.keeps_states = strategy.keeps_turn_states or config.keep_states
-        self.slots = asyncio.Semaphore(config.concurrency)
+        sampling = config.rollout.sampling
+        sampling = dataclasses.replace(sampling, logprobs_topk=max(sampling.logprobs_topk, strategy.logprobs_topk))
+        # The turns' own config: the loop forks the states it needs itself.
+        self.rollout = dataclasses.replace(config.rollout, sampling=sampling, keep_states=False)
+        self.keeps_states = strategy.keeps_turn_states or config.rollout.keep_states
+        self.slots = asyncio.Semaphore(config.rollout.concurrency)
 
     def seed(self, *key: int) -> int | None:
         """A seed for ``key`` derived from the rollout seed (``None`` without one)."""
@@ -155,11 +146,8 @@ class _Run:
         return int(np.random.SeedSequence(self.config.seed, spawn_key=key).generate_state(1)[0])
 
 
-class Probe:
-    """Pre-monitoring samples for :meth:`Strategy.prepare`; none of them enters the trees.
-
-    Their tokens count in :attr:`PromptTrees.premonitor_tokens` (and in the token budget).
-    """
+class _Probe:
+    """The loop's :class:`~agents.rollout.strategies.Probe`: pre-monitoring samples of one prompt."""
 
     def __init__(self, loop: _PromptLoop) -> None:
         self._loop = loop
@@ -217,12 +205,12 @@ class _PromptLoop:
             options = dict(self.episode.options) if self.episode.options else None
             prompt_ids, group.info = await self.root_env.areset(seed=self.episode.seed, options=options)
             self.prompt_ids = list(prompt_ids)
-            if len(self.prompt_ids) > self.run.config.max_prompt_tokens:
+            if len(self.prompt_ids) > self.run.rollout.max_prompt_tokens:
                 raise ValueError(f"the prompt has {len(self.prompt_ids)} tokens, more than max_prompt_tokens="
-                                 f"{self.run.config.max_prompt_tokens}; raise it or shorten the prompt")
+                                 f"{self.run.rollout.max_prompt_tokens}; raise it or shorten the prompt")
             group.trees = [RolloutTree(self.prompt_ids, env=self.root_env) for _ in range(strategy.trees_per_prompt)]
             group.stats = [TreeStats() for _ in group.trees]
-            await strategy.prepare(group, Probe(self))
+            await strategy.prepare(group, _Probe(self))
             live = self.open(strategy.start(group))
             while True:
                 if not live:
@@ -418,7 +406,7 @@ class _PromptLoop:
 
     def release_states(self) -> None:
         """Close the environment states this loop kept, except on kept nodes when asked to keep them."""
-        keep = self.run.config.keep_states
+        keep = self.run.config.rollout.keep_states
         for node in self.kept:
             if keep and any(_holds(tree, node) for tree in self.group.trees):
                 continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agents.strategies.base import BranchPoint, PromptTrees, Strategy, expand, fresh_chain, require_positive
+from agents.rollout.strategies.base import BranchPoint, PromptTrees, Strategy, expand, fresh_chain, require_positive
 
 __all__ = ["RandomTree"]
 
@@ -44,10 +44,10 @@ class RandomTree(Strategy):
         return [fresh_chain(group, tree) for tree in range(self.M)]
 
     def next_round(self, group: PromptTrees) -> list[BranchPoint]:
-        done = group.state.get("rounds", 0)
+        done = group.notes.get("rounds", 0)
         if done >= self.L:
             return []
-        group.state["rounds"] = done + 1
+        group.notes["rounds"] = done + 1
         points = []
         for index, tree in enumerate(group.trees):
             candidates = [tree.root] + [node for node in tree.nodes() if not node.terminal and node.children]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agents.strategies.base import BranchPoint, PromptTrees, Strategy, fresh_chain, require_positive
+from agents.rollout.strategies.base import BranchPoint, PromptTrees, Strategy, fresh_chain, require_positive
 
 __all__ = ["Chain"]
 

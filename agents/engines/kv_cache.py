@@ -1,0 +1,185 @@
+"""KV caches of HFEngine: the running batch's :class:`SlotCache` and the cross-request :class:`PrefixCache`."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+__all__ = ["GROWTH", "PrefixCache", "SlotCache"]
+
+GROWTH = 256  # spare columns a batch's cache allocates when a row outgrows its room
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer of a :class:`SlotCache`: its room, [row capacity, kv heads, column capacity, head dim] for keys and values."""
+
+    def __init__(self, cache: SlotCache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.room: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step: write each row's new key and value at its own column; return columns [0, width]."""
+        if key_states.shape[-2] != 1:
+            raise ValueError("a SlotCache takes one new position per row and forward pass (prefill with a DynamicCache)")
+        rows, columns, width = self.cache.rows_index, self.cache.lengths, self.cache.width + 1
+        self.room[0][rows, :, columns] = key_states[:, :, 0]
+        self.room[1][rows, :, columns] = value_states[:, :, 0]
+        return self.room[0][: len(rows), :, :width], self.room[1][: len(rows), :, :width]
+
+    def get_seq_length(self) -> int:
+        return self.cache.width
+
+
+class SlotCache(Cache):
+    """The KV cache of a running batch: row r holds its sequence in columns [0, lengths[r]) of every layer.
+
+    transformers batches generation with left padding, so a sequence joining or leaving the batch
+    means re-padding and copying the whole cache; with 32 episodes of ~600 positions in flight
+    those copies took 23% of a concurrent rollout on 2 cores. Here a joining sequence's KV is
+    copied into free room, a leaving row is overwritten by the last row, and a decode step writes
+    each row's new key and value at its own column (its position id, too). Attention reads columns
+    [0, width] (``width`` is the longest row) under a padding mask. Room is added ``GROWTH``
+    columns at a time, rows doubling up to ``max_rows``.
+    """
+
+    def __init__(self, num_layers: int, max_rows: int, device: str | torch.device = "cpu") -> None:
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+        self.max_rows = max_rows
+        self._set_lengths(torch.zeros(0, dtype=torch.long, device=device))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    def add_rows(self, sequences: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Append sequences, each given per layer as (keys, values) of [kv heads, length, head dim]."""
+        lengths = [kv[0][0].shape[1] for kv in sequences]
+        first, rows = self.num_rows, self.num_rows + len(sequences)
+        self._reserve(rows, max(lengths), example=sequences[0][0][0])
+        for row, (kv, length) in enumerate(zip(sequences, lengths), start=first):
+            for layer, (keys, values) in zip(self.layers, kv):
+                layer.room[0][row, :, :length] = keys
+                layer.room[1][row, :, :length] = values
+        self._set_lengths(torch.cat([self.lengths, self.lengths.new_tensor(lengths)]))
+
+    def remove_row(self, row: int) -> None:
+        """Drop ``row``: the last row moves into its place."""
+        last = self.num_rows - 1
+        if row != last:
+            length = int(self.lengths[last])
+            for layer in self.layers:
+                for room in layer.room:
+                    room[row, :, :length] = room[last, :, :length]
+            self.lengths[row] = self.lengths[last]
+        self._set_lengths(self.lengths[:last])
+
+    def row(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of ``row``'s keys and values per layer, [kv heads, length, head dim] each."""
+        length = int(self.lengths[row])
+        return [(layer.room[0][row, :, :length].clone(), layer.room[1][row, :, :length].clone())
+                for layer in self.layers]
+
+    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make room for a decode step; its attention mask [rows, width + 1] and position ids [rows, 1]."""
+        self._reserve(self.num_rows, self.width + 1)
+        columns = torch.arange(self.width + 1, device=self.lengths.device)
+        return (columns[None] <= self.lengths[:, None]).long(), self.lengths[:, None]
+
+    def advance(self) -> None:
+        """After a decode step: every row holds one more position."""
+        self._set_lengths(self.lengths + 1)
+
+    def _set_lengths(self, lengths: torch.Tensor) -> None:
+        self.lengths = lengths  # [rows] positions each row holds
+        self.width = int(lengths.max()) if len(lengths) else 0
+        self.rows_index = torch.arange(len(lengths), device=lengths.device)
+
+    def _reserve(self, rows: int, columns: int, example: torch.Tensor | None = None) -> None:
+        """Grow every layer's room to at least ``rows`` x ``columns``, keeping what it holds."""
+        for layer in self.layers:
+            if layer.room is None:
+                heads, _, dim = example.shape
+                layer.room = tuple(example.new_zeros((0, heads, 0, dim)) for _ in "kv")
+            held_rows, heads, held_columns, dim = layer.room[0].shape
+            if rows <= held_rows and columns <= held_columns:
+                continue
+            shape = (held_rows if rows <= held_rows else max(rows, min(2 * held_rows, self.max_rows)), heads,
+                     held_columns if columns <= held_columns else columns + GROWTH, dim)
+            # Zeros, not empty memory: attention reads masked columns too, and a NaN there (0 x NaN) spoils the row.
+            room = tuple(layer.room[0].new_zeros(shape) for _ in "kv")
+            used_rows, used_columns = self.num_rows, self.width
+            for old, new in zip(layer.room, room):
+                new[:used_rows, :, :used_columns] = old[:used_rows, :, :used_columns]
+            layer.room = room
+
+
+class PrefixCache:
+    """The KV of recently finished sequences, looked up by longest common prefix.
+
+    Written here because transformers has no cross-request prefix cache (vLLM's is internal to
+    its block manager). Entries are kept least recently used first out within ``max_tokens``; an
+    entry that is a prefix of a newer one is dropped, since the newer one serves every lookup it
+    could. Lookups compare token arrays with numpy, so a few hundred entries cost well under a
+    millisecond against a forward pass of tens of milliseconds.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: collections.OrderedDict[int, tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]] = (
+            collections.OrderedDict()
+        )
+        self._next_key = 0
+        self.tokens = 0  # tokens held now
+        self.num_layers = 0
+        self.shape: tuple[int, int] = (0, 0)  # (kv heads, head dim) of the cached tensors
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.tokens = 0
+
+    def lookup(self, ids: Sequence[int], limit: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The length of the longest cached prefix of ``ids`` (at most ``limit`` tokens) and its KV, or ``None``.
+
+        The KV tensors cover at least that prefix; use their first ``length`` positions.
+        """
+        if not self._entries or limit < 1:
+            return None
+        query = np.asarray(ids[:limit], dtype=np.int64)
+        best_key, best = None, 0
+        for key, (cached, _) in self._entries.items():
+            n = min(len(cached), len(query))
+            differ = np.flatnonzero(cached[:n] != query[:n])
+            common = int(differ[0]) if len(differ) else n
+            if common > best:
+                best_key, best = key, common
+        if best_key is None:
+            return None
+        self._entries.move_to_end(best_key)
+        return best, self._entries[best_key][1]
+
+    def add(self, ids: Sequence[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep ``kv`` (per layer, [heads, len(ids), head_dim]) as the KV of ``ids``."""
+        if not ids or len(ids) > self.max_tokens:
+            return
+        array = np.asarray(ids, dtype=np.int64)
+        for key, (cached, _) in list(self._entries.items()):
+            if len(cached) <= len(array) and np.array_equal(cached, array[: len(cached)]):
+                self._drop(key)
+        self._entries[self._next_key] = (array, kv)
+        self._next_key += 1
+        self.tokens += len(array)
+        self.num_layers, self.shape = len(kv), (kv[0][0].shape[0], kv[0][0].shape[2])
+        while self.tokens > self.max_tokens:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: int) -> None:
+        self.tokens -= len(self._entries.pop(key)[0])

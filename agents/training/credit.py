@@ -1,0 +1,215 @@
+"""Credit assignment: from leaf rewards to the advantage each action token is trained with.
+
+Two families, exactly as in docs/algorithms.md "Credit assignment":
+
+- **trajectory-level** (GRPO, Tree-GRPO): one advantage per leaf, broadcast over its whole
+  path. :func:`grpo_advantages` and :func:`tree_grpo_advantages` are the formulas on plain
+  numbers; :func:`grpo_credit` and :func:`tree_grpo_credit` apply them to the trees of one
+  prompt and fill ``leaf.advantage`` (train with ``tree.paths(advantage="leaf")``).
+- **turn-wise** (AT²PO): :func:`turnwise_credit` backs values up the tree and gives every turn
+  its own advantage, filling ``node.value`` and ``node.advantage`` (train with
+  ``tree.paths(advantage="turn")``).
+
+Every function is pure arithmetic in float64; none produces NaN for any valid tree (single
+children, ties, one leaf, all-equal rewards).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from agents.rollout.tree import Node, RolloutTree
+
+__all__ = [
+    "ADVANTAGES",
+    "BACKUPS",
+    "grpo_advantages",
+    "grpo_credit",
+    "tree_grpo_advantages",
+    "tree_grpo_credit",
+    "turnwise_credit",
+]
+
+Backup = Literal["child_softmax", "child_mean", "leaf_mean", "entropy_linear"]
+Advantage = Literal["node_value", "value_minus_parent", "value_minus_root", "sum"]
+
+#: How :func:`turnwise_credit` backs values up from the children to a node.
+BACKUPS: tuple[str, ...] = ("child_softmax", "child_mean", "leaf_mean", "entropy_linear")
+#: How :func:`turnwise_credit` turns values into a turn's advantage.
+ADVANTAGES: tuple[str, ...] = ("node_value", "value_minus_parent", "value_minus_root", "sum")
+
+
+def grpo_advantages(rewards: Sequence[float], eps: float = 1e-6, unbiased: bool = True) -> list[float]:
+    """GRPO advantages of one prompt's group: ``A_i = (r_i − mean) / (std + eps)``.
+
+    The spec does not say which std (docs/algorithms.md eqs. 19, 20, 21); the official code (verl's
+    ``compute_grpo_outcome_advantage``, which ARPO and AEPO run) uses ``torch.std``, the
+    unbiased (n − 1) estimate, and gives a group of one mean 0 and std 1. That is the default;
+    ``unbiased=False`` uses the population std (a group of one then gets advantage 0).
+
+    Args:
+        rewards: the rewards of the trajectories sampled for one prompt.
+        eps: added to the std (verl's ``epsilon``, 1e-6).
+        unbiased: Bessel-corrected std (default, the code's) or population std.
+    """
+    return _zscores(rewards, eps, unbiased)
+
+
+def tree_grpo_advantages(rewards_by_tree: Sequence[Sequence[float]], eps: float = 1e-6) -> list[list[float]]:
+    """Tree-GRPO advantages of one prompt's M trees (Ji et al. 2025).
+
+    ``A_i = z(r_i within its tree) + z(r_i within all leaves of the prompt)``, each
+    ``z = (r − mean) / (std + eps)`` with the unbiased std; a group of one gets mean 0, std 1.
+
+    Args:
+        rewards_by_tree: the leaf rewards of each tree of one prompt.
+        eps: added to the std.
+
+    Returns:
+        The advantages, shaped like ``rewards_by_tree``.
+    """
+    if not rewards_by_tree:
+        raise ValueError("tree_grpo_advantages needs the leaf rewards of at least one tree")
+    pooled = _zscores([reward for rewards in rewards_by_tree for reward in rewards], eps, unbiased=True)
+    advantages, start = [], 0
+    for rewards in rewards_by_tree:
+        within_tree = _zscores(rewards, eps, unbiased=True) if rewards else []
+        # A_i = z_tree(r_i) + z_prompt(r_i)  (Tree-GRPO intra-tree + inter-tree advantage)
+        advantages.append([a + b for a, b in zip(within_tree, pooled[start:start + len(rewards)])])
+        start += len(rewards)
+    return advantages
+
+
+def grpo_credit(trees: Sequence[RolloutTree], eps: float = 1e-6, unbiased: bool = True) -> None:
+    """Fill ``leaf.advantage`` with :func:`grpo_advantages` over all leaves of one prompt's trees."""
+    leaves = _leaves_of(trees)
+    for leaf, value in zip(leaves, grpo_advantages([_reward(leaf) for leaf in leaves], eps, unbiased)):
+        leaf.advantage = value
+
+
+def tree_grpo_credit(trees: Sequence[RolloutTree], eps: float = 1e-6) -> None:
+    """Fill ``leaf.advantage`` with :func:`tree_grpo_advantages` over one prompt's trees."""
+    _leaves_of(trees)  # validates
+    rewards = [[_reward(leaf) for leaf in tree.leaves()] for tree in trees]
+    for tree, values in zip(trees, tree_grpo_advantages(rewards, eps)):
+        for leaf, value in zip(tree.leaves(), values):
+            leaf.advantage = value
+
+
+def turnwise_credit(
+    tree: RolloutTree,
+    backup: Backup = "child_softmax",
+    advantage: Advantage = "node_value",
+    normalize_leaves: bool = True,
+    eps: float = 1e-6,
+) -> None:
+    """AT²PO turn-wise credit: fill ``node.value`` for every node and ``node.advantage`` per turn.
+
+    1. Leaves: ``V_leaf = (r − mean) / (std + eps)`` over the tree's leaves with the population
+       std (the official code's default); ``normalize_leaves=False`` keeps ``V_leaf = r``.
+    2. Every other node n (the root included) backs up from its children c:
+
+       - ``"child_softmax"`` (default, the code's): ``V_n = Σ_c softmax_c(H(c)) · V_c``, a
+         softmax over the children's node entropies at temperature 1;
+       - ``"child_mean"``: ``V_n = mean_c V_c``;
+       - ``"leaf_mean"``: ``V_n`` = mean of ``V_leaf`` over all leaves below n;
+       - ``"entropy_linear"``: ``V_n = Σ_c H(c) / Σ_c' H(c') · V_c`` (one summary's reading of
+         the paper); when every child has entropy 0 the weights are uniform.
+    3. A turn's advantage:
+
+       - ``"node_value"`` (default, the code's): ``A_n = V_n``;
+       - ``"value_minus_parent"``: ``A_n = V_n − V_parent`` (the root is a first turn's parent);
+       - ``"value_minus_root"``: ``A_n = V_n − V_root``;
+       - ``"sum"``: ``A_n = (V_n − V_parent) + (V_n − V_root)``.
+
+    The root gets a value but no advantage (it is the prompt, never trained).
+
+    Worked example (docs/algorithms.md "Turn-wise worked example"): first turn a with leaves a1 (V = +1, H = 0.4) and a2
+    (V = −1, H = 0.6) gives ``V_a = 0.450·1 + 0.550·(−1) = −0.10``.
+    """
+    if backup not in BACKUPS:
+        raise ValueError(f"unknown backup {backup!r}; choose one of {', '.join(BACKUPS)}")
+    if advantage not in ADVANTAGES:
+        raise ValueError(f"unknown advantage {advantage!r}; choose one of {', '.join(ADVANTAGES)}")
+    leaves = _leaves_of([tree])
+    for node in tree.nodes():
+        if not node.children and not node.terminal:
+            raise ValueError(f"node {node.id} has no children and did not end its episode: finish it with "
+                             "node.finish(reward) or drop it with tree.prune(...) before credit assignment")
+    rewards = [_reward(leaf) for leaf in leaves]
+    leaf_values = _zscores(rewards, eps, unbiased=False) if normalize_leaves else rewards
+    for leaf, value in zip(leaves, leaf_values):
+        leaf.value = value
+
+    # Children before parents: reversed depth-first order. Leaf sums and counts serve leaf_mean.
+    leaf_sum = {leaf.id: leaf.value for leaf in leaves}
+    leaf_count = {leaf.id: 1 for leaf in leaves}
+    for node in [*reversed(tree.nodes()), tree.root]:
+        if node.terminal:
+            continue
+        leaf_sum[node.id] = math.fsum(leaf_sum[child.id] for child in node.children)
+        leaf_count[node.id] = sum(leaf_count[child.id] for child in node.children)
+        if backup == "leaf_mean":
+            node.value = leaf_sum[node.id] / leaf_count[node.id]
+        else:
+            node.value = math.fsum(w * child.value for w, child in zip(_child_weights(node, backup), node.children))
+
+    root_value = tree.root.value
+    for node in tree.nodes():
+        parent_value = node.parent.value
+        if advantage == "node_value":
+            node.advantage = node.value  # A_n = V_n
+        elif advantage == "value_minus_parent":
+            node.advantage = node.value - parent_value  # A_n = V_n − V_parent
+        elif advantage == "value_minus_root":
+            node.advantage = node.value - root_value  # A_n = V_n − V_root
+        else:
+            node.advantage = (node.value - parent_value) + (node.value - root_value)  # sum of the two
+
+
+def _child_weights(node: Node, backup: str) -> list[float]:
+    """Backup weights of a node's children (they sum to 1)."""
+    n = len(node.children)
+    if backup == "child_mean":
+        return [1.0 / n] * n
+    entropies = [child.entropy for child in node.children]
+    if backup == "child_softmax":
+        # softmax_c(H(c)), shifted by the max for numerical safety
+        top = max(entropies)
+        exps = [math.exp(h - top) for h in entropies]
+        total = math.fsum(exps)
+        return [e / total for e in exps]
+    total = math.fsum(entropies)  # entropy_linear: H(c) / Σ H(c')
+    return [h / total for h in entropies] if total > 0 else [1.0 / n] * n
+
+
+def _zscores(values: Sequence[float], eps: float, unbiased: bool) -> list[float]:
+    """``(v − mean) / (std + eps)``; with ``unbiased`` a group of one gets mean 0, std 1."""
+    values = [float(value) for value in values]
+    n = len(values)
+    if n == 0:
+        raise ValueError("cannot normalise an empty group of rewards")
+    if unbiased and n == 1:
+        mean, std = 0.0, 1.0  # the code's convention: the unbiased std of one value is undefined
+    else:
+        mean = math.fsum(values) / n
+        std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1 if unbiased else n))
+    return [(v - mean) / (std + eps) for v in values]
+
+
+def _leaves_of(trees: Sequence[RolloutTree]) -> list[Node]:
+    if isinstance(trees, RolloutTree):
+        raise TypeError("pass the trees of one prompt as a sequence, e.g. [tree]")
+    leaves = [leaf for tree in trees for leaf in tree.leaves()]
+    if not leaves:
+        raise ValueError("no finished leaves: credit assignment needs at least one turn marked terminal "
+                         "(node.finish(reward))")
+    return leaves
+
+
+def _reward(leaf: Node) -> float:
+    if leaf.reward is None or not math.isfinite(leaf.reward):
+        raise ValueError(f"leaf {leaf.id} has reward {leaf.reward!r}; set a finite one with node.finish(reward)")
+    return float(leaf.reward)

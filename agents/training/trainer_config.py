@@ -1,0 +1,102 @@
+"""Every hyper-parameter of the trainer, with its default and its source (no torch or transformers needed to read it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from agents.training.losses import LOSSES, LossFn
+
+__all__ = ["TrainerConfig"]
+
+
+@dataclass
+class TrainerConfig:
+    """Every hyper-parameter of :class:`Trainer`, with its default and where the default comes from."""
+
+    # Optimiser. docs/algorithms.md "AdamW and gradient clipping": AdamW, lr 1e-6 constant, weight
+    # decay 0.01, grad-norm clip 1.0.
+    lr: float = 1e-6
+    weight_decay: float = 0.01  # applied to every parameter, as verl's actor optimiser does
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # torch.optim.AdamW default (verl's too)
+    adam_eps: float = 1e-8  # torch.optim.AdamW default
+    max_grad_norm: float = 1.0
+    lr_schedule: str = "constant"  # a transformers.get_scheduler name; every paper: constant
+    warmup_steps: int = 0  # optimiser updates of linear warm-up; the papers use none
+    # Steps (rollout batches) the run will take: needed by decaying schedules, and sizes the
+    # progress bar. None: unknown.
+    total_steps: int | None = None
+
+    # Batching. One epoch over each rollout batch, split into mini-batches (docs/algorithms.md "Mini-batches and micro-batches";
+    # AT²PO: 64 prompts × 22 leaves with mini-batches of 8 prompts = 8 updates per batch).
+    mini_batches: int = 1  # optimiser updates per epoch; the batch is split in order
+    epochs: int = 1  # passes over each rollout batch (verl ppo_epochs; every paper: 1)
+    micro_batch_size: int = 4  # sequences per forward/backward pass; gradients accumulate
+    packing: bool = False  # pack a micro-batch into one row (position ids restart) instead of padding
+
+    # Loss: a name in LOSSES or a callable with the agents.training.losses signature, and its
+    # hyper-parameters (each loss documents its own defaults and their sources).
+    loss: str | LossFn = "ppo_clip"
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Train a turn shared by k leaf paths once in total (advantages × TrainingPath.weights)
+    # instead of once per path. docs/algorithms.md eq. 35: the AT²PO code trains it once per path (False).
+    dedup_shared_turns: bool = False
+
+    # Old log-probs: "recompute" (verl's actor recomputes them before the update; every paper's
+    # code) or "sampler" (the engine's, skipping that forward pass; the mismatch is then measured
+    # on the first mini-batch, the only one trained before the policy changes).
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    temperature: float = 1.0  # the sampler's temperature: logits are divided by it (verl); papers: 1.0
+
+    # Regularisers. KL (k3) to a reference policy: 0 in AT²PO and AEPO, 0.001 in GRPO
+    # (DeepSeekMath); any value > 0 needs a reference (see Trainer). Entropy bonus: 0 everywhere.
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    # LoRA through peft, for small machines. 0: full fine-tuning (verl's lora_rank default).
+    lora_rank: int = 0
+    lora_alpha: int = 16  # verl default
+    lora_target_modules: str | list[str] = "all-linear"  # verl default
+
+    # Precision. Parameters and optimiser state stay float32; "auto" computes in bfloat16
+    # (autocast) on a GPU and in float32 on a CPU (bfloat16 is inexact and slow on these CPUs).
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: str | None = None  # where a model loaded by name goes; None: CUDA if present, else CPU
+
+    # Logging.
+    tensorboard: bool = True  # TensorBoard events besides metrics.jsonl (with out_dir)
+    progress: bool | None = None  # tqdm bars; None: only when writing to a terminal
+
+    def __post_init__(self) -> None:
+        positive = {"lr": self.lr, "max_grad_norm": self.max_grad_norm, "mini_batches": self.mini_batches,
+                    "epochs": self.epochs, "micro_batch_size": self.micro_batch_size,
+                    "temperature": self.temperature}
+        for name, value in positive.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"TrainerConfig.{name} must be a finite number > 0, got {value!r}")
+        non_negative = {"weight_decay": self.weight_decay, "warmup_steps": self.warmup_steps,
+                        "kl_coef": self.kl_coef, "entropy_coef": self.entropy_coef, "lora_rank": self.lora_rank}
+        for name, value in non_negative.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"TrainerConfig.{name} must be a finite number >= 0, got {value!r}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"TrainerConfig.total_steps must be >= 1 or None, got {self.total_steps!r}")
+        if self.old_logprobs not in ("recompute", "sampler"):
+            raise ValueError(f"TrainerConfig.old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
+        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"TrainerConfig.compute_dtype must be 'auto', 'float32' or 'bfloat16', "
+                             f"got {self.compute_dtype!r}")
+        if isinstance(self.loss, str) and self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)} or pass a callable")
+        if not isinstance(self.loss, str) and not callable(self.loss):
+            raise TypeError(f"TrainerConfig.loss must be a name or a callable, got {type(self.loss).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as JSON-ready values (a callable loss by its qualified name)."""
+        values = dataclasses.asdict(self)
+        if callable(self.loss):
+            values["loss"] = f"{self.loss.__module__}.{self.loss.__qualname__}"
+        values["adam_betas"] = list(self.adam_betas)
+        return values
