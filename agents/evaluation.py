@@ -228,7 +228,7 @@ def build_episodes(env_id: str, tokenizer: Any, *, limit: int | None, samples: i
     reset with ``seed=i`` for ``i < limit`` (then ``limit`` is required).
     """
     env = TokenEnv(agentenv.make(env_id, **dict(env_kwargs or {})), tokenizer, **dict(token_env_kwargs or {}))
-    tasks = getattr(env.env, "tasks", None)
+    tasks = getattr(env, "tasks", None)
     if tasks is not None:
         count = len(tasks) if limit is None else min(limit, len(tasks))
         return [Episode(env.fork(), options={"index": i}, key=(env_id, i, s)) for i in range(count) for s in range(samples)]

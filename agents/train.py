@@ -181,7 +181,7 @@ async def train(
             log(f"resumed {out} at step {trainer.step_count} from {checkpoint}")
         heldout = HeldOutLog(out, resume_step=trainer.step_count if checkpoint is not None else None,
                              tensorboard=parts.trainer.tensorboard)
-        order = TaskOrder(len(env.env.tasks) if hasattr(env.env, "tasks") else None, config.holdout, config.seed,
+        order = TaskOrder(len(env.tasks) if hasattr(env, "tasks") else None, config.holdout, config.seed,
                           **position)
         evaluation = _HeldOutEvaluation(config, parts.tree, engine, trainer, heldout, progress, log)
         if trainer.step_count == 0 and config.eval_before:
@@ -212,7 +212,7 @@ async def _rollout(
     env: TokenEnv, engine: Engine, parts: RunParts, tasks: list[int], seed: int, budget_reward: float | None
 ) -> tuple[list[TrainingPath], dict[str, float]]:
     """Steps 2-3 of the module docstring: the trees of ``tasks``, credit, and the rollout's metrics."""
-    with_list = hasattr(env.env, "tasks")
+    with_list = hasattr(env, "tasks")
     episodes = [Episode(env.fork(), options={"index": task}, key=task) if with_list else
                 Episode(env.fork(), seed=task, key=task) for task in tasks]
     start = time.perf_counter()

@@ -92,7 +92,7 @@ def scripted_engine(tokenizer: Any, latency_s: float, call: str, answer: str) ->
 async def run_scripted(tokenizer: Any, env_name: str, latency_s: float, concurrency: int, episodes: int) -> float:
     """Wall seconds of ``episodes`` two-turn scripted episodes at ``concurrency``."""
     base = overhead_env(env_name, tokenizer)
-    tasks = len(base.env.tasks)
+    tasks = len(base.tasks)
     engine = scripted_engine(tokenizer, latency_s, *OVERHEAD_ENVS[env_name])
     start = time.perf_counter()
     trajectories = await run_episodes(engine, episodes_for(base, [i % tasks for i in range(episodes)]),

@@ -15,6 +15,10 @@ model never sampled). Only the new observation segment is tokenised, wrapped eit
 
 ``info`` of each step gives the spans of the action and the observation in the sequence;
 :meth:`TokenEnv.sequence` gives the whole sequence and its action mask.
+
+``TokenEnv`` is a wrapper as Gymnasium's are: ``env`` is the wrapped environment, ``unwrapped``
+the innermost one, and a public attribute it does not define itself is read from ``env``
+(``token_env.tasks`` is ``token_env.env.tasks``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import gymnasium
 
 from agentenv.core import Env, run_sync
 
@@ -43,6 +49,10 @@ class _Segment:
 
 class TokenEnv:
     """Wrap an :class:`~agentenv.core.Env` so that it takes and returns token ids.
+
+    A public attribute that ``TokenEnv`` does not define is looked up on ``env`` (through any
+    Gymnasium wrappers there, as ``get_wrapper_attr`` does); private ones (``_name``) are not,
+    nor are ``observation_space`` and ``action_space``, which describe the wrapped env's text.
 
     Args:
         env: The text environment.
@@ -74,6 +84,56 @@ class TokenEnv:
             self._before_obs, self._after_obs = self._turn_delimiters(observation_role)
             self._end_of_turn = self._encode(self._before_obs)[:1]
         self._last: _Segment | None = None
+
+    # -- the wrapper protocol -------------------------------------------------------------------
+    # Not a gymnasium.Wrapper subclass on purpose: that would make TokenEnv a gymnasium.Env whose
+    # action_space/observation_space are (by default) the wrapped env's Text spaces while it takes
+    # and returns token ids; and Gymnasium 1.x's Wrapper has no __getattr__, so subclassing would
+    # not give the forwarding anyway. The protocol (env, unwrapped, *_wrapper_attr) is mirrored here.
+
+    #: Attributes never read from the wrapped env (they would misstate what TokenEnv takes).
+    _NOT_FORWARDED = frozenset({"observation_space", "action_space"})
+
+    @property
+    def unwrapped(self) -> gymnasium.Env[Any, Any]:
+        """The innermost environment, under this and any other wrappers."""
+        return self.env.unwrapped
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only when normal lookup fails: forward public names to the wrapped env.
+        if name.startswith("_"):
+            raise AttributeError(f"accessing private attribute {name!r} through {type(self).__name__} is prohibited; "
+                                 f"use .unwrapped.{name} if you mean the environment's")
+        if name in self._NOT_FORWARDED:
+            raise AttributeError(f"{type(self).__name__} has no {name}: it takes and returns token ids, not the "
+                                 f"wrapped env's text (its text space is .env.{name})")
+        if "env" not in self.__dict__:  # not initialised (e.g. mid-copy): never recurse through self.env
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        env = self.__dict__["env"]
+        try:
+            return env.get_wrapper_attr(name) if isinstance(env, gymnasium.Env) else getattr(env, name)
+        except AttributeError as e:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}, "
+                                 f"nor has its env ({type(env).__name__})") from e
+
+    # Gymnasium's lookups through a stack of wrappers: TokenEnv's own attributes first, then env's.
+    def _has_own(self, name: str) -> bool:
+        return name in self.__dict__ or hasattr(type(self), name)
+
+    def has_wrapper_attr(self, name: str) -> bool:
+        return self._has_own(name) or self.env.has_wrapper_attr(name)
+
+    def get_wrapper_attr(self, name: str) -> Any:
+        return getattr(self, name) if self._has_own(name) else self.env.get_wrapper_attr(name)
+
+    def set_wrapper_attr(self, name: str, value: Any, *, force: bool = True) -> bool:
+        if not self._has_own(name):
+            if self.env.set_wrapper_attr(name, value, force=False):
+                return True
+            if not force:
+                return False
+        setattr(self, name, value)
+        return True
 
     # -- tokenisation of what the environment says (never of what the model sampled) --------
 

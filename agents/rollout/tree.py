@@ -88,11 +88,6 @@ class Node:
         return self.parent is None
 
     @property
-    def is_leaf(self) -> bool:
-        """Whether this turn ended its episode (``terminal``)."""
-        return self.terminal
-
-    @property
     def depth(self) -> int:
         """Number of turns from the prompt to this node: 0 for the root, 1 for a first turn."""
         depth, node = 0, self

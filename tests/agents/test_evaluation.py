@@ -184,7 +184,7 @@ def test_episodes_of_an_env_share_nothing_but_the_task_list(tok):
     episodes = build_episodes("multihop-qa:2wiki", tok, limit=2, samples=2)
     assert [e.key for e in episodes] == [("multihop-qa:2wiki", i, s) for i in range(2) for s in range(2)]
     assert [dict(e.options) for e in episodes] == [{"index": 0}, {"index": 0}, {"index": 1}, {"index": 1}]
-    assert len({id(e.env) for e in episodes}) == 4 and len({id(e.env.env.tasks) for e in episodes}) == 1
+    assert len({id(e.env) for e in episodes}) == 4 and len({id(e.env.tasks) for e in episodes}) == 1
 
 
 @pytest.mark.slow  # the real SmolLM2 tokenizer

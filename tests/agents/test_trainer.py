@@ -404,3 +404,37 @@ async def test_progress_bars_count_steps_and_micro_batches(capsys):
     # The micro-batch bar of step 1 (2 micro-batches; tqdm may skip redraws within its minimum interval).
     assert re.search(r"step 1: +\d+%\|.*\| [0-2]/2 \[", err)
     assert "train:  33%" in err and "1/3" in err
+
+
+async def test_a_registered_loss_is_chosen_by_name_in_the_trainer_the_learner_and_the_run_config():
+    from agents.config import TrainConfig, build, effective_config
+    from agents.learners import GRPOCredit, Learner
+    from agents.strategies import Chain
+    from agents.training.losses import LOSSES, ppo_clip_loss, register_loss
+
+    @register_loss("scaled_ppo_clip_test")
+    def scaled_ppo_clip(logprobs, old_logprobs, advantages, mask, factor: float = 2.0):
+        """PPO-clip times ``factor``: its gradient is exactly ``factor`` times PPO-clip's."""
+        loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask)
+        return factor * loss, {**metrics, "loss": factor * metrics["loss"]}
+
+    try:
+        assert LOSSES["scaled_ppo_clip_test"] is scaled_ppo_clip
+        with pytest.raises(ValueError, match="already registered"):
+            register_loss("scaled_ppo_clip_test", ppo_clip_loss)
+        grads = {}
+        for loss, kwargs in (("ppo_clip", {}), ("scaled_ppo_clip_test", {"factor": 3.0})):
+            trainer = Trainer(tiny_model(), config(loss=loss, loss_kwargs=kwargs, max_grad_norm=1e9))
+            await trainer.step(make_paths())
+            grads[loss] = gradients(trainer)
+        for name, grad in grads["ppo_clip"].items():
+            torch.testing.assert_close(grads["scaled_ppo_clip_test"][name], 3.0 * grad, atol=1e-7, rtol=1e-5)
+
+        learner = Learner(strategy=Chain(2), credit=GRPOCredit(), loss="scaled_ppo_clip_test", name="scaled")
+        parts = build(TrainConfig(loss={"factor": 4.0}), learner=learner)
+        assert (parts.trainer.loss, parts.trainer.loss_kwargs) == ("scaled_ppo_clip_test", {"factor": 4.0})
+        assert effective_config(TrainConfig(), build(TrainConfig(), learner=learner)).loss["factor"] == 2.0
+    finally:
+        LOSSES.pop("scaled_ppo_clip_test", None)
+    with pytest.raises(ValueError, match="unknown loss 'scaled_ppo_clip_test'"):
+        TrainerConfig(loss="scaled_ppo_clip_test")

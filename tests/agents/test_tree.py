@@ -32,7 +32,7 @@ def test_structure_ids_depths_siblings_and_order():
     assert (tree.root.depth, a.depth, a1.depth, b.depth) == (0, 1, 2, 1)
     assert a1.siblings == [a2] and a.siblings == [b] and tree.root.siblings == []
     assert a1.parent is a and a.parent is tree.root and tree.root.is_root and not a.is_root
-    assert a1.is_leaf and not a.is_leaf
+    assert a1.terminal and not a.terminal
     assert tree.root.env == "env-root" and a.env == "env-a" and a1.env is None
     assert a1.token_entropies == [1.5] and a1.info == {"finish": "answer"}
 
