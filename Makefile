@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The stamp depends on everything that changes what gets installed.
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test check venv clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Lint, format and types (settings in pyproject.toml); CI runs this before the tests.
+check: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -9,6 +9,7 @@
 See the README for the tour: tools, parsers, graders, datasets, search, TokenEnv, check_env.
 """
 
+import agentenv.envs  # noqa: F401  (registers the shipped environments)
 from agentenv.core import Env, ForkStrategy, Text
 from agentenv.datasets import Example, Paragraph, load_examples
 from agentenv.graders import Grade, grade
@@ -18,8 +19,6 @@ from agentenv.search import BM25Search, Passage, SearchBackend
 from agentenv.tool_env import EpisodeState, ToolEnv, Turn
 from agentenv.tools import Tool, ToolError, tool
 from agentenv.wrappers import TokenEnv
-
-import agentenv.envs  # noqa: E402,F401  (registers the shipped environments)
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """The ``agentenv`` command: list the registered environments, check them against the contract.
 
-    agentenv list
-    agentenv check ID [ID ...]      # Gymnasium's checker plus the fork contract
+agentenv list
+agentenv check ID [ID ...]      # Gymnasium's checker plus the fork contract
 """
 
 from __future__ import annotations

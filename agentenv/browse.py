@@ -54,8 +54,17 @@ from yarl import URL
 from agentenv.tools import Tool, ToolError, tool
 from agentenv.web_search import ResultCache
 
-__all__ = ["BrowseError", "Browser", "Document", "UnsafeURLError", "browse_tool", "check_url",
-           "html_to_text", "is_public_address", "split_pages"]
+__all__ = [
+    "BrowseError",
+    "Browser",
+    "Document",
+    "UnsafeURLError",
+    "browse_tool",
+    "check_url",
+    "html_to_text",
+    "is_public_address",
+    "split_pages",
+]
 
 DEFAULT_CONNECT_TIMEOUT = 5.0  # seconds to open the connection
 DEFAULT_READ_TIMEOUT = 10.0  # seconds of silence from the server before giving up
@@ -71,8 +80,14 @@ USER_AGENT = "Mozilla/5.0 (compatible; agentenv-browse/0.1; +https://pypi.org/pr
 REDIRECT_STATUS = {301, 302, 303, 307, 308}
 HTML_TYPES = {"text/html", "application/xhtml+xml"}
 PDF_TYPES = {"application/pdf", "application/x-pdf"}
-TEXT_TYPES = {"application/json", "application/ld+json", "application/xml", "application/javascript",
-              "application/rss+xml", "application/atom+xml"}
+TEXT_TYPES = {
+    "application/json",
+    "application/ld+json",
+    "application/xml",
+    "application/javascript",
+    "application/rss+xml",
+    "application/atom+xml",
+}
 
 
 class BrowseError(ToolError):
@@ -104,7 +119,9 @@ def is_public_address(address: str) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-def check_url(url: str, *, allow_private: bool = False, trusted: frozenset[tuple[str, int | None]] = frozenset()) -> URL:
+def check_url(
+    url: str, *, allow_private: bool = False, trusted: frozenset[tuple[str | None, int | None]] = frozenset()
+) -> URL:
     """The parsed URL, or :class:`UnsafeURLError` if it is not http(s) or names a non-public IP.
 
     Host names are checked when they are resolved (see :class:`_GuardedResolver`); ``trusted``
@@ -125,12 +142,15 @@ def check_url(url: str, *, allow_private: bool = False, trusted: frozenset[tuple
         public = is_public_address(parsed.host)
     except ValueError:
         if _NUMERIC_HOST.fullmatch(parsed.host):  # 2130706433, 0x7f.1: resolvers read these as IPs
-            raise UnsafeURLError(f"{url} uses a numeric address form ({parsed.host}) that is not a canonical IP "
-                                 "address; write the address in dotted form") from None
+            raise UnsafeURLError(
+                f"{url} uses a numeric address form ({parsed.host}) that is not a canonical IP "
+                "address; write the address in dotted form"
+            ) from None
         return parsed  # a host name: checked address by address when it is resolved
     if not public:
-        raise UnsafeURLError(f"{url} points to the private or local address {parsed.host}; "
-                             "only public web addresses can be opened")
+        raise UnsafeURLError(
+            f"{url} points to the private or local address {parsed.host}; only public web addresses can be opened"
+        )
     return parsed
 
 
@@ -148,7 +168,9 @@ class _GuardedResolver(ThreadedResolver):
         super().__init__()
         self.trusted_hosts = trusted_hosts
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         hosts = await super().resolve(host, port, family)
         if host not in self.trusted_hosts:
             for h in hosts:
@@ -201,8 +223,16 @@ def html_to_text(html: str, url: str, *, links: bool = True) -> tuple[str, str]:
         title = " ".join(h1.text_content().split()) if h1 is not None else ""
     if len(title) > MAX_TITLE_CHARS:  # an unclosed <title> swallows the page, as in browsers
         title = title[:MAX_TITLE_CHARS].rsplit(" ", 1)[0] + " …"
-    text = trafilatura.extract(html, url=url, output_format="markdown", include_links=links, include_tables=True,
-                               include_comments=False, favor_recall=True, deduplicate=False)
+    text = trafilatura.extract(
+        html,
+        url=url,
+        output_format="markdown",
+        include_links=links,
+        include_tables=True,
+        include_comments=False,
+        favor_recall=True,
+        deduplicate=False,
+    )
     return title, text or _plain_text(tree)
 
 
@@ -267,11 +297,20 @@ class Browser:
         cache: Where documents are kept (default: in memory, for this browser and its forks).
     """
 
-    def __init__(self, *, allow_private_urls: bool = False, aliases: Mapping[str, str] | None = None,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, read_timeout: float = DEFAULT_READ_TIMEOUT,
-                 timeout: float = DEFAULT_TIMEOUT, max_bytes: int = DEFAULT_MAX_BYTES,
-                 max_redirects: int = DEFAULT_MAX_REDIRECTS, page_chars: int = DEFAULT_PAGE_CHARS,
-                 links: bool = True, cache: ResultCache | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        allow_private_urls: bool = False,
+        aliases: Mapping[str, str] | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_redirects: int = DEFAULT_MAX_REDIRECTS,
+        page_chars: int = DEFAULT_PAGE_CHARS,
+        links: bool = True,
+        cache: ResultCache | None = None,
+    ) -> None:
         if min(connect_timeout, read_timeout, timeout) <= 0 or max_bytes < 1 or max_redirects < 0 or page_chars < 100:
             raise ValueError("timeouts must be > 0, max_bytes >= 1, max_redirects >= 0 and page_chars >= 100")
         self.allow_private_urls = allow_private_urls
@@ -306,8 +345,9 @@ class Browser:
         if find is not None and find.strip():
             return header + _find(pages, find.strip())
         if not 1 <= page <= len(pages):
-            raise BrowseError(f"page {page} does not exist: this document has {len(pages)} "
-                              f"page{'s' if len(pages) > 1 else ''}")
+            raise BrowseError(
+                f"page {page} does not exist: this document has {len(pages)} page{'s' if len(pages) > 1 else ''}"
+            )
         more = f"; read on with page={page + 1}" if page < len(pages) else ""
         return f"{header}Page {page} of {len(pages)}{more}\n\n{pages[page - 1]}"
 
@@ -315,11 +355,15 @@ class Browser:
 
     def _to_fetch(self, url: URL) -> URL:
         target = self.aliases.get(url.origin())
-        return url if target is None else url.with_scheme(target.scheme).with_host(target.host).with_port(target.port)
+        if target is None:
+            return url
+        assert target.host is not None  # an origin() has a network location, so a host
+        return url.with_scheme(target.scheme).with_host(target.host).with_port(target.port)
 
     def _to_display(self, url: URL) -> URL:
         for alias, target in self.aliases.items():
             if url.origin() == target:
+                assert alias.host is not None  # an origin() has a network location, so a host
                 return url.with_scheme(alias.scheme).with_host(alias.host).with_port(alias.explicit_port)
         return url
 
@@ -334,8 +378,9 @@ class Browser:
         try:
             async with aiohttp.ClientSession(connector=connector, timeout=timeouts, headers=headers) as session:
                 for _ in range(self.max_redirects + 1):
-                    target = self._to_fetch(check_url(str(display), allow_private=self.allow_private_urls,
-                                                      trusted=self._trusted))
+                    target = self._to_fetch(
+                        check_url(str(display), allow_private=self.allow_private_urls, trusted=self._trusted)
+                    )
                     left = deadline - loop.time()
                     if left <= 0:
                         raise TimeoutError
@@ -360,12 +405,15 @@ class Browser:
             if isinstance(e.os_error, _PrivateAddress):
                 raise UnsafeURLError(f"{e.os_error}; only public web addresses can be opened") from None
             if isinstance(e, aiohttp.ClientConnectorDNSError):
-                raise BrowseError(f"could not resolve the host name {e.host}: {e.os_error.strerror or e.os_error}") from None
+                raise BrowseError(
+                    f"could not resolve the host name {e.host}: {e.os_error.strerror or e.os_error}"
+                ) from None
             raise BrowseError(f"could not connect to {e.host}:{e.port} ({e.os_error.strerror or e.os_error})") from None
         except aiohttp.ClientError as e:
             raise BrowseError(f"could not fetch {url}: {type(e).__name__}: {e}") from None
-        raise BrowseError(f"too many redirects: {url} redirected more than {self.max_redirects} times "
-                          f"(last to {display})")
+        raise BrowseError(
+            f"too many redirects: {url} redirected more than {self.max_redirects} times (last to {display})"
+        )
 
     async def _document(self, response: aiohttp.ClientResponse, url: str, deadline: float) -> Document:
         if response.status >= 400:
@@ -388,10 +436,13 @@ class Browser:
     @staticmethod
     def _refusal(kind: str, media_type: str | None, url: str) -> BrowseError:
         if kind == "pdf":
-            return BrowseError(f"{url} is a PDF document, which this browser cannot read; "
-                               "look for an HTML version of it")
-        return BrowseError(f"{url} is binary content ({media_type or 'undeclared type'}), not a web page; "
-                           "only HTML and plain-text pages can be read")
+            return BrowseError(
+                f"{url} is a PDF document, which this browser cannot read; look for an HTML version of it"
+            )
+        return BrowseError(
+            f"{url} is binary content ({media_type or 'undeclared type'}), not a web page; "
+            "only HTML and plain-text pages can be read"
+        )
 
     async def _read_body(self, response: aiohttp.ClientResponse, url: str, deadline: float) -> tuple[bytes, str]:
         loop = asyncio.get_running_loop()
@@ -430,8 +481,10 @@ def _find(pages: list[str], phrase: str) -> str:
     total = f"{len(pages)} page{'s' if len(pages) > 1 else ''}"
     if not found:
         return f'No match for "{phrase}" in this document ({total}).'
-    lines = [f'{len(found)} match{"es" if len(found) > 1 else ""} for "{phrase}" ({total})'
-             + (f", the first {FIND_MAX_MATCHES} shown:" if len(found) > FIND_MAX_MATCHES else ":")]
+    lines = [
+        f'{len(found)} match{"es" if len(found) > 1 else ""} for "{phrase}" ({total})'
+        + (f", the first {FIND_MAX_MATCHES} shown:" if len(found) > FIND_MAX_MATCHES else ":")
+    ]
     for number, m in found[:FIND_MAX_MATCHES]:
         text = pages[number - 1]
         start, end = max(0, m.start() - FIND_CONTEXT), min(len(text), m.end() + FIND_CONTEXT)

@@ -113,7 +113,7 @@ class Env(gym.Env[str, str]):
     never does (it becomes an observation explaining the problem).
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+    metadata: dict[str, Any] = {"render_modes": []}  # as gymnasium.Env declares it (not a ClassVar)
     #: How :meth:`fork` is implemented (see :data:`ForkStrategy`).
     fork_strategy: ClassVar[ForkStrategy] = "deepcopy"
 

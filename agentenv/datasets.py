@@ -134,8 +134,10 @@ def detect_format(row: Mapping[str, Any]) -> str:
         return "gsm8k"
     if "question" in row and ("answers" in row or "answer" in row):
         return "plain"
-    raise KeyError(f"unrecognised fields {sorted(row)[:8]}; expected one of the formats "
-                   "hotpotqa, ircot, musique, flashrag or plain ({'question', 'answers'})")
+    raise KeyError(
+        f"unrecognised fields {sorted(row)[:8]}; expected one of the formats "
+        "hotpotqa, ircot, musique, flashrag or plain ({'question', 'answers'})"
+    )
 
 
 def _as_answers(value: Any) -> tuple[str, ...]:
@@ -148,20 +150,30 @@ def _as_answers(value: Any) -> tuple[str, ...]:
 def _hotpotqa(row: Mapping[str, Any], i: int) -> Example:
     supporting = {title for title, _ in row.get("supporting_facts", [])}
     paragraphs = tuple(
-        Paragraph(title, " ".join(s.strip() for s in sentences), title in supporting) for title, sentences in row["context"]
+        Paragraph(title, " ".join(s.strip() for s in sentences), title in supporting)
+        for title, sentences in row["context"]
     )
-    return Example(str(row.get("_id", i)), row["question"], _as_answers(row["answer"]), paragraphs,
-                   {k: row[k] for k in ("type", "level") if k in row})
+    return Example(
+        str(row.get("_id", i)),
+        row["question"],
+        _as_answers(row["answer"]),
+        paragraphs,
+        {k: row[k] for k in ("type", "level") if k in row},
+    )
 
 
 def _ircot(row: Mapping[str, Any], i: int) -> Example:
     answers = tuple(span for obj in row["answers_objects"] for span in obj["spans"])
-    paragraphs = tuple(Paragraph(c["title"], c["paragraph_text"], bool(c.get("is_supporting"))) for c in row["contexts"])
+    paragraphs = tuple(
+        Paragraph(c["title"], c["paragraph_text"], bool(c.get("is_supporting"))) for c in row["contexts"]
+    )
     return Example(str(row.get("question_id", i)), row["question_text"], _as_answers(answers), paragraphs)
 
 
 def _musique(row: Mapping[str, Any], i: int) -> Example:
-    paragraphs = tuple(Paragraph(p["title"], p["paragraph_text"], bool(p.get("is_supporting"))) for p in row["paragraphs"])
+    paragraphs = tuple(
+        Paragraph(p["title"], p["paragraph_text"], bool(p.get("is_supporting"))) for p in row["paragraphs"]
+    )
     answers = _as_answers([row["answer"], *row.get("answer_aliases", [])])
     return Example(str(row.get("id", i)), row["question"], answers, paragraphs)
 
@@ -189,8 +201,13 @@ def _math(row: Mapping[str, Any], i: int) -> Example:
 
 
 _READERS: dict[str, Callable[[Mapping[str, Any], int], Example]] = {
-    "hotpotqa": _hotpotqa, "ircot": _ircot, "musique": _musique, "flashrag": _flashrag, "plain": _plain,
-    "gsm8k": _gsm8k, "math": _math,
+    "hotpotqa": _hotpotqa,
+    "ircot": _ircot,
+    "musique": _musique,
+    "flashrag": _flashrag,
+    "plain": _plain,
+    "gsm8k": _gsm8k,
+    "math": _math,
 }
 
 

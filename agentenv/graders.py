@@ -77,10 +77,12 @@ def math_equal(prediction: str, golds: Iterable[str]) -> float:
     target = math_parse(f"${prediction}$", parsing_timeout=timeout)
     if not target:
         return 0.0
-    return float(any(
-        math_verify(math_parse(f"${gold}$", parsing_timeout=timeout), target, timeout_seconds=timeout)
-        for gold in golds
-    ))
+    return float(
+        any(
+            math_verify(math_parse(f"${gold}$", parsing_timeout=timeout), target, timeout_seconds=timeout)
+            for gold in golds
+        )
+    )
 
 
 # math-verify logs a warning on every call made with its timeouts off; once is enough to know.
@@ -144,5 +146,11 @@ def grade(response: str | None, golds: Iterable[str], *, require_boxed: bool = T
     answer = extract_answer(response, require_boxed=require_boxed)
     if answer is None:
         return Grade(None, False, 0.0, 0.0, 0.0, 0.0 if math else None)
-    return Grade(answer, True, exact_match(answer, golds), f1_score(answer, golds), cover_exact_match(answer, golds),
-                 math_equal(answer, golds) if math else None)
+    return Grade(
+        answer,
+        True,
+        exact_match(answer, golds),
+        f1_score(answer, golds),
+        cover_exact_match(answer, golds),
+        math_equal(answer, golds) if math else None,
+    )

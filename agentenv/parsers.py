@@ -93,8 +93,10 @@ class XMLTagParser(ToolCallParser):
         if tag == ANSWER_TAG:
             return Action(answer=_answer_text(visible))
         if not body:
-            return Action(error=f"The <{tag}> tag is empty: put the {tools[tag].primary_parameter or 'input'} "
-                          f"between <{tag}> and </{tag}>.")
+            return Action(
+                error=f"The <{tag}> tag is empty: put the {tools[tag].primary_parameter or 'input'} "
+                f"between <{tag}> and </{tag}>."
+            )
         return Action(call=ToolCall(tag, self._arguments(tools[tag], body)))
 
     @staticmethod
@@ -128,7 +130,9 @@ class XMLTagParser(ToolCallParser):
 
     def describe(self, tools: Mapping[str, Tool]) -> str:
         lines = [f"- <{t.name}> {t.primary_parameter or ''} </{t.name}>: {t.description}" for t in tools.values()]
-        return "Tools (write the call as a tag; its result comes back between <result> and </result>):\n" + "\n".join(lines)
+        return "Tools (write the call as a tag; its result comes back between <result> and </result>):\n" + "\n".join(
+            lines
+        )
 
 
 class JSONToolCallParser(ToolCallParser):
@@ -149,7 +153,9 @@ class JSONToolCallParser(ToolCallParser):
             return Action(answer=answer)
         if call is None:
             if "<tool_call>" in visible:
-                return Action(error="The <tool_call> tag was opened but never closed: write <tool_call>{…}</tool_call>.")
+                return Action(
+                    error="The <tool_call> tag was opened but never closed: write <tool_call>{…}</tool_call>."
+                )
             return Action(error=f"No tool call or answer was found in your turn. {self._syntax()}")
         try:
             payload = json.loads(call.group(1).strip())
@@ -169,8 +175,10 @@ class JSONToolCallParser(ToolCallParser):
 
     @staticmethod
     def _syntax() -> str:
-        return ('Call a tool with <tool_call>{"name": "…", "arguments": {…}}</tool_call>, '
-                "or give the final answer with <answer>…</answer>.")
+        return (
+            'Call a tool with <tool_call>{"name": "…", "arguments": {…}}</tool_call>, '
+            "or give the final answer with <answer>…</answer>."
+        )
 
     def stop_strings(self, tools: Mapping[str, Tool]) -> list[str]:
         return ["</tool_call>"]
@@ -194,5 +202,6 @@ def get_parser(parser: str | ToolCallParser) -> ToolCallParser:
     try:
         return PARSERS[parser]()
     except KeyError:
-        raise ValueError(f"unknown tool-call parser {parser!r}; choose one of {sorted(PARSERS)} "
-                         "or pass a ToolCallParser instance") from None
+        raise ValueError(
+            f"unknown tool-call parser {parser!r}; choose one of {sorted(PARSERS)} or pass a ToolCallParser instance"
+        ) from None

@@ -17,10 +17,9 @@ import re
 from collections.abc import Callable
 from typing import Literal
 
+from agentenv.tools import Tool, tool
 from sandboxes import DockerSandbox, Limits, LocalSandbox, Sandbox
 from sandboxes.docker_sandbox import connect
-
-from agentenv.tools import Tool, tool
 
 __all__ = ["PythonSession", "python_tool"]
 

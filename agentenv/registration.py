@@ -120,8 +120,9 @@ class Registry(Mapping[str, EnvSpec]):
                 try:
                     target = ep.load()
                 except Exception as e:  # a broken plugin must not break every other environment
-                    warnings.warn(f"agentenv: could not load environment plugin {ep.name!r} ({ep.value}): {e}",
-                                  stacklevel=3)
+                    warnings.warn(
+                        f"agentenv: could not load environment plugin {ep.name!r} ({ep.value}): {e}", stacklevel=3
+                    )
                     continue
                 if inspect.isclass(target) and issubclass(target, Env):
                     if ep.name not in self._specs:
@@ -138,7 +139,9 @@ class Registry(Mapping[str, EnvSpec]):
             return self._specs[env_id]
         ns, name, version = parse_env_id(env_id)
         if version is None:
-            versions = [s for s in self._specs.values() if s.namespace == ns and s.name == name and s.version is not None]
+            versions = [
+                s for s in self._specs.values() if s.namespace == ns and s.name == name and s.version is not None
+            ]
             if versions:
                 return max(versions, key=lambda s: s.version or 0)
         raise UnknownEnvError(self._unknown_message(env_id))

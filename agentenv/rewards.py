@@ -68,8 +68,9 @@ def get_reward(reward: str | Callable[..., float]) -> Callable[..., float]:
     try:
         return REWARD_SCHEMES[reward]
     except KeyError:
-        raise ValueError(f"unknown reward scheme {reward!r}; choose one of {sorted(REWARD_SCHEMES)} "
-                         "or pass a callable") from None
+        raise ValueError(
+            f"unknown reward scheme {reward!r}; choose one of {sorted(REWARD_SCHEMES)} or pass a callable"
+        ) from None
 
 
 def call_reward(fn: Callable[..., float], available: Mapping[str, Any]) -> float:
@@ -79,6 +80,8 @@ def call_reward(fn: Callable[..., float], available: Mapping[str, Any]) -> float
         return float(fn(**available))
     missing = [n for n, p in params.items() if n not in available and p.default is p.empty]
     if missing:
-        raise TypeError(f"reward function {getattr(fn, '__name__', fn)!r} asks for {missing}; "
-                        f"available arguments are {sorted(available)}")
+        raise TypeError(
+            f"reward function {getattr(fn, '__name__', fn)!r} asks for {missing}; "
+            f"available arguments are {sorted(available)}"
+        )
     return float(fn(**{n: available[n] for n in params if n in available}))

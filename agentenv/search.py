@@ -109,7 +109,7 @@ class BM25Search(SearchBackend):
             digest.update(b"\x01")
         return digest.hexdigest()[:32]
 
-    def _tokenize(self, texts: list[str], return_ids: bool = True):  # noqa: ANN202 (bm25s types)
+    def _tokenize(self, texts: list[str], return_ids: bool = True):
         return bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, show_progress=False, return_ids=return_ids)
 
     def _save(self, index_dir: Path) -> None:

@@ -103,8 +103,12 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
     # Reference: one uninterrupted episode.
     env.reset(seed=SEED)
     reference = _run(base, [first])
-    _expect(not (reference[0][2] or reference[0][3]), name, "the first check action must not end the episode",
-            f"action {first!r} ended it; pass actions= whose first one does not")
+    _expect(
+        not (reference[0][2] or reference[0][3]),
+        name,
+        "the first check action must not end the episode",
+        f"action {first!r} ended it; pass actions= whose first one does not",
+    )
     reference += _run(base, rest)
 
     # 1. A fork diverges without touching its parent.
@@ -115,13 +119,21 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
     _expect(child is not base, name, "fork() must return a new object", "it returned self")
     diverging = base.action_space.sample()
     _run(child, [diverging, *rest])
-    _expect(_snapshot(base) == before, name, "stepping a fork must not change its parent",
-            "the parent's transcript changed after its fork was stepped")
+    _expect(
+        _snapshot(base) == before,
+        name,
+        "stepping a fork must not change its parent",
+        "the parent's transcript changed after its fork was stepped",
+    )
     parent_rest = _run(base, rest)
     if deterministic:
-        _expect(parent_rest == reference[1:], name, "stepping a fork must not change its parent",
-                f"after the fork stepped {diverging!r}, the parent's next results differ from an untouched episode:"
-                f"\n  got      {parent_rest!r}\n  expected {reference[1:]!r}")
+        _expect(
+            parent_rest == reference[1:],
+            name,
+            "stepping a fork must not change its parent",
+            f"after the fork stepped {diverging!r}, the parent's next results differ from an untouched episode:"
+            f"\n  got      {parent_rest!r}\n  expected {reference[1:]!r}",
+        )
 
     # 2. The same actions on two forks give the same results.
     base.reset(seed=SEED)
@@ -129,27 +141,42 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
     a, b = base.fork(), base.fork()
     results_a, results_b = _run(a, rest), _run(b, rest)
     if deterministic:
-        _expect(results_a == results_b == reference[1:], name, "the same actions on two forks must give the same results",
-                f"fork A: {results_a!r}\n  fork B: {results_b!r}\n  uninterrupted: {reference[1:]!r}")
+        _expect(
+            results_a == results_b == reference[1:],
+            name,
+            "the same actions on two forks must give the same results",
+            f"fork A: {results_a!r}\n  fork B: {results_b!r}\n  uninterrupted: {reference[1:]!r}",
+        )
 
     # 3. A fork after the end is usable and leaves the ended parent as it was.
     ended = _snapshot(a)
     late = a.fork()
     late.reset(seed=SEED)
     late_results = _run(late, actions)
-    _expect(_snapshot(a) == ended, name, "resetting a fork made after the end must not change its parent",
-            "the ended parent's transcript changed")
+    _expect(
+        _snapshot(a) == ended,
+        name,
+        "resetting a fork made after the end must not change its parent",
+        "the ended parent's transcript changed",
+    )
     if deterministic:
-        _expect(late_results == reference, name, "a fork made after the end must behave like a fresh environment",
-                f"got {late_results!r}\n  expected {reference!r}")
+        _expect(
+            late_results == reference,
+            name,
+            "a fork made after the end must behave like a fresh environment",
+            f"got {late_results!r}\n  expected {reference!r}",
+        )
 
     # 4. The async pair agrees with the sync pair.
     fresh = base.fork()
     prompt_sync, _ = base.reset(seed=SEED)
     prompt_async, async_results = asyncio.run(_arun(fresh, actions))
     if deterministic:
-        _expect(prompt_async == prompt_sync and async_results == reference, name,
-                "areset/astep must agree with reset/step",
-                f"async: {async_results!r}\n  sync: {reference!r}")
+        _expect(
+            prompt_async == prompt_sync and async_results == reference,
+            name,
+            "areset/astep must agree with reset/step",
+            f"async: {async_results!r}\n  sync: {reference!r}",
+        )
     for e in (child, a, b, late, fresh):
         e.close()

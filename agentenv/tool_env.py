@@ -106,7 +106,7 @@ class ToolEnv(Env):
             with one). ``None`` (default) shows none, as the papers do.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    metadata: dict[str, Any] = {"render_modes": ["ansi"]}
     fork_strategy: ClassVar[ForkStrategy] = "copy-on-write"
 
     def __init__(
@@ -159,7 +159,9 @@ class ToolEnv(Env):
     def prompt(self, task: Example) -> str:
         """The first observation for ``task``: instructions, tool syntax and the question."""
         return self.prompt_template.format(
-            question=task.question, tools=self.parser.describe(self.tools), max_tool_calls=self.max_tool_calls,
+            question=task.question,
+            tools=self.parser.describe(self.tools),
+            max_tool_calls=self.max_tool_calls,
             answer_format=ANSWER_FORMATS[self.require_boxed],
             example=f"Example:\n{self.example}\n" if self.example else "",
         )
@@ -201,15 +203,18 @@ class ToolEnv(Env):
         if parsed.answer is not None:
             observation = ""
         elif parsed.call is not None and parsed.call.name not in self.tools:
-            observation = (f"There is no tool called `{parsed.call.name}`; available tools: "
-                           f"{', '.join(self.tools) or 'none'}.")
+            observation = (
+                f"There is no tool called `{parsed.call.name}`; available tools: {', '.join(self.tools) or 'none'}."
+            )
         elif parsed.call is not None and state.tool_calls >= self.max_tool_calls:
-            observation = (f"You have reached the limit of {self.max_tool_calls} tool calls; this call was "
-                           "not run. Give your final answer now, inside <answer> and </answer>.")
+            observation = (
+                f"You have reached the limit of {self.max_tool_calls} tool calls; this call was "
+                "not run. Give your final answer now, inside <answer> and </answer>."
+            )
         elif parsed.call is not None:
             observation = await self._run_tool(parsed)
             tool_calls += 1
-            tool_counts = {**tool_counts, tool_name: tool_counts.get(tool_name, 0) + 1}
+            tool_counts = {**tool_counts, parsed.call.name: tool_counts.get(parsed.call.name, 0) + 1}
         else:
             observation = parsed.error or ""
 
@@ -246,15 +251,18 @@ class ToolEnv(Env):
 
     def _graded(self, state: EpisodeState, parsed: Action) -> EpisodeState:
         result = self.grader(parsed.answer, state.task.answers)
-        reward = call_reward(self.reward_fn, {
-            "answer": result.answer,
-            "answers": list(state.task.answers),
-            "grade": result,
-            "response": parsed.answer,
-            "tool_counts": dict(state.tool_counts),
-            "task": state.task,
-            "actions": [t.action for t in state.history()],
-        })
+        reward = call_reward(
+            self.reward_fn,
+            {
+                "answer": result.answer,
+                "answers": list(state.task.answers),
+                "grade": result,
+                "response": parsed.answer,
+                "tool_counts": dict(state.tool_counts),
+                "task": state.task,
+                "actions": [t.action for t in state.history()],
+            },
+        )
         return replace(state, reward=reward, grade={**result.as_dict(), "reward": reward})
 
     def _info(self, state: EpisodeState, parsed: Action | None = None) -> dict[str, Any]:
@@ -315,7 +323,7 @@ class ToolEnv(Env):
     def _call_text(self, tool: Tool, argument: str) -> str:
         if self.parser.name == "json":
             args = {tool.primary_parameter: argument} if tool.primary_parameter else {}
-            return f'<tool_call>{json.dumps({"name": tool.name, "arguments": args})}</tool_call>'
+            return f"<tool_call>{json.dumps({'name': tool.name, 'arguments': args})}</tool_call>"
         return f"<think>I will use {tool.name}.</think>\n<{tool.name}>{argument}</{tool.name}>"
 
     def close(self) -> None:

@@ -83,9 +83,7 @@ class Tool:
         try:
             model = self._model.model_validate(dict(arguments))
         except pydantic.ValidationError as e:
-            problems = "; ".join(
-                f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}" for err in e.errors()
-            )
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'arguments'}: {err['msg']}" for err in e.errors())
             raise ToolError(f"invalid arguments for `{self.name}`: {problems}") from None
         return {name: getattr(model, name) for name in type(model).model_fields}
 
@@ -115,7 +113,8 @@ class Tool:
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    # A callable object is async when its __call__ is a coroutine function (fetched, not a callable() test).
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
 
 
 def tool(
@@ -134,7 +133,7 @@ def tool(
     if isinstance(fn, Tool):
         return fn
     stateful = not (inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isbuiltin(fn))
-    target = fn.__call__ if stateful else fn
+    target = fn.__call__ if stateful else fn  # type: ignore[operator]  # mypy#5079: Callable.__call__ "not callable"
     if stateful and not callable(fn):
         raise TypeError(f"a tool must be a function or an object with __call__, got {fn!r}")
     doc = docstring_parser.parse(inspect.getdoc(target) or (inspect.getdoc(type(fn)) if stateful else "") or "")

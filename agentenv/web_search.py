@@ -89,8 +89,9 @@ class ResultCache:
         if mode not in CACHE_MODES:
             raise ValueError(f"unknown cache mode {mode!r}; choose one of {', '.join(CACHE_MODES)}")
         if mode == "replay" and path is not None and not Path(path).is_file():
-            raise FileNotFoundError(f"cache mode 'replay' needs a recording, and {path} does not exist; "
-                                    "make one first with mode='record'")
+            raise FileNotFoundError(
+                f"cache mode 'replay' needs a recording, and {path} does not exist; make one first with mode='record'"
+            )
         self.path = Path(path) if path is not None else None
         self.mode = mode
         self._memory: dict[tuple[str, str], str] = {}
@@ -111,8 +112,10 @@ class ResultCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
             db.execute("PRAGMA journal_mode=WAL")  # readers in other processes never block a writer
-            db.execute("CREATE TABLE IF NOT EXISTS results (namespace TEXT, key TEXT, value TEXT, "
-                       "stored REAL, PRIMARY KEY (namespace, key))")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS results (namespace TEXT, key TEXT, value TEXT, "
+                "stored REAL, PRIMARY KEY (namespace, key))"
+            )
             db.commit()
             self._db = db
         return self._db
@@ -125,8 +128,7 @@ class ResultCache:
                 return json.loads(self._memory[k])
             if self.path is None or self.mode in ("record", "off"):
                 return None
-            row = self._connection().execute(
-                "SELECT value FROM results WHERE namespace = ? AND key = ?", k).fetchone()
+            row = self._connection().execute("SELECT value FROM results WHERE namespace = ? AND key = ?", k).fetchone()
             if row is None:
                 return None
             self._memory[k] = row[0]
@@ -158,8 +160,10 @@ class ResultCache:
             return found
         if self.mode == "replay":
             where = self.path or "memory"
-            raise CacheMiss(f"no recorded result for {namespace} {_key_text(key)} in {where} (replay mode); "
-                            "record it first with cache mode 'record' or 'use'")
+            raise CacheMiss(
+                f"no recorded result for {namespace} {_key_text(key)} in {where} (replay mode); "
+                "record it first with cache mode 'record' or 'use'"
+            )
         return self.put(namespace, key, await compute())
 
     def close(self) -> None:
@@ -205,8 +209,9 @@ class _Retryable(Exception):
         self.retry_after = retry_after
 
 
-async def _with_retries(attempt: Callable[[float], Awaitable[T]], *, what: str, timeout: float,
-                        retries: int, backoff: float) -> T:
+async def _with_retries(
+    attempt: Callable[[float], Awaitable[T]], *, what: str, timeout: float, retries: int, backoff: float
+) -> T:
     """``attempt(seconds_left)`` until it succeeds, at most ``1 + retries`` times within ``timeout``.
 
     Pauses ``backoff * 2**i`` between attempts (or the server's ``Retry-After``, capped); raises
@@ -234,8 +239,7 @@ async def _with_retries(attempt: Callable[[float], Awaitable[T]], *, what: str, 
             elif i < retries:
                 break  # the pause would overrun the time budget
     plural = "s" if attempts != 1 else ""
-    raise SearchUnavailable(f"{what} failed after {attempts} attempt{plural} in "
-                            f"{loop.time() - start:.1f} s: {last}")
+    raise SearchUnavailable(f"{what} failed after {attempts} attempt{plural} in {loop.time() - start:.1f} s: {last}")
 
 
 def _retry_after(headers: Any) -> float | None:
@@ -268,9 +272,16 @@ class RemoteSearch(SearchBackend):
 
     name = "retrieval"
 
-    def __init__(self, url: str, *, dialect: Literal["queries", "query"] = "queries",
-                 wire: Literal["json", "msgpack"] = "json", timeout: float = DEFAULT_TIMEOUT,
-                 retries: int = DEFAULT_RETRIES, backoff: float = DEFAULT_BACKOFF) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        dialect: Literal["queries", "query"] = "queries",
+        wire: Literal["json", "msgpack"] = "json",
+        timeout: float = DEFAULT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        backoff: float = DEFAULT_BACKOFF,
+    ) -> None:
         parsed = URL(url)
         if parsed.scheme not in ("http", "https") or not parsed.host:
             raise ValueError(f"a retrieval server URL must be http(s)://host[:port][/path], got {url!r}")
@@ -300,8 +311,13 @@ class RemoteSearch(SearchBackend):
         async def attempt(seconds_left: float) -> list[list[Passage]]:
             return await self._post(payload, len(queries), seconds_left)
 
-        return await _with_retries(attempt, what=f"the retrieval server at {self.url}", timeout=self.timeout,
-                                   retries=self.retries, backoff=self.backoff)
+        return await _with_retries(
+            attempt,
+            what=f"the retrieval server at {self.url}",
+            timeout=self.timeout,
+            retries=self.retries,
+            backoff=self.backoff,
+        )
 
     async def _post(self, payload: dict[str, Any], n_queries: int, seconds_left: float) -> list[list[Passage]]:
         if self.wire == "msgpack":
@@ -311,16 +327,20 @@ class RemoteSearch(SearchBackend):
         headers = {"Content-Type": content_type, "Accept": f"{content_type}, application/json"}
         # A session per call: an env may be stepped from several event loops (sync and async use).
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=seconds_left)) as session, \
-                    session.post(self.url, data=body, headers=headers) as response:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=seconds_left)) as session,
+                session.post(self.url, data=body, headers=headers) as response,
+            ):
                 raw = await response.read()
                 if response.status in RETRYABLE_STATUS:
                     raise _Retryable(f"HTTP {response.status} {response.reason}", _retry_after(response.headers))
                 decoded = _decode(raw, response.content_type)
                 if response.status != 200:
                     detail = (decoded.get("error") or decoded.get("detail")) if isinstance(decoded, dict) else None
-                    raise SearchUnavailable(f"the retrieval server at {self.url} refused the request: HTTP "
-                                            f"{response.status} {response.reason}" + (f": {detail}" if detail else ""))
+                    raise SearchUnavailable(
+                        f"the retrieval server at {self.url} refused the request: HTTP "
+                        f"{response.status} {response.reason}" + (f": {detail}" if detail else "")
+                    )
         except aiohttp.ClientError as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from None
         return parse_retrieval_response(decoded, n_queries)
@@ -392,9 +412,17 @@ class DuckDuckGoSearch(SearchBackend):
 
     name = "duckduckgo"
 
-    def __init__(self, *, engine: str = "duckduckgo", region: str = "us-en", safesearch: str = "moderate",
-                 proxy: str | None = None, timeout: float = DEFAULT_TIMEOUT, retries: int = DEFAULT_RETRIES,
-                 backoff: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        engine: str = "duckduckgo",
+        region: str = "us-en",
+        safesearch: str = "moderate",
+        proxy: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        backoff: float = 1.0,
+    ) -> None:
         from ddgs.engines import ENGINES  # imported on use: it pulls in an HTTP stack
 
         if engine not in ENGINES["text"]:
@@ -412,15 +440,21 @@ class DuckDuckGoSearch(SearchBackend):
             # ddgs is synchronous; its own timeout ends the worker thread soon after we give up.
             return await asyncio.to_thread(self._search_once, query, topk, math.ceil(seconds_left))
 
-        return await _with_retries(attempt, what=f"web search ({self.engine})", timeout=self.timeout,
-                                   retries=self.retries, backoff=self.backoff)
+        return await _with_retries(
+            attempt,
+            what=f"web search ({self.engine})",
+            timeout=self.timeout,
+            retries=self.retries,
+            backoff=self.backoff,
+        )
 
     def _search_once(self, query: str, topk: int, timeout: int) -> list[Passage]:
         from ddgs.exceptions import DDGSException
 
         engine = self.engine_class(proxy=self.proxy, timeout=timeout)
-        payload = engine.build_payload(query=query, region=self.region, safesearch=self.safesearch,
-                                       timelimit=None, page=1)
+        payload = engine.build_payload(
+            query=query, region=self.region, safesearch=self.safesearch, timelimit=None, page=1
+        )
         field = "params" if engine.search_method == "GET" else "data"
         try:
             response = engine.http_client.request(engine.search_method, engine.search_url, **{field: payload})

@@ -36,8 +36,16 @@ ENGINES = ("hf", "vllm", "openai")
 DEFAULT_CONCURRENCY = 32  # episodes in flight; also the engine's largest batch
 
 
-def make_engine(kind: str, model: str, *, concurrency: int = DEFAULT_CONCURRENCY, device: str = "cpu",
-                base_url: str | None = None, tokenizer: str | None = None, seed: int | None = None) -> Engine:
+def make_engine(
+    kind: str,
+    model: str,
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    device: str = "cpu",
+    base_url: str | None = None,
+    tokenizer: str | None = None,
+    seed: int | None = None,
+) -> Engine:
     """Build the engine named by ``--engine`` for ``model``."""
     if kind == "hf":
         from agents.engines.hf import HFEngine
@@ -58,42 +66,83 @@ def make_engine(kind: str, model: str, *, concurrency: int = DEFAULT_CONCURRENCY
 
 # -- agents eval ------------------------------------------------------------------------------
 
+
 def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     from agents.rollout import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS
 
     p = subparsers.add_parser(
-        "eval", help="evaluate a model on environments (EM, F1, pass@k)",
+        "eval",
+        help="evaluate a model on environments (EM, F1, pass@k)",
         description="Evaluate a model on registered environments through the rollout loop: EM and F1 per "
-                    "question, the papers' pooled average over several environments, pass@k with --samples.")
-    p.add_argument("--env", required=True, help="environment id, or several separated by commas "
-                                                "(e.g. multihop-qa:hotpotqa,multihop-qa:2wiki)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name, local folder or Hugging Face id "
-                                                          f"(default {DEFAULT_MODEL}, embedded, offline)")
+        "question, the papers' pooled average over several environments, pass@k with --samples.",
+    )
+    p.add_argument(
+        "--env",
+        required=True,
+        help="environment id, or several separated by commas (e.g. multihop-qa:hotpotqa,multihop-qa:2wiki)",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"model name, local folder or Hugging Face id (default {DEFAULT_MODEL}, embedded, offline)",
+    )
     p.add_argument("--engine", choices=ENGINES, default="hf", help="generation engine (default hf)")
-    p.add_argument("--env-arg", dest="env_args", action="append", default=[], metavar="KEY=VALUE",
-                   help="an option of agentenv.make for every env, value read as YAML, e.g. example=true or "
-                        "require_boxed=false (a run's env_kwargs; repeatable)")
+    p.add_argument(
+        "--env-arg",
+        dest="env_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of agentenv.make for every env, value read as YAML, e.g. example=true or "
+        "require_boxed=false (a run's env_kwargs; repeatable)",
+    )
     p.add_argument("--limit", type=int, help="the first N questions of each environment (default all)")
-    p.add_argument("--samples", type=int, default=1, help="samples per question; > 1 reports pass@k (needs --temperature > 0)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy decoding, the papers' evaluation (default 0)")
+    p.add_argument(
+        "--samples", type=int, default=1, help="samples per question; > 1 reports pass@k (needs --temperature > 0)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy decoding, the papers' evaluation (default 0)"
+    )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                   help=f"tokens per turn (default {DEFAULT_MAX_NEW_TOKENS})")
-    p.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
-                   help=f"longest prompt (default {DEFAULT_MAX_PROMPT_TOKENS}, the papers')")
-    p.add_argument("--max-response-tokens", type=int, default=DEFAULT_MAX_RESPONSE_TOKENS,
-                   help=f"token budget after the prompt, tool results included (default {DEFAULT_MAX_RESPONSE_TOKENS}, the papers')")
-    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
-                   help=f"episodes in flight, also the engine's batch size (default {DEFAULT_CONCURRENCY})")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"tokens per turn (default {DEFAULT_MAX_NEW_TOKENS})",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        help=f"longest prompt (default {DEFAULT_MAX_PROMPT_TOKENS}, the papers')",
+    )
+    p.add_argument(
+        "--max-response-tokens",
+        type=int,
+        default=DEFAULT_MAX_RESPONSE_TOKENS,
+        help=f"token budget after the prompt, tool results included (default {DEFAULT_MAX_RESPONSE_TOKENS}, the papers')",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        help=f"episodes in flight, also the engine's batch size (default {DEFAULT_CONCURRENCY})",
+    )
     p.add_argument("--episode-timeout", type=float, help="seconds per episode before it is recorded as a timeout")
     p.add_argument("--seed", type=int, help="seed of sampled decoding (each episode and turn gets its own)")
     p.add_argument("--device", default="cpu", help="device of --engine hf (default cpu)")
-    p.add_argument("--base-url", help="server of --engine openai, e.g. http://127.0.0.1:8000/v1 "
-                                      "(an API key is read from $OPENAI_API_KEY)")
+    p.add_argument(
+        "--base-url",
+        help="server of --engine openai, e.g. http://127.0.0.1:8000/v1 (an API key is read from $OPENAI_API_KEY)",
+    )
     p.add_argument("--tokenizer", help="tokenizer name or folder when it differs from --model (e.g. a served model's)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--save-trajectories", type=Path, metavar="PATH",
-                   help="write every episode as a JSON line (ids, mask, logprobs, reward, text, ...)")
+    p.add_argument(
+        "--save-trajectories",
+        type=Path,
+        metavar="PATH",
+        help="write every episode as a JSON line (ids, mask, logprobs, reward, text, ...)",
+    )
     p.add_argument("--transcripts", type=int, default=1, help="how many episode transcripts to print (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_run_eval)
@@ -114,36 +163,58 @@ def _check_eval_args(args: argparse.Namespace) -> list[str]:
     if args.transcripts < 0:
         raise ValueError(f"--transcripts must be >= 0, got {args.transcripts}")
     if args.samples > 1 and args.temperature == 0:
-        raise ValueError(f"--samples {args.samples} with greedy decoding repeats one answer; add --temperature 1.0 for pass@k")
+        raise ValueError(
+            f"--samples {args.samples} with greedy decoding repeats one answer; add --temperature 1.0 for pass@k"
+        )
     return env_ids
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    from agents.config import parse_overrides
     from agents.evaluation import evaluate, transcript
     from agents.models import load_tokenizer
     from agents.rollout import RolloutConfig
 
-    from agents.config import parse_overrides
-
     env_ids = _check_eval_args(args)
     env_kwargs = parse_overrides(args.env_args, flag="--env-arg", example="require_boxed=false")
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                              max_new_tokens=args.max_new_tokens, seed=args.seed)
-    rollout = RolloutConfig(sampling=sampling, concurrency=args.concurrency, episode_timeout=args.episode_timeout,
-                            max_prompt_tokens=args.max_prompt_tokens, max_response_tokens=args.max_response_tokens,
-                            keep_states=False)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed
+    )
+    rollout = RolloutConfig(
+        sampling=sampling,
+        concurrency=args.concurrency,
+        episode_timeout=args.episode_timeout,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_response_tokens=args.max_response_tokens,
+        keep_states=False,
+    )
     for path in (args.json, args.save_trajectories):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-    engine = make_engine(args.engine, args.model, concurrency=args.concurrency, device=args.device,
-                         base_url=args.base_url, tokenizer=args.tokenizer, seed=args.seed)
+    engine = make_engine(
+        args.engine,
+        args.model,
+        concurrency=args.concurrency,
+        device=args.device,
+        base_url=args.base_url,
+        tokenizer=args.tokenizer,
+        seed=args.seed,
+    )
     tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(args.tokenizer or args.model)
 
     async def run() -> Any:
         try:
-            return await evaluate(engine, tokenizer, env_ids, limit=args.limit, samples=args.samples,
-                                  rollout=rollout, env_kwargs=env_kwargs, on_trajectory=save,
-                                  progress=not args.no_progress)
+            return await evaluate(
+                engine,
+                tokenizer,
+                env_ids,
+                limit=args.limit,
+                samples=args.samples,
+                rollout=rollout,
+                env_kwargs=env_kwargs,
+                on_trajectory=save,
+                progress=not args.no_progress,
+            )
         finally:
             await engine.close()
 
@@ -165,9 +236,11 @@ def _run_eval(args: argparse.Namespace) -> int:
         print(transcript(trajectory, tokenizer))
         print()
     episodes = len(report.trajectories)
-    print(f"=== {args.model} on {', '.join(env_ids)} ({args.engine}, "
-          f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, {args.samples} sample(s) per "
-          f"question, {episodes} episodes in {report.seconds:.1f} s)")
+    print(
+        f"=== {args.model} on {', '.join(env_ids)} ({args.engine}, "
+        f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, {args.samples} sample(s) per "
+        f"question, {episodes} episodes in {report.seconds:.1f} s)"
+    )
     print(report.table())
     if args.json is not None:
         result = {"model": args.model, "engine": args.engine, "envs": env_ids, "limit": args.limit, **report.to_dict()}
@@ -181,8 +254,20 @@ def _run_eval(args: argparse.Namespace) -> int:
 # -- agents train -----------------------------------------------------------------------------
 
 # Flags that set a top-level TrainConfig value (argparse dest -> config key); unset flags leave it.
-_TRAIN_FLAGS = ("algo", "env", "model", "engine", "device", "steps", "prompts_per_step", "seed", "holdout",
-                "eval_questions", "eval_every", "checkpoint_every")
+_TRAIN_FLAGS = (
+    "algo",
+    "env",
+    "model",
+    "engine",
+    "device",
+    "steps",
+    "prompts_per_step",
+    "seed",
+    "holdout",
+    "eval_questions",
+    "eval_every",
+    "checkpoint_every",
+)
 
 
 def _add_train(subparsers: argparse._SubParsersAction) -> None:
@@ -191,21 +276,35 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     from agents.learners import LEARNERS
 
     p = subparsers.add_parser(
-        "train", help="train a learner (AT2PO, AEPO, GRPO, Tree-GRPO, ARPO) on an environment",
+        "train",
+        help="train a learner (AT2PO, AEPO, GRPO, Tree-GRPO, ARPO) on an environment",
         description="Train a policy with rollout trees, credit assignment and a policy loss. Settings come from the "
-                    "defaults (the papers' budgets), then --preset, then --config FILE, then the flags, then --set; "
-                    "the effective configuration is saved as OUT/config.json.")
+        "defaults (the papers' budgets), then --preset, then --config FILE, then the flags, then --set; "
+        "the effective configuration is saved as OUT/config.json.",
+    )
     p.add_argument("--algo", choices=list(LEARNERS), help="the learner (default at2po)")
     p.add_argument("--env", help="environment id (default multihop-qa)")
     p.add_argument("--model", help=f"model name, local folder or Hugging Face id (default {DEFAULT_MODEL})")
-    p.add_argument("--engine", choices=TRAIN_ENGINES, help="generation engine: hf shares the trainer's model, vllm "
-                                                           "gets the weights after every step (default hf)")
-    p.add_argument("--preset", choices=list(PRESETS), help="paper: the AT2PO tables' setting; cpu-demo: a few "
-                                                           "minutes on 2 CPU cores with the embedded model")
+    p.add_argument(
+        "--engine",
+        choices=TRAIN_ENGINES,
+        help="generation engine: hf shares the trainer's model, vllm gets the weights after every step (default hf)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help="paper: the AT2PO tables' setting; cpu-demo: a few minutes on 2 CPU cores with the embedded model",
+    )
     p.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON config file (the layout of config.json)")
-    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
-                   help="any setting by its dotted name, e.g. trainer.lr=1e-5, strategy.K=3, loss.eps_high=0.28, "
-                        "sampling.max_new_tokens=256, env_kwargs.reward=f1 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any setting by its dotted name, e.g. trainer.lr=1e-5, strategy.K=3, loss.eps_high=0.28, "
+        "sampling.max_new_tokens=256, env_kwargs.reward=f1 (repeatable)",
+    )
     p.add_argument("--steps", type=int, help="rollout batches to train on")
     p.add_argument("--prompts-per-step", type=int, help="prompts per rollout batch")
     p.add_argument("--seed", type=int, help="seed of the task order and the rollouts")
@@ -231,14 +330,21 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")
     values = {name: getattr(args, name) for name in _TRAIN_FLAGS if getattr(args, name) is not None}
-    config = resolve(base=saved_config(args.out) if args.resume else None, preset_name=args.preset, file=args.config,
-                     values=values, assignments=args.assignments)
+    config = resolve(
+        base=saved_config(args.out) if args.resume else None,
+        preset_name=args.preset,
+        file=args.config,
+        values=values,
+        assignments=args.assignments,
+    )
     if args.print_config:
         print(json.dumps(effective_config(config, build(config)).to_dict(), indent=2))
         return 0
     out = args.out or Path("runs") / f"{config.algo}-{config.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    print(f"=== agents train --algo {config.algo} on {config.env} with {config.model} ({config.engine}): "
-          f"{config.steps} steps of {config.prompts_per_step} prompts; run folder {out}")
+    print(
+        f"=== agents train --algo {config.algo} on {config.env} with {config.model} ({config.engine}): "
+        f"{config.steps} steps of {config.prompts_per_step} prompts; run folder {out}"
+    )
     result = asyncio.run(train(config, out, resume=args.resume, progress=False if args.no_progress else None))
 
     if len(result.heldout) >= 2:
@@ -249,8 +355,10 @@ def _run_train(args: argparse.Namespace) -> int:
     print(f"curves:      {out / 'curves.png'}" + (f", {out / 'heldout.png'}" if result.heldout else ""))
     if result.checkpoint is not None:
         print(f"checkpoint:  {result.checkpoint}")
-        print(f"evaluate it: agents eval --env {config.env} --model {result.checkpoint / 'model'} "
-              f"--limit {max(config.eval_questions, 1)}")
+        print(
+            f"evaluate it: agents eval --env {config.env} --model {result.checkpoint / 'model'} "
+            f"--limit {max(config.eval_questions, 1)}"
+        )
     return 0
 
 
@@ -276,8 +384,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.run(args)
-    except (ValueError, UnknownEnvError, ModelNotAvailableError, ImportError, FileExistsError,
-            FileNotFoundError) as error:
+    except (
+        ValueError,
+        UnknownEnvError,
+        ModelNotAvailableError,
+        ImportError,
+        FileExistsError,
+        FileNotFoundError,
+    ) as error:
         parser.exit(2, f"agents {args.command}: error: {error}\n")
 
 

@@ -40,8 +40,8 @@ from typing import Any
 from agents.engines.base import SamplingParams
 from agents.learners import LEARNERS, Learner
 from agents.models import DEFAULT_MODEL
-from agents.rollout.strategies import Budget
 from agents.rollout.episodes import RolloutConfig
+from agents.rollout.strategies import Budget
 from agents.rollout.tree_loop import TreeConfig
 from agents.training.losses import LOSSES, TRAINER_INPUTS
 from agents.training.trainer_config import TrainerConfig
@@ -112,7 +112,9 @@ class TrainConfig:
     engine: str = "hf"
     device: str | None = None
     steps: int = 100
-    prompts_per_step: int = 64  # AT²PO: 64 prompts × 22 leaves per batch (docs/algorithms.md "Mini-batches and micro-batches")
+    prompts_per_step: int = (
+        64  # AT²PO: 64 prompts × 22 leaves per batch (docs/algorithms.md "Mini-batches and micro-batches")
+    )
     seed: int = 0
     holdout: int = 100
     eval_questions: int = 100
@@ -140,18 +142,22 @@ class TrainConfig:
         if self.budget_reward is not None and not isinstance(self.budget_reward, (int, float)):
             raise ValueError(f"budget_reward must be a number or None, got {self.budget_reward!r}")
         if self.eval_questions > self.holdout:
-            raise ValueError(f"eval_questions={self.eval_questions} is more than the {self.holdout} held-out tasks, "
-                             "so some would be questions the run trains on; raise holdout or lower eval_questions")
+            raise ValueError(
+                f"eval_questions={self.eval_questions} is more than the {self.holdout} held-out tasks, "
+                "so some would be questions the run trains on; raise holdout or lower eval_questions"
+            )
         for name in SECTIONS:
             section = getattr(self, name)
             if not isinstance(section, dict):
                 raise ValueError(f"section {name!r} must be a mapping of names to values, got {section!r}")
             owned = sorted(set(section) & set(_RUN_OWNED.get(name, ())))
             if owned:
-                raise ValueError(f"{name}.{owned[0]} is set by the run, not through the {name!r} section "
-                                 "(the loss, kl_coef and entropy_coef go in 'loss', total_steps follows 'steps', "
-                                 "device is top-level, seeds follow 'seed', the trainer's temperature is "
-                                 "sampling.temperature)")
+                raise ValueError(
+                    f"{name}.{owned[0]} is set by the run, not through the {name!r} section "
+                    "(the loss, kl_coef and entropy_coef go in 'loss', total_steps follows 'steps', "
+                    "device is top-level, seeds follow 'seed', the trainer's temperature is "
+                    "sampling.temperature)"
+                )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
@@ -205,22 +211,28 @@ PRESETS: dict[str, dict[str, Any]] = {
             "trainer": {"lr": 5e-5, "mini_batches": 1, "micro_batch_size": 4, "old_logprobs": "sampler"},
             "sampling": {"temperature": 0.6, "max_new_tokens": 48},
             "rollout": {"max_response_tokens": 256, "concurrency": 16},
-            "env_kwargs": {"reward": "at2po", "max_tool_calls": 2, "topk": 1, "result_chars": 300,
-                           "example": True, "require_boxed": False},
+            "env_kwargs": {
+                "reward": "at2po",
+                "max_tool_calls": 2,
+                "topk": 1,
+                "result_chars": 300,
+                "example": True,
+                "require_boxed": False,
+            },
         },
         "strategy": {
             "at2po": {"M": 4, "L": 1, "K": 2},  # 4 + 1·2 = 6 leaves
             "aepo": {"k": 6},
             "grpo": {"n": 6},
-            "tree-grpo": {"M": 2, "N": 1, "L": 1, "K": 3},  # 2 trees × 3 leaves
+            "tree-grpo": {"M": 2, "N": 2, "L": 1, "K": 3},  # 2 trees × (1 chain + 1 round of 2) = 6 leaves
             "arpo": {"n": 6, "N": 3},
         },
     },
 }
 
 
-def preset(name: str, algo: str) -> dict[str, Any]:
-    """The overrides of the preset ``name`` for ``algo``, as a nested mapping."""
+def preset(name: str, algo: str | None) -> dict[str, Any]:
+    """The overrides of the preset ``name`` for ``algo``, as a nested mapping (``None``: the common ones only)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     chosen = PRESETS[name]
@@ -250,8 +262,10 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
     """
     if learner is None:
         if config.algo not in LEARNERS:
-            raise ValueError(f"unknown algo {config.algo!r}; choose one of {', '.join(LEARNERS)}, "
-                             "or pass your own learner to agents.train.train")
+            raise ValueError(
+                f"unknown algo {config.algo!r}; choose one of {', '.join(LEARNERS)}, "
+                "or pass your own learner to agents.train.train"
+            )
         learner = LEARNERS[config.algo]()
     loss = dict(config.loss)
     kl_coef = loss.pop("kl_coef", learner.kl_coef)
@@ -259,11 +273,18 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
     learner = learner.configure(strategy=config.strategy, credit=config.credit, loss=loss, kl_coef=kl_coef)
     sampling = SamplingParams(**_checked(SamplingParams, config.sampling, "sampling"))
     if sampling.greedy:
-        raise ValueError("sampling.temperature is 0 (greedy): every sample of a prompt would be the same; "
-                         "train at a temperature above 0 (the papers: 1.0)")
+        raise ValueError(
+            "sampling.temperature is 0 (greedy): every sample of a prompt would be the same; "
+            "train at a temperature above 0 (the papers: 1.0)"
+        )
     # The trainer scores tokens under the distribution they were sampled from (logits / T).
-    trainer = learner.trainer_config(**_checked(TrainerConfig, config.trainer, "trainer"), entropy_coef=entropy_coef,
-                                     total_steps=config.steps, device=config.device, temperature=sampling.temperature)
+    trainer = learner.trainer_config(
+        **_checked(TrainerConfig, config.trainer, "trainer"),
+        entropy_coef=entropy_coef,
+        total_steps=config.steps,
+        device=config.device,
+        temperature=sampling.temperature,
+    )
     rollout = dict(config.rollout)
     if "budget" in rollout:
         if not isinstance(rollout["budget"], Mapping):
@@ -282,19 +303,28 @@ def effective_config(config: TrainConfig, parts: RunParts) -> TrainConfig:
     loss = learner.loss if callable(learner.loss) else LOSSES[learner.loss]
     trainer = {name: value for name, value in parts.trainer.to_dict().items() if name not in _RUN_OWNED["trainer"]}
     tree = parts.tree
-    rollout = {**{name: getattr(tree.rollout, name) for name in _rollout_fields(RolloutConfig)},
-               **{name: getattr(tree, name) for name in _rollout_fields(TreeConfig)}}
+    rollout = {
+        **{name: getattr(tree.rollout, name) for name in _rollout_fields(RolloutConfig)},
+        **{name: getattr(tree, name) for name in _rollout_fields(TreeConfig)},
+    }
     rollout["budget"] = dataclasses.asdict(rollout["budget"])
-    sampling = {f.name: getattr(tree.rollout.sampling, f.name) for f in dataclasses.fields(tree.rollout.sampling)
-                if f.name not in _RUN_OWNED["sampling"]}
+    sampling = {
+        f.name: getattr(tree.rollout.sampling, f.name)
+        for f in dataclasses.fields(tree.rollout.sampling)
+        if f.name not in _RUN_OWNED["sampling"]
+    }
     sampling.update(stop=list(sampling["stop"]), stop_token_ids=list(sampling["stop_token_ids"]))
     return dataclasses.replace(
         config,
         algo=learner.name,
         strategy=_fields(learner.strategy),
         credit=_fields(learner.credit),
-        loss={**_loss_defaults(loss), **learner.loss_kwargs, "kl_coef": learner.kl_coef,
-              "entropy_coef": parts.trainer.entropy_coef},
+        loss={
+            **_loss_defaults(loss),
+            **learner.loss_kwargs,
+            "kl_coef": learner.kl_coef,
+            "entropy_coef": parts.trainer.entropy_coef,
+        },
         trainer=trainer,
         rollout=rollout,
         sampling=sampling,
@@ -356,7 +386,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
-def parse_overrides(assignments: Sequence[str], flag: str = "--set", example: str = "trainer.lr=1e-5") -> dict[str, Any]:
+def parse_overrides(
+    assignments: Sequence[str], flag: str = "--set", example: str = "trainer.lr=1e-5"
+) -> dict[str, Any]:
     """``["trainer.lr=1e-5", "strategy.K=3"]`` as a nested mapping; values are read as YAML.
 
     ``flag`` and ``example`` name the command-line option in the error for a malformed assignment.
@@ -435,8 +467,13 @@ def _loss_defaults(loss: Any) -> dict[str, Any]:
     """The keyword hyper-parameters of a loss function with their defaults (no tensors, no KL)."""
     skip = set(TRAINER_INPUTS)
     parameters = list(inspect.signature(loss).parameters.values())[4:]  # after the four tensors
-    return {p.name: p.default for p in parameters if p.name not in skip and p.default is not inspect.Parameter.empty
-            and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return {
+        p.name: p.default
+        for p in parameters
+        if p.name not in skip
+        and p.default is not inspect.Parameter.empty
+        and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:

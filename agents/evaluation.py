@@ -131,9 +131,17 @@ class QuestionResult:
         return pass_at_k(len(self.samples), self.correct, k)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"env": self.env_id, "index": self.index, "id": self.id, "question": self.question,
-                "answers": self.answers, "em": self.em, "f1": self.f1, "correct": self.correct,
-                "samples": [dataclasses.asdict(s) for s in self.samples]}
+        return {
+            "env": self.env_id,
+            "index": self.index,
+            "id": self.id,
+            "question": self.question,
+            "answers": self.answers,
+            "em": self.em,
+            "f1": self.f1,
+            "correct": self.correct,
+            "samples": [dataclasses.asdict(s) for s in self.samples],
+        }
 
 
 @dataclass
@@ -157,13 +165,15 @@ class EnvResult:
         }
         for k in pass_ks(self.samples_per_question):
             metrics[f"pass@{k}"] = statistics.fmean(q.pass_at(k) for q in qs)
-        metrics.update({
-            "format_ok": statistics.fmean(s.format_ok for s in samples),
-            "errors": sum(s.status in ("error", "timeout") for s in samples),
-            "turns": statistics.fmean(s.turns for s in samples),
-            "tool_calls": statistics.fmean(s.tool_calls for s in samples),
-            "action_tokens": statistics.fmean(s.action_tokens for s in samples),
-        })
+        metrics.update(
+            {
+                "format_ok": statistics.fmean(s.format_ok for s in samples),
+                "errors": sum(s.status in ("error", "timeout") for s in samples),
+                "turns": statistics.fmean(s.turns for s in samples),
+                "tool_calls": statistics.fmean(s.tool_calls for s in samples),
+                "action_tokens": statistics.fmean(s.action_tokens for s in samples),
+            }
+        )
         return metrics
 
 
@@ -192,19 +202,39 @@ class EvalReport:
     def table(self) -> str:
         """The results table: EM, F1, pass@k in percent, and episode statistics."""
         ks = pass_ks(self.samples)
-        head = ["env", "questions", "EM %", "F1 %", *(f"pass@{k} %" for k in ks if self.samples > 1),
-                "format ok %", "errors", "turns", "tool calls", "action tok"]
+        head = [
+            "env",
+            "questions",
+            "EM %",
+            "F1 %",
+            *(f"pass@{k} %" for k in ks if self.samples > 1),
+            "format ok %",
+            "errors",
+            "turns",
+            "tool calls",
+            "action tok",
+        ]
         body = []
         for name, m in self.rows():
-            body.append([
-                name, f"{m['questions']:d}", f"{100 * m['em']:.2f}", f"{100 * m['f1']:.2f}",
-                *(f"{100 * m[f'pass@{k}']:.2f}" for k in ks if self.samples > 1),
-                f"{100 * m['format_ok']:.1f}", f"{m['errors']:d}", f"{m['turns']:.2f}",
-                f"{m['tool_calls']:.2f}", f"{m['action_tokens']:.1f}",
-            ])
+            body.append(
+                [
+                    name,
+                    f"{m['questions']:d}",
+                    f"{100 * m['em']:.2f}",
+                    f"{100 * m['f1']:.2f}",
+                    *(f"{100 * m[f'pass@{k}']:.2f}" for k in ks if self.samples > 1),
+                    f"{100 * m['format_ok']:.1f}",
+                    f"{m['errors']:d}",
+                    f"{m['turns']:.2f}",
+                    f"{m['tool_calls']:.2f}",
+                    f"{m['action_tokens']:.1f}",
+                ]
+            )
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-                 for row in [head, *body]]
+        lines = [
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            for row in [head, *body]
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
@@ -219,9 +249,15 @@ class EvalReport:
         }
 
 
-def build_episodes(env_id: str, tokenizer: Any, *, limit: int | None, samples: int,
-                   env_kwargs: Mapping[str, Any] | None = None, token_env_kwargs: Mapping[str, Any] | None = None
-                   ) -> list[Episode]:
+def build_episodes(
+    env_id: str,
+    tokenizer: Any,
+    *,
+    limit: int | None,
+    samples: int,
+    env_kwargs: Mapping[str, Any] | None = None,
+    token_env_kwargs: Mapping[str, Any] | None = None,
+) -> list[Episode]:
     """Episodes for the first ``limit`` questions of ``env_id``, ``samples`` each, on forks of one env.
 
     An env with a task list (the QA envs) is reset with ``options={"index": i}``; any other is
@@ -231,7 +267,9 @@ def build_episodes(env_id: str, tokenizer: Any, *, limit: int | None, samples: i
     tasks = getattr(env, "tasks", None)
     if tasks is not None:
         count = len(tasks) if limit is None else min(limit, len(tasks))
-        return [Episode(env.fork(), options={"index": i}, key=(env_id, i, s)) for i in range(count) for s in range(samples)]
+        return [
+            Episode(env.fork(), options={"index": i}, key=(env_id, i, s)) for i in range(count) for s in range(samples)
+        ]
     if limit is None:
         raise ValueError(f"{env_id!r} has no task list to go through; pass limit (--limit N) to run N seeded episodes")
     return [Episode(env.fork(), seed=i, key=(env_id, i, s)) for i in range(limit) for s in range(samples)]
@@ -274,25 +312,38 @@ async def evaluate(
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or None for every question), got {limit}")
     if samples > 1 and rollout.sampling.greedy:
-        raise ValueError(f"samples={samples} with greedy decoding would repeat one answer {samples} times; "
-                         "set a temperature above 0 (e.g. --temperature 1.0) for pass@k")
+        raise ValueError(
+            f"samples={samples} with greedy decoding would repeat one answer {samples} times; "
+            "set a temperature above 0 (e.g. --temperature 1.0) for pass@k"
+        )
     if len(set(env_ids)) != len(env_ids):
         raise ValueError(f"an environment id is listed twice: {list(env_ids)}")
 
-    episodes = [e for env_id in env_ids
-                for e in build_episodes(env_id, tokenizer, limit=limit, samples=samples, env_kwargs=env_kwargs)]
+    episodes = [
+        e
+        for env_id in env_ids
+        for e in build_episodes(env_id, tokenizer, limit=limit, samples=samples, env_kwargs=env_kwargs)
+    ]
     questions: dict[tuple[str, int], QuestionResult] = {}
     trajectories: list[Trajectory] = []
     start = time.perf_counter()
     correct = failed = 0
-    with tqdm(total=len(episodes), desc="eval", unit="episode", file=sys.stderr, disable=not progress,
-              dynamic_ncols=True) as bar:
+    with tqdm(
+        total=len(episodes), desc="eval", unit="episode", file=sys.stderr, disable=not progress, dynamic_ncols=True
+    ) as bar:
         async for trajectory in stream_episodes(engine, episodes, rollout):
             env_id, index, _ = trajectory.key
             sample = Sample.of(trajectory)
-            question = questions.setdefault((env_id, index), QuestionResult(
-                env_id, index, trajectory.info.get("id"), trajectory.info.get("question"),
-                list(trajectory.info.get("answers") or [])))
+            question = questions.setdefault(
+                (env_id, index),
+                QuestionResult(
+                    env_id,
+                    index,
+                    trajectory.info.get("id"),
+                    trajectory.info.get("question"),
+                    list(trajectory.info.get("answers") or []),
+                ),
+            )
             question.samples.append(sample)
             trajectories.append(trajectory)
             episodes[trajectory.index].env.close()  # its fork may hold tools with processes (sandboxes)
@@ -303,9 +354,12 @@ async def evaluate(
             bar.update(1)
             bar.set_postfix(EM=f"{100 * correct / len(trajectories):.1f}%", errors=failed, refresh=False)
     trajectories.sort(key=lambda t: t.index)
-    envs = {env_id: EnvResult(env_id, sorted((q for (e, _), q in questions.items() if e == env_id),
-                                             key=lambda q: q.index), samples)
-            for env_id in env_ids}
+    envs = {
+        env_id: EnvResult(
+            env_id, sorted((q for (e, _), q in questions.items() if e == env_id), key=lambda q: q.index), samples
+        )
+        for env_id in env_ids
+    }
     return EvalReport(envs, samples, rollout.sampling, trajectories, seconds=time.perf_counter() - start)
 
 
@@ -318,8 +372,10 @@ def transcript(trajectory: Trajectory, tokenizer: Any) -> str:
     parts = [f"--- prompt ({len(trajectory.prompt_ids)} tokens)", decode(trajectory.prompt_ids)]
     for number, turn in enumerate(trajectory.turns, 1):
         stop = f", stopped at {turn.stop_reason!r}" if turn.stop_reason is not None else ""
-        parts += [f"--- turn {number}: model ({len(turn.action_ids)} tokens, {turn.finish_reason}{stop})",
-                  decode(turn.action_ids)]
+        parts += [
+            f"--- turn {number}: model ({len(turn.action_ids)} tokens, {turn.finish_reason}{stop})",
+            decode(turn.action_ids),
+        ]
         if turn.obs_ids:
             parts += [f"--- turn {number}: environment ({len(turn.obs_ids)} tokens)", decode(turn.obs_ids)]
     grade = trajectory.info.get("grade") or {}

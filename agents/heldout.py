@@ -24,9 +24,9 @@ from typing import Any
 
 from agents.engines.base import Engine, SamplingParams
 from agents.evaluation import evaluate
-from agents.training.metrics import MetricsLog
 from agents.rollout import RolloutConfig
 from agents.rollout.tree_loop import TreeConfig
+from agents.training.metrics import MetricsLog
 
 __all__ = [
     "SCORES",
@@ -101,8 +101,11 @@ class HeldOut:
     @classmethod
     def from_record(cls, record: Mapping[str, float]) -> HeldOut:
         """The inverse of :meth:`record` (a record read back from ``metrics.jsonl``)."""
-        scores = {name: Score(record[name], record[f"{name}_low"], record[f"{name}_high"])
-                  for name in SCORES if name in record}
+        scores = {
+            name: Score(record[name], record[f"{name}_low"], record[f"{name}_high"])
+            for name in SCORES
+            if name in record
+        }
         return cls(int(record["step"]), int(record["questions"]), scores, float(record["seconds"]))
 
 
@@ -129,12 +132,17 @@ async def evaluate_heldout(
     ``budget_reward`` is the reward of an episode cut by the token budget, as training gives it
     (``TrainConfig.budget_reward``); ``None`` keeps the environment's (0 for an unfinished episode).
     """
-    report = await evaluate(engine, tokenizer, [env_id], limit=questions, rollout=rollout, env_kwargs=env_kwargs,
-                            progress=progress)
+    report = await evaluate(
+        engine, tokenizer, [env_id], limit=questions, rollout=rollout, env_kwargs=env_kwargs, progress=progress
+    )
     samples = [sample for question in report.envs[env_id].questions for sample in question.samples]
     rewards = [budget_reward if budget_reward is not None and s.status == "budget" else s.reward for s in samples]
-    columns = {"em": [s.em for s in samples], "f1": [s.f1 for s in samples],
-               "format_ok": [float(s.format_ok) for s in samples], "reward": rewards}
+    columns = {
+        "em": [s.em for s in samples],
+        "f1": [s.f1 for s in samples],
+        "format_ok": [float(s.format_ok) for s in samples],
+        "reward": rewards,
+    }
     return HeldOut(step, len(samples), {name: interval(values) for name, values in columns.items()}, report.seconds)
 
 
@@ -149,8 +157,9 @@ class HeldOutLog:
 
     def __init__(self, out_dir: str | Path | None, *, resume_step: int | None = None, tensorboard: bool = True) -> None:
         self.out_dir = None if out_dir is None else Path(out_dir)
-        self._log = MetricsLog(None if self.out_dir is None else self.out_dir / "heldout", resume_step=resume_step,
-                               tensorboard=tensorboard)
+        self._log = MetricsLog(
+            None if self.out_dir is None else self.out_dir / "heldout", resume_step=resume_step, tensorboard=tensorboard
+        )
         self.results = [HeldOut.from_record(record) for record in self._log.history]
 
     def add(self, result: HeldOut) -> None:
@@ -204,7 +213,9 @@ def comparison_table(results: Sequence[HeldOut], labels: Sequence[str] | None = 
         cells.append(f"{reward.mean:+.3f} [{reward.low:+.3f}, {reward.high:+.3f}]")
         body.append(cells)
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in [head, *body]]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in [head, *body]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

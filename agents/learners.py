@@ -34,11 +34,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.rollout.strategies import (
+    Chain,
+    EntropyBalancedBranching,
+    EntropyBranching,
+    EntropyTree,
+    RandomTree,
+    Strategy,
+)
+from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.credit import ADVANTAGES, BACKUPS, grpo_credit, tree_grpo_credit, turnwise_credit
-from agents.rollout.strategies import Chain, EntropyBalancedBranching, EntropyBranching, EntropyTree, RandomTree, Strategy
 from agents.training.losses import LOSSES, LossFn
 from agents.training.trainer_config import TrainerConfig
-from agents.rollout.tree import RolloutTree, TrainingPath
 
 __all__ = [
     "AEPO",
@@ -141,16 +148,22 @@ class Learner:
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, Strategy):
-            raise TypeError(f"{type(self).__name__}.strategy must be an agents.rollout.strategies.Strategy, "
-                            f"got {type(self.strategy).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}.strategy must be an agents.rollout.strategies.Strategy, "
+                f"got {type(self.strategy).__name__}"
+            )
         if not callable(self.credit):
-            raise TypeError(f"{type(self).__name__}.credit must be a callable credit(trees) -> paths, "
-                            f"got {type(self.credit).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}.credit must be a callable credit(trees) -> paths, "
+                f"got {type(self.credit).__name__}"
+            )
         if isinstance(self.loss, str):
             if self.loss not in LOSSES:
                 raise ValueError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)} or pass a callable")
         elif not callable(self.loss):
-            raise TypeError(f"{type(self).__name__}.loss must be a loss name or a callable, got {type(self.loss).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}.loss must be a loss name or a callable, got {type(self.loss).__name__}"
+            )
         if not (isinstance(self.kl_coef, (int, float)) and math.isfinite(self.kl_coef) and self.kl_coef >= 0):
             raise ValueError(f"{type(self).__name__}.kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
         object.__setattr__(self, "loss_kwargs", dict(self.loss_kwargs))
@@ -183,8 +196,10 @@ class Learner:
         """The training paths of one prompt's finished trees, with advantages from ``credit``."""
         paths = self.credit(trees)
         if not isinstance(paths, list) or not all(isinstance(path, TrainingPath) for path in paths):
-            raise TypeError(f"credit {self.credit!r} must return a list of agents.rollout.tree.TrainingPath "
-                            "(tree.paths(...) after filling the advantages)")
+            raise TypeError(
+                f"credit {self.credit!r} must return a list of agents.rollout.tree.TrainingPath "
+                "(tree.paths(...) after filling the advantages)"
+            )
         return paths
 
     def trainer_config(self, **fields: Any) -> TrainerConfig:
@@ -236,7 +251,8 @@ class AEPO(Learner):
     credit: Credit = GRPOCredit()
     loss: str | LossFn = "aepo"
     loss_kwargs: Mapping[str, Any] = field(
-        default_factory=lambda: {"clip_balanced": True, "entropy_aware_advantage": True})
+        default_factory=lambda: {"clip_balanced": True, "entropy_aware_advantage": True}
+    )
     kl_coef: float = 0.0  # AEPO trains without a KL term
     name: str = "aepo"
 
@@ -286,29 +302,38 @@ class ARPO(Learner):
     name: str = "arpo"
 
 
-#: The learners ``agents train --algo`` knows, by name.
-LEARNERS: dict[str, type[Learner]] = {"at2po": AT2PO, "aepo": AEPO, "grpo": GRPO, "tree-grpo": TreeGRPO, "arpo": ARPO}
+#: The learners ``agents train --algo`` knows, by name (each class builds its learner with no arguments).
+LEARNERS: dict[str, Callable[[], Learner]] = {
+    "at2po": AT2PO,
+    "aepo": AEPO,
+    "grpo": GRPO,
+    "tree-grpo": TreeGRPO,
+    "arpo": ARPO,
+}
 
 
 def _with_fields(part: Any, changes: Mapping[str, Any], section: str) -> Any:
     """``dataclasses.replace(part, **changes)``, naming the fields ``part`` has when one is unknown."""
     if not changes:
         return part
-    if not dataclasses.is_dataclass(part):
-        raise ValueError(f"{section} {part!r} is not a dataclass, so its fields cannot be set from a config")
+    if not dataclasses.is_dataclass(part) or isinstance(part, type):
+        raise ValueError(f"{section} {part!r} is not a dataclass instance, so its fields cannot be set from a config")
     names = [f.name for f in dataclasses.fields(part) if f.init]
     unknown = sorted(set(changes) - set(names))
     if unknown:
-        raise ValueError(f"{section} {type(part).__name__} has no field {', '.join(unknown)}; "
-                         f"its fields are {', '.join(names)}")
+        raise ValueError(
+            f"{section} {type(part).__name__} has no field {', '.join(unknown)}; its fields are {', '.join(names)}"
+        )
     return dataclasses.replace(part, **changes)
 
 
 def _part(part: Any) -> dict[str, Any]:
     """A strategy or credit as ``{"class": name, field: value, ...}`` (a function: ``{"function": name}``)."""
     if dataclasses.is_dataclass(part):
-        return {"class": _qualified_name(type(part)),
-                **{f.name: getattr(part, f.name) for f in dataclasses.fields(part) if f.init}}
+        return {
+            "class": _qualified_name(type(part)),
+            **{f.name: getattr(part, f.name) for f in dataclasses.fields(part) if f.init},
+        }
     if hasattr(part, "__qualname__"):
         return {"function": _qualified_name(part)}
     return {"class": _qualified_name(type(part))}

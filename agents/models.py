@@ -24,9 +24,10 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
@@ -125,14 +126,15 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype or torch.float32)
-    return model.to(device).eval()
+    # transformers wraps `to` with functools.wraps, whose typeshed type does not bind `self` on instances
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def _gguf_file(name: str) -> Path:
     """The GGUF file of an embedded model, found through its package's installed files."""
     spec = EMBEDDED_MODELS[name]
     try:
-        path = Path(importlib.metadata.distribution(spec.distribution).locate_file(spec.gguf_path))
+        path = Path(str(importlib.metadata.distribution(spec.distribution).locate_file(spec.gguf_path)))
     except importlib.metadata.PackageNotFoundError:
         path = None
     if path is None or not path.is_file():
@@ -162,7 +164,8 @@ def _convert_checkpoint(name: str, target: Path) -> None:
     # save_pretrained refuses a model that still claims GGUF quantisation; the weights are
     # already dequantised, so the claim is dropped.
     del model.config.quantization_config
-    model.hf_quantizer = None
+    # PreTrainedModel does not declare the attribute from_pretrained sets, so torch's Module.__setattr__ types it
+    model.hf_quantizer = None  # type: ignore[assignment]
     model.save_pretrained(target)
     # The tokenizer folder may exist already (converted on its own, which is faster).
     tokenizer_dir = resolve_tokenizer(name)

@@ -43,17 +43,17 @@ import numpy as np
 
 import agentenv
 from agentenv.wrappers import TokenEnv
-from agents.training.checkpoint import latest_checkpoint
 from agents.config import RESUMABLE, RunParts, TrainConfig, build, effective_config
-from agents.rollout.diagnostics import rollout_metrics
 from agents.engines.base import Engine
 from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, greedy_rollout
 from agents.learners import Learner
 from agents.rollout import Episode
+from agents.rollout.diagnostics import rollout_metrics
 from agents.rollout.strategies import PromptTrees
-from agents.rollout.tree_loop import TreeConfig, rollout_trees
-from agents.training.trainer import Trainer
 from agents.rollout.tree import TrainingPath
+from agents.rollout.tree_loop import TreeConfig, rollout_trees
+from agents.training.checkpoint import latest_checkpoint
+from agents.training.trainer import Trainer
 
 __all__ = ["CONFIG_FILE", "TaskOrder", "TrainResult", "rollout_seed", "saved_config", "train"]
 
@@ -86,8 +86,10 @@ class TaskOrder:
 
     def __post_init__(self) -> None:
         if self.tasks is not None and self.tasks <= self.holdout:
-            raise ValueError(f"the environment has {self.tasks} tasks and holdout={self.holdout} keeps them all for "
-                             "evaluation; lower holdout")
+            raise ValueError(
+                f"the environment has {self.tasks} tasks and holdout={self.holdout} keeps them all for "
+                "evaluation; lower holdout"
+            )
 
     def take(self, count: int) -> list[int]:
         """The next ``count`` task indices (or reset seeds), crossing into the next epoch when needed."""
@@ -98,7 +100,7 @@ class TaskOrder:
         taken: list[int] = []
         while len(taken) < count:
             order = self._permutation(self.epoch)
-            chunk = order[self.offset:self.offset + count - len(taken)]
+            chunk = order[self.offset : self.offset + count - len(taken)]
             taken += chunk
             self.offset += len(chunk)
             if self.offset == len(order):
@@ -110,6 +112,7 @@ class TaskOrder:
         return {"epoch": self.epoch, "offset": self.offset}
 
     def _permutation(self, epoch: int) -> list[int]:
+        assert self.tasks is not None  # take() permutes task lists only; seeded resets need no order
         rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(epoch,)))
         return [self.holdout + int(i) for i in rng.permutation(self.tasks - self.holdout)]
 
@@ -179,18 +182,21 @@ async def train(
             position = trainer.resume(checkpoint)
             await trainer.sync_weights()
             log(f"resumed {out} at step {trainer.step_count} from {checkpoint}")
-        heldout = HeldOutLog(out, resume_step=trainer.step_count if checkpoint is not None else None,
-                             tensorboard=parts.trainer.tensorboard)
-        order = TaskOrder(len(env.tasks) if hasattr(env, "tasks") else None, config.holdout, config.seed,
-                          **position)
+        heldout = HeldOutLog(
+            out,
+            resume_step=trainer.step_count if checkpoint is not None else None,
+            tensorboard=parts.trainer.tensorboard,
+        )
+        order = TaskOrder(len(env.tasks) if hasattr(env, "tasks") else None, config.holdout, config.seed, **position)
         evaluation = _HeldOutEvaluation(config, parts.tree, engine, trainer, heldout, progress, log)
         if trainer.step_count == 0 and config.eval_before:
             await evaluation.run(step=0)
         last_checkpoint = checkpoint
         for step in range(trainer.step_count + 1, config.steps + 1):
             tasks = order.take(config.prompts_per_step)
-            paths, metrics = await _rollout(env, engine, parts, tasks, rollout_seed(config.seed, step),
-                                            config.budget_reward)
+            paths, metrics = await _rollout(
+                env, engine, parts, tasks, rollout_seed(config.seed, step), config.budget_reward
+            )
             record = await trainer.step(paths, metrics)
             log(_step_note(step, config.steps, record))
             if step % config.checkpoint_every == 0 or step == config.steps:
@@ -213,11 +219,17 @@ async def _rollout(
 ) -> tuple[list[TrainingPath], dict[str, float]]:
     """Steps 2-3 of the module docstring: the trees of ``tasks``, credit, and the rollout's metrics."""
     with_list = hasattr(env, "tasks")
-    episodes = [Episode(env.fork(), options={"index": task}, key=task) if with_list else
-                Episode(env.fork(), seed=task, key=task) for task in tasks]
+    episodes = [
+        Episode(env.fork(), options={"index": task}, key=task)
+        if with_list
+        else Episode(env.fork(), seed=task, key=task)
+        for task in tasks
+    ]
     start = time.perf_counter()
     try:
-        prompts = await rollout_trees(engine, episodes, parts.learner.strategy, dataclasses.replace(parts.tree, seed=seed))
+        prompts = await rollout_trees(
+            engine, episodes, parts.learner.strategy, dataclasses.replace(parts.tree, seed=seed)
+        )
     finally:
         for episode in episodes:
             episode.env.close()
@@ -232,8 +244,10 @@ async def _rollout(
             paths += parts.learner.assign_credit(prompt.trees)
     if not paths:
         errors = [error for prompt in prompts for error in _errors(prompt)]
-        raise RuntimeError(f"no prompt of the batch produced a finished episode (tasks {tasks}); "
-                           f"first error: {errors[0] if errors else 'none recorded'}")
+        raise RuntimeError(
+            f"no prompt of the batch produced a finished episode (tasks {tasks}); "
+            f"first error: {errors[0] if errors else 'none recorded'}"
+        )
     metrics = rollout_metrics(prompts, seconds)
     metrics["rollout/prompts_without_leaves"] = float(sum(not prompt.leaves for prompt in prompts))
     metrics["rollout/budget_cut_frac"] = len(cut) / max(1, sum(len(prompt.leaves) for prompt in prompts))
@@ -248,8 +262,16 @@ async def _rollout(
 class _HeldOutEvaluation:
     """Step 5's evaluation: greedy episodes on the held-out tasks, logged and reported."""
 
-    def __init__(self, config: TrainConfig, tree: TreeConfig, engine: Engine, trainer: Trainer, log: HeldOutLog,
-                 progress: bool | None, note: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        tree: TreeConfig,
+        engine: Engine,
+        trainer: Trainer,
+        log: HeldOutLog,
+        progress: bool | None,
+        note: Callable[[str], None],
+    ) -> None:
         self.config, self.engine, self.trainer, self.log, self.note = config, engine, trainer, log, note
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.rollout = greedy_rollout(tree)
@@ -259,8 +281,16 @@ class _HeldOutEvaluation:
         if not config.eval_questions:
             return
         result = await evaluate_heldout(
-            self.engine, self.trainer.tokenizer, config.env, questions=config.eval_questions, rollout=self.rollout,
-            step=step, env_kwargs=config.env_kwargs, budget_reward=config.budget_reward, progress=self.progress)
+            self.engine,
+            self.trainer.tokenizer,
+            config.env,
+            questions=config.eval_questions,
+            rollout=self.rollout,
+            step=step,
+            env_kwargs=config.env_kwargs,
+            budget_reward=config.budget_reward,
+            progress=self.progress,
+        )
         self.log.add(result)
         scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
         self.note(f"step {step}: held-out ({result.questions} questions) {scores}")
@@ -269,10 +299,12 @@ class _HeldOutEvaluation:
 def _step_note(step: int, steps: int, record: dict[str, float]) -> str:
     """One line about a finished step: its reward and where its time went."""
     answered = f", format ok {record['reward/format_ok']:.0%}" if "reward/format_ok" in record else ""
-    return (f"step {step}/{steps}: reward {record['reward/mean']:+.3f} ± {record['reward/std']:.3f}{answered} over "
-            f"{record['batch/sequences']:.0f} leaves; {record['tokens/generated']:.0f} tokens sampled; "
-            f"{record['time/step_s']:.0f} s (rollout {record['time/rollout_s']:.0f}, old log-probs "
-            f"{record['time/old_logprobs_s']:.0f}, update {record['time/update_s']:.0f})")
+    return (
+        f"step {step}/{steps}: reward {record['reward/mean']:+.3f} ± {record['reward/std']:.3f}{answered} over "
+        f"{record['batch/sequences']:.0f} leaves; {record['tokens/generated']:.0f} tokens sampled; "
+        f"{record['time/step_s']:.0f} s (rollout {record['time/rollout_s']:.0f}, old log-probs "
+        f"{record['time/old_logprobs_s']:.0f}, update {record['time/update_s']:.0f})"
+    )
 
 
 def saved_config(out_dir: str | Path) -> dict[str, Any]:
@@ -288,20 +320,24 @@ def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path
     saved_path = out / CONFIG_FILE
     if not resume:
         if saved_path.exists() or (out / "checkpoints").exists() or (out / "metrics.jsonl").exists():
-            raise FileExistsError(f"{out} already holds a training run; continue it with --resume, or choose "
-                                  "another --out")
+            raise FileExistsError(
+                f"{out} already holds a training run; continue it with --resume, or choose another --out"
+            )
         out.mkdir(parents=True, exist_ok=True)
         return None
     checkpoint = latest_checkpoint(out / "checkpoints")
     if checkpoint is None or not saved_path.is_file():
-        raise FileNotFoundError(f"{out} holds no checkpoint and {CONFIG_FILE} to resume from; start the run "
-                                "without --resume")
+        raise FileNotFoundError(
+            f"{out} holds no checkpoint and {CONFIG_FILE} to resume from; start the run without --resume"
+        )
     saved = TrainConfig.from_dict(saved_config(out))
     changed = [name for name in saved.changed(effective) if name.split(".")[0] not in RESUMABLE]
     if changed:
-        raise ValueError(f"--resume continues the run saved in {saved_path}, but these settings differ from it: "
-                         f"{', '.join(changed)}; drop them (only {', '.join(sorted(RESUMABLE))} may change), "
-                         "or start a new run in another folder")
+        raise ValueError(
+            f"--resume continues the run saved in {saved_path}, but these settings differ from it: "
+            f"{', '.join(changed)}; drop them (only {', '.join(sorted(RESUMABLE))} may change), "
+            "or start a new run in another folder"
+        )
     return checkpoint
 
 
@@ -314,8 +350,12 @@ def _make_engine(config: TrainConfig, parts: RunParts, trainer: Trainer) -> Engi
         return HFEngine(trainer.model, trainer.tokenizer, max_batch_size=concurrency, seed=config.seed)
     from agents.engines.vllm import VLLMEngine
 
-    return VLLMEngine(config.model, max_num_seqs=concurrency, seed=config.seed,
-                      max_model_len=parts.tree.rollout.max_prompt_tokens + parts.tree.rollout.max_response_tokens)
+    return VLLMEngine(
+        config.model,
+        max_num_seqs=concurrency,
+        seed=config.seed,
+        max_model_len=parts.tree.rollout.max_prompt_tokens + parts.tree.rollout.max_response_tokens,
+    )
 
 
 def _errors(prompt: PromptTrees) -> list[str]:

@@ -74,7 +74,9 @@ def logprob_mismatch(model, batch, completions: list[Completion]) -> float:
     return worst
 
 
-async def bench_engine(name: str, concurrency: list[int], new_tokens: int, sequential_requests: int, trainer_model, tokenizer):
+async def bench_engine(
+    name: str, concurrency: list[int], new_tokens: int, sequential_requests: int, trainer_model, tokenizer
+):
     start = time.perf_counter()
     engine = make_engine(name)
     startup_s = time.perf_counter() - start
@@ -85,15 +87,34 @@ async def bench_engine(name: str, concurrency: list[int], new_tokens: int, seque
         done, seconds = await timed(engine, batch, concurrent=False)
         tokens = sum(len(c.token_ids) for c in done)
         sequential_rate = tokens / seconds
-        rows.append(dict(engine=name, mode="sequential", requests=len(batch), tokens=tokens, seconds=seconds,
-                         tokens_per_s=sequential_rate, vs_sequential=1.0, max_abs_logprob_diff=logprob_mismatch(trainer_model, batch, done)))
+        rows.append(
+            dict(
+                engine=name,
+                mode="sequential",
+                requests=len(batch),
+                tokens=tokens,
+                seconds=seconds,
+                tokens_per_s=sequential_rate,
+                vs_sequential=1.0,
+                max_abs_logprob_diff=logprob_mismatch(trainer_model, batch, done),
+            )
+        )
         for n in concurrency:
             batch = requests(tokenizer, n, new_tokens)
             done, seconds = await timed(engine, batch, concurrent=True)
             tokens = sum(len(c.token_ids) for c in done)
-            rows.append(dict(engine=name, mode=f"{n} concurrent", requests=n, tokens=tokens, seconds=seconds,
-                             tokens_per_s=tokens / seconds, vs_sequential=tokens / seconds / sequential_rate,
-                             max_abs_logprob_diff=logprob_mismatch(trainer_model, batch, done)))
+            rows.append(
+                dict(
+                    engine=name,
+                    mode=f"{n} concurrent",
+                    requests=n,
+                    tokens=tokens,
+                    seconds=seconds,
+                    tokens_per_s=tokens / seconds,
+                    vs_sequential=tokens / seconds / sequential_rate,
+                    max_abs_logprob_diff=logprob_mismatch(trainer_model, batch, done),
+                )
+            )
     finally:
         await engine.close()
     return startup_s, rows
@@ -104,8 +125,10 @@ def print_table(rows: list[dict], startup: dict[str, float]) -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['engine']:<6} {r['mode']:<14} {r['requests']:>8} {r['tokens']:>7} {r['seconds']:>8.1f} "
-              f"{r['tokens_per_s']:>9.1f} {r['vs_sequential']:>13.2f} {r['max_abs_logprob_diff']:>16.2e}")
+        print(
+            f"{r['engine']:<6} {r['mode']:<14} {r['requests']:>8} {r['tokens']:>7} {r['seconds']:>8.1f} "
+            f"{r['tokens_per_s']:>9.1f} {r['vs_sequential']:>13.2f} {r['max_abs_logprob_diff']:>16.2e}"
+        )
     print("start-up: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items()))
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
@@ -131,8 +154,17 @@ def main() -> None:
     print_table(rows, startup)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "startup_s": startup, "new_tokens": args.new_tokens, "cpu_count": os.cpu_count(),
-                       "load_average_1min": os.getloadavg()[0]}, f, indent=2)
+            json.dump(
+                {
+                    "rows": rows,
+                    "startup_s": startup,
+                    "new_tokens": args.new_tokens,
+                    "cpu_count": os.cpu_count(),
+                    "load_average_1min": os.getloadavg()[0],
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":  # vLLM spawns its workers; the guard keeps them from rerunning this

@@ -25,7 +25,7 @@ def _percentiles(samples_ns: list[int]) -> dict[str, float]:
     us = sorted(s / 1e3 for s in samples_ns)
     return {
         "p50_us": statistics.median(us),
-        "p99_us": us[min(len(us) - 1, int(round(0.99 * (len(us) - 1))))],
+        "p99_us": us[min(len(us) - 1, round(0.99 * (len(us) - 1)))],
         "n": len(us),
     }
 

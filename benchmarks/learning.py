@@ -52,17 +52,32 @@ DEFAULT_STEPS = 5
 DEFAULT_EVAL_QUESTIONS = 32
 DEFAULT_TRL_STEPS = 3
 # TRL and what it needs beyond the project's environment, pinned to the versions checked here.
-TRL_PACKAGES = ("trl==1.16.0", "datasets==5.2.0", "pyarrow==26.0.1", "pandas==3.1.1", "multiprocess==0.70.19",
-                "xxhash==4.1.0")
+TRL_PACKAGES = (
+    "trl==1.16.0",
+    "datasets==5.2.0",
+    "pyarrow==26.0.1",
+    "pandas==3.1.1",
+    "multiprocess==0.70.19",
+    "xxhash==4.1.0",
+)
 # (column, metric of agents.train's records, unit)
 SPLIT = (("rollout s", "time/rollout_s"), ("old log-probs s", "time/old_logprobs_s"), ("update s", "time/update_s"))
 
 
 def learning_config(algo: str, steps: int, eval_questions: int) -> TrainConfig:
     """The ``cpu-demo`` run of ``algo`` for ``steps`` steps, scored once after training."""
-    return resolve(preset_name="cpu-demo", values={
-        "algo": algo, "steps": steps, "eval_questions": eval_questions, "holdout": max(50, eval_questions),
-        "eval_before": False, "eval_every": 0, "checkpoint_every": steps})
+    return resolve(
+        preset_name="cpu-demo",
+        values={
+            "algo": algo,
+            "steps": steps,
+            "eval_questions": eval_questions,
+            "holdout": max(50, eval_questions),
+            "eval_before": False,
+            "eval_every": 0,
+            "checkpoint_every": steps,
+        },
+    )
 
 
 async def score_initial_policy(config: TrainConfig) -> HeldOut:
@@ -72,9 +87,17 @@ async def score_initial_policy(config: TrainConfig) -> HeldOut:
     tree = build(config).tree
     engine = HFEngine(config.model, max_batch_size=tree.rollout.concurrency, seed=config.seed)
     try:
-        return await evaluate_heldout(engine, engine.tokenizer, config.env, questions=config.eval_questions,
-                                      rollout=greedy_rollout(tree), step=0, env_kwargs=config.env_kwargs,
-                                      budget_reward=config.budget_reward, progress=False)
+        return await evaluate_heldout(
+            engine,
+            engine.tokenizer,
+            config.env,
+            questions=config.eval_questions,
+            rollout=greedy_rollout(tree),
+            step=0,
+            env_kwargs=config.env_kwargs,
+            budget_reward=config.budget_reward,
+            progress=False,
+        )
     finally:
         await engine.close()
 
@@ -108,8 +131,11 @@ def install_trl() -> Path:
     folder = trl_folder()
     if (folder / ".complete").is_file():
         return folder
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder),
-                           *TRL_PACKAGES], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder), *TRL_PACKAGES],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"pip could not install {' '.join(TRL_PACKAGES)}: {done.stderr.strip()[-400:]}")
     (folder / ".complete").write_text("\n".join(TRL_PACKAGES) + "\n")
@@ -151,11 +177,22 @@ def run_trl(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(Path(__file__).resolve().parents[1])]),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
-        done = subprocess.run([sys.executable, "-m", "benchmarks.learning", "--trl-worker", str(job_path),
-                               str(result_path)], env=env, capture_output=True, text=True, timeout=timeout_s)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(folder), str(Path(__file__).resolve().parents[1])]),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONWARNINGS": "ignore",
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.learning", "--trl-worker", str(job_path), str(result_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if done.returncode != 0 or not result_path.is_file():
             raise RuntimeError(f"the TRL run failed (exit {done.returncode}): {done.stderr.strip()[-600:]}")
         return json.loads(result_path.read_text())
@@ -203,10 +240,15 @@ def trl_worker(job_path: str, result_path: str) -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             total = time.perf_counter() - self.start
-            steps.append({"step_s": total, "generate_s": phases["generate"],
-                          "logprobs_s": phases["prepare"] - phases["generate"],
-                          "update_s": total - phases["prepare"],
-                          "tokens": float(state.num_input_tokens_seen - self.tokens)})
+            steps.append(
+                {
+                    "step_s": total,
+                    "generate_s": phases["generate"],
+                    "logprobs_s": phases["prepare"] - phases["generate"],
+                    "update_s": total - phases["prepare"],
+                    "tokens": float(state.num_input_tokens_seen - self.tokens),
+                }
+            )
 
     def at2po_reward(completions, answers, **kwargs):
         """AT²PO's reward of a single-turn answer: −1 bad format, 0 wrong, 1 exact match."""
@@ -219,23 +261,49 @@ def trl_worker(job_path: str, result_path: str) -> None:
     torch.manual_seed(job["seed"])
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
-    rows = [{"prompt": [{"role": "user", "content": row["prompt"]}], "answers": row["answers"]} for row in job["prompts"]]
+    rows = [
+        {"prompt": [{"role": "user", "content": row["prompt"]}], "answers": row["answers"]} for row in job["prompts"]
+    ]
     # A fixed fingerprint: datasets would hash the Arrow table with dill, which fails on pyarrow 26's types.
     dataset = Dataset(pyarrow.Table.from_pylist(rows), fingerprint="benchmarks.learning")
     with tempfile.TemporaryDirectory(prefix="trl-out-") as out:
         args = GRPOConfig(
-            output_dir=out, max_steps=job["steps"], per_device_train_batch_size=job["per_device_train_batch_size"],
-            gradient_accumulation_steps=job["gradient_accumulation_steps"], num_generations=job["num_generations"],
-            max_completion_length=job["max_completion_length"], temperature=job["temperature"],
-            learning_rate=job["learning_rate"], lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0,
-            beta=job["beta"], epsilon=job["epsilon"], loss_type="grpo", use_cpu=True, bf16=False,
-            report_to="none", logging_steps=1, save_strategy="no", seed=job["seed"], shuffle_dataset=False,
-            include_num_input_tokens_seen="all", disable_tqdm=True)
-        trainer = TimedGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=at2po_reward, args=args,
-                                   train_dataset=dataset, callbacks=[StepTimer()])
+            output_dir=out,
+            max_steps=job["steps"],
+            per_device_train_batch_size=job["per_device_train_batch_size"],
+            gradient_accumulation_steps=job["gradient_accumulation_steps"],
+            num_generations=job["num_generations"],
+            max_completion_length=job["max_completion_length"],
+            temperature=job["temperature"],
+            learning_rate=job["learning_rate"],
+            lr_scheduler_type="constant",
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            beta=job["beta"],
+            epsilon=job["epsilon"],
+            loss_type="grpo",
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            logging_steps=1,
+            save_strategy="no",
+            seed=job["seed"],
+            shuffle_dataset=False,
+            include_num_input_tokens_seen="all",
+            disable_tqdm=True,
+        )
+        trainer = TimedGRPOTrainer(
+            model=model,
+            processing_class=tokenizer,
+            reward_funcs=at2po_reward,
+            args=args,
+            train_dataset=dataset,
+            callbacks=[StepTimer()],
+        )
         trainer.train()
-    Path(result_path).write_text(json.dumps({"steps": steps, "versions": {
-        "trl": __import__("trl").__version__, "torch": torch.__version__}}))
+    Path(result_path).write_text(
+        json.dumps({"steps": steps, "versions": {"trl": __import__("trl").__version__, "torch": torch.__version__}})
+    )
 
 
 def trl_split(result: dict[str, Any]) -> dict[str, float]:
@@ -256,8 +324,10 @@ def trl_split(result: dict[str, Any]) -> dict[str, float]:
 
 def table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in [head, *rows]]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in [head, *rows]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -285,8 +355,10 @@ def plot(results: dict[str, TrainResult], before: HeldOut, path: Path) -> Path:
         labels = ["before"] + list(results)
         heldout = [before] + [result.heldout[-1] for result in results.values()]
         means = [h.scores[score].mean for h in heldout]
-        errors = [[m - h.scores[score].low for m, h in zip(means, heldout)],
-                  [h.scores[score].high - m for m, h in zip(means, heldout)]]
+        errors = [
+            [m - h.scores[score].low for m, h in zip(means, heldout)],
+            [h.scores[score].high - m for m, h in zip(means, heldout)],
+        ]
         axis.bar(labels, means, yerr=errors, capsize=4, color=["grey"] + [f"C{i}" for i in range(len(results))])
         axis.set(title=f"held-out {score} (95% CI)")
     for axis in (train_axis, *score_axes):
@@ -305,22 +377,38 @@ async def learn(algos: list[str], steps: int, eval_questions: int, out: Path) ->
     results = {}
     for algo in algos:
         start = time.perf_counter()
-        results[algo] = await train(learning_config(algo, steps, eval_questions), out / algo, progress=False,
-                                    log=lambda note: None)
+        results[algo] = await train(
+            learning_config(algo, steps, eval_questions), out / algo, progress=False, log=lambda note: None
+        )
         after = results[algo].heldout[-1]
-        print(f"{algo}: {steps} steps in {time.perf_counter() - start:.0f} s; after: "
-              f"{', '.join(f'{k} {v}' for k, v in after.scores.items())}", flush=True)
+        print(
+            f"{algo}: {steps} steps in {time.perf_counter() - start:.0f} s; after: "
+            f"{', '.join(f'{k} {v}' for k, v in after.scores.items())}",
+            flush=True,
+        )
     return before, results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--algos", default=",".join(ALGOS), help=f"learners, comma-separated (default {','.join(ALGOS)})")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per learner (default {DEFAULT_STEPS})")
-    parser.add_argument("--eval-questions", type=int, default=DEFAULT_EVAL_QUESTIONS,
-                        help=f"held-out questions scored before and after (default {DEFAULT_EVAL_QUESTIONS})")
-    parser.add_argument("--trl-steps", type=int, default=DEFAULT_TRL_STEPS,
-                        help=f"TRL GRPOTrainer steps for the throughput comparison (default {DEFAULT_TRL_STEPS})")
+    parser.add_argument(
+        "--algos", default=",".join(ALGOS), help=f"learners, comma-separated (default {','.join(ALGOS)})"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per learner (default {DEFAULT_STEPS})"
+    )
+    parser.add_argument(
+        "--eval-questions",
+        type=int,
+        default=DEFAULT_EVAL_QUESTIONS,
+        help=f"held-out questions scored before and after (default {DEFAULT_EVAL_QUESTIONS})",
+    )
+    parser.add_argument(
+        "--trl-steps",
+        type=int,
+        default=DEFAULT_TRL_STEPS,
+        help=f"TRL GRPOTrainer steps for the throughput comparison (default {DEFAULT_TRL_STEPS})",
+    )
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
     parser.add_argument("--out", type=Path, help="folder for the runs and the plot (default: a temporary folder)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
@@ -342,8 +430,10 @@ def main() -> None:
     before, results = asyncio.run(learn(algos, args.steps, args.eval_questions, out))
     learning_seconds = time.perf_counter() - start
     labels = ["before training"] + [f"{algo}, step {result.steps}" for algo, result in results.items()]
-    print(f"\n=== held-out multihop-qa questions never trained on ({args.eval_questions}, greedy), 95% intervals; "
-          f"{len(algos)} learners × {args.steps} steps in {learning_seconds / 60:.1f} min")
+    print(
+        f"\n=== held-out multihop-qa questions never trained on ({args.eval_questions}, greedy), 95% intervals; "
+        f"{len(algos)} learners × {args.steps} steps in {learning_seconds / 60:.1f} min"
+    )
     print(comparison_table([before] + [result.heldout[-1] for result in results.values()], labels))
     rows = [[algo, *(f"{record['reward/mean']:+.2f}" for record in result.history)] for algo, result in results.items()]
     print("\n=== training reward per step (mean over the step's leaves)")
@@ -355,29 +445,45 @@ def main() -> None:
         trl_note = "skipped (--no-trl)"
     else:
         try:
-            trl_result = run_trl(trl_job(learning_config("grpo", args.steps, args.eval_questions), args.trl_steps),
-                                 timeout_s=3600)
+            trl_result = run_trl(
+                trl_job(learning_config("grpo", args.steps, args.eval_questions), args.trl_steps), timeout_s=3600
+            )
             trl = trl_split(trl_result)
             trl_note = f"TRL {trl_result['versions']['trl']}, {len(trl_result['steps'])} steps, first left out"
         except (RuntimeError, subprocess.TimeoutExpired) as error:
             trl_note = f"not measured: {error}"
     print(f"\n=== seconds per training step (mean over steps) and update tokens/s; TRL: {trl_note}")
     print(throughput_table(splits, trl))
-    sizes = {algo: f"{s['sequences/step']:.0f} sequences of {s['tokens/sequence']:.0f} tokens, "
-                   f"{s['generated tokens/step']:.0f} generated" for algo, s in splits.items()}
+    sizes = {
+        algo: f"{s['sequences/step']:.0f} sequences of {s['tokens/sequence']:.0f} tokens, "
+        f"{s['generated tokens/step']:.0f} generated"
+        for algo, s in splits.items()
+    }
     print("per step: " + "; ".join(f"{algo} {size}" for algo, size in sizes.items()))
 
     figure = plot(results, before, out / "learning.png")
     print(f"\nplot: {figure}\nruns: {out}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "steps": args.steps, "eval_questions": args.eval_questions, "learning_seconds": learning_seconds,
-            "before": before.record(),
-            "after": {algo: result.heldout[-1].record() for algo, result in results.items()},
-            "training_reward": {algo: [r["reward/mean"] for r in result.history] for algo, result in results.items()},
-            "throughput": splits, "trl": trl, "trl_note": trl_note, "plot": str(figure),
-        }, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "steps": args.steps,
+                    "eval_questions": args.eval_questions,
+                    "learning_seconds": learning_seconds,
+                    "before": before.record(),
+                    "after": {algo: result.heldout[-1].record() for algo, result in results.items()},
+                    "training_reward": {
+                        algo: [r["reward/mean"] for r in result.history] for algo, result in results.items()
+                    },
+                    "throughput": splits,
+                    "trl": trl,
+                    "trl_note": trl_note,
+                    "plot": str(figure),
+                },
+                indent=2,
+            )
+        )
         print(f"results written to {args.json}")
 
 

@@ -52,6 +52,7 @@ REAL_MAX_NEW_TOKENS, REAL_MAX_RESPONSE_TOKENS = 64, 768  # short, so the sequent
 
 # -- (a) loop overhead --------------------------------------------------------------------------
 
+
 def echo(text: str) -> str:
     """Repeat the text.
 
@@ -65,8 +66,10 @@ def echo(text: str) -> str:
 #: a real tool (BM25 search over HotpotQA paragraphs, three ~1000-character passages to tokenise).
 OVERHEAD_ENVS = {
     "echo": ("<echo>hi</echo>", "<answer> \\boxed{hi} </answer>"),
-    ENV_ID: ("<think>Look it up.</think>\n<search>Corliss Archer actress</search>",
-             "<answer> \\boxed{Chief of Protocol} </answer>"),
+    ENV_ID: (
+        "<think>Look it up.</think>\n<search>Corliss Archer actress</search>",
+        "<answer> \\boxed{Chief of Protocol} </answer>",
+    ),
 }
 
 
@@ -84,7 +87,7 @@ def scripted_engine(tokenizer: Any, latency_s: float, call: str, answer: str) ->
     answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
 
     def script(prompt_ids: list[int]) -> list[int]:
-        return call_ids if prompt_ids[-len(first_turn_end):] == first_turn_end else answer_ids
+        return call_ids if prompt_ids[-len(first_turn_end) :] == first_turn_end else answer_ids
 
     return ScriptedEngine(script, tokenizer=tokenizer, latency_s=latency_s, eos_token_ids=[tokenizer.eos_token_id])
 
@@ -95,13 +98,16 @@ async def run_scripted(tokenizer: Any, env_name: str, latency_s: float, concurre
     tasks = len(base.tasks)
     engine = scripted_engine(tokenizer, latency_s, *OVERHEAD_ENVS[env_name])
     start = time.perf_counter()
-    trajectories = await run_episodes(engine, episodes_for(base, [i % tasks for i in range(episodes)]),
-                                      RolloutConfig(concurrency=concurrency))
+    trajectories = await run_episodes(
+        engine, episodes_for(base, [i % tasks for i in range(episodes)]), RolloutConfig(concurrency=concurrency)
+    )
     wall = time.perf_counter() - start
     odd = [t for t in trajectories if t.status != "terminated" or len(t.turns) != 2]
     if odd:
-        raise RuntimeError(f"{len(odd)} scripted episodes did not end after their two turns, e.g. episode "
-                           f"{odd[0].index}: {odd[0].status} after {len(odd[0].turns)} turns ({odd[0].error})")
+        raise RuntimeError(
+            f"{len(odd)} scripted episodes did not end after their two turns, e.g. episode "
+            f"{odd[0].index}: {odd[0].status} after {len(odd[0].turns)} turns ({odd[0].error})"
+        )
     return wall
 
 
@@ -110,17 +116,28 @@ async def loop_overhead(tokenizer: Any, latency_s: float) -> list[dict[str, Any]
     for env_name in OVERHEAD_ENVS:
         # CPU cost of one turn: scripted episodes at latency 0, as many as the largest run of the table.
         cost_episodes = max(CONCURRENCY) * ROUNDS
-        turn_ms = 1e3 * await run_scripted(tokenizer, env_name, 0.0, max(CONCURRENCY), cost_episodes) / (2 * cost_episodes)
+        turn_ms = (
+            1e3 * await run_scripted(tokenizer, env_name, 0.0, max(CONCURRENCY), cost_episodes) / (2 * cost_episodes)
+        )
         for concurrency in CONCURRENCY:
             wall = await run_scripted(tokenizer, env_name, latency_s, concurrency, concurrency * ROUNDS)
             ideal = ROUNDS * 2 * latency_s  # each slot runs ROUNDS episodes of 2 turns back to back
-            rows.append({"env": env_name, "concurrency": concurrency, "episodes": concurrency * ROUNDS,
-                         "wall_s": wall, "ideal_s": ideal, "fraction_of_ideal": ideal / wall,
-                         "cpu_ms_per_turn": turn_ms})
+            rows.append(
+                {
+                    "env": env_name,
+                    "concurrency": concurrency,
+                    "episodes": concurrency * ROUNDS,
+                    "wall_s": wall,
+                    "ideal_s": ideal,
+                    "fraction_of_ideal": ideal / wall,
+                    "cpu_ms_per_turn": turn_ms,
+                }
+            )
     return rows
 
 
 # -- (b) and (c) real engines ---------------------------------------------------------------------
+
 
 def make_real_engine(kind: str, concurrency: int) -> Engine:
     if kind == "hf":
@@ -132,12 +149,17 @@ def make_real_engine(kind: str, concurrency: int) -> Engine:
     return VLLMEngine(DEFAULT_MODEL, max_num_seqs=concurrency, max_model_len=2048)
 
 
-async def timed_run(engine: Engine, tokenizer: Any, episodes: int, concurrency: int,
-                    limits: tuple[int, int]) -> tuple[list[Trajectory], float]:
+async def timed_run(
+    engine: Engine, tokenizer: Any, episodes: int, concurrency: int, limits: tuple[int, int]
+) -> tuple[list[Trajectory], float]:
     base = TokenEnv(agentenv.make(ENV_ID), tokenizer)
     max_new_tokens, max_response_tokens = limits
-    config = RolloutConfig(sampling=SamplingParams(temperature=0, max_new_tokens=max_new_tokens),
-                           concurrency=concurrency, max_response_tokens=max_response_tokens, keep_states=False)
+    config = RolloutConfig(
+        sampling=SamplingParams(temperature=0, max_new_tokens=max_new_tokens),
+        concurrency=concurrency,
+        max_response_tokens=max_response_tokens,
+        keep_states=False,
+    )
     start = time.perf_counter()
     trajectories = await run_episodes(engine, episodes_for(base, range(episodes)), config)
     wall = time.perf_counter() - start
@@ -147,7 +169,9 @@ async def timed_run(engine: Engine, tokenizer: Any, episodes: int, concurrency: 
     return trajectories, wall
 
 
-def real_engine(kind: str, tokenizer: Any, episodes: int, limits: tuple[int, int]) -> tuple[dict[str, Any], list[Trajectory]]:
+def real_engine(
+    kind: str, tokenizer: Any, episodes: int, limits: tuple[int, int]
+) -> tuple[dict[str, Any], list[Trajectory]]:
     engine = make_real_engine(kind, episodes)
     stats = getattr(engine, "stats", None)  # HFEngine's counters: prompt tokens, prefix-cache hits, passes
     marks = []
@@ -166,22 +190,34 @@ def real_engine(kind: str, tokenizer: Any, episodes: int, limits: tuple[int, int
     hit_fraction = rows_per_pass = None
     if stats is not None:
         before, after = marks
-        hit_fraction = ((after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens)
-                        / (after.prompt_tokens - before.prompt_tokens))
-        rows_per_pass = ((after.generated_tokens - before.generated_tokens)
-                         / (after.decode_passes - before.decode_passes))
+        hit_fraction = (after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens) / (
+            after.prompt_tokens - before.prompt_tokens
+        )
+        rows_per_pass = (after.generated_tokens - before.generated_tokens) / (
+            after.decode_passes - before.decode_passes
+        )
     tokens_c = sum(t.num_action_tokens for t in concurrent)
     tokens_s = sum(t.num_action_tokens for t in sequential)
-    row = {"engine": kind, "episodes": episodes, "concurrent_tokens": tokens_c, "concurrent_s": wall_c,
-           "concurrent_tok_per_s": tokens_c / wall_c, "sequential_tokens": tokens_s, "sequential_s": wall_s,
-           "sequential_tok_per_s": tokens_s / wall_s, "speedup": (tokens_c / wall_c) / (tokens_s / wall_s),
-           "same_ids_concurrent_vs_sequential": sum(a.ids == b.ids for a, b in zip(concurrent, sequential)),
-           "turns_per_episode": sum(len(t.turns) for t in concurrent) / episodes,
-           "prefix_cache_hit_fraction": hit_fraction, "tokens_per_decode_pass": rows_per_pass}
+    row = {
+        "engine": kind,
+        "episodes": episodes,
+        "concurrent_tokens": tokens_c,
+        "concurrent_s": wall_c,
+        "concurrent_tok_per_s": tokens_c / wall_c,
+        "sequential_tokens": tokens_s,
+        "sequential_s": wall_s,
+        "sequential_tok_per_s": tokens_s / wall_s,
+        "speedup": (tokens_c / wall_c) / (tokens_s / wall_s),
+        "same_ids_concurrent_vs_sequential": sum(a.ids == b.ids for a, b in zip(concurrent, sequential)),
+        "turns_per_episode": sum(len(t.turns) for t in concurrent) / episodes,
+        "prefix_cache_hit_fraction": hit_fraction,
+        "tokens_per_decode_pass": rows_per_pass,
+    }
     return row, concurrent
 
 
 # -- tables -----------------------------------------------------------------------------------------
+
 
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(c) for c in head], *[[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]]
@@ -196,8 +232,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--engines", default="hf,vllm", help="real engines for (b) and (c): hf, vllm, both, or none")
     parser.add_argument("--max-new-tokens", type=int, default=REAL_MAX_NEW_TOKENS, help="(b): tokens per turn")
-    parser.add_argument("--max-response-tokens", type=int, default=REAL_MAX_RESPONSE_TOKENS,
-                        help="(b): token budget per episode, tool results included")
+    parser.add_argument(
+        "--max-response-tokens",
+        type=int,
+        default=REAL_MAX_RESPONSE_TOKENS,
+        help="(b): token budget per episode, tool results included",
+    )
     parser.add_argument("--no-overhead", action="store_true", help="skip (a)")
     parser.add_argument("--latency", type=float, default=SCRIPTED_LATENCY_S, help="scripted engine latency in seconds")
     parser.add_argument("--episodes", type=int, default=REAL_EPISODES, help="episodes per real-engine run")
@@ -207,17 +247,37 @@ def main() -> None:
         parser.error(f"--engines takes hf, vllm or none, got {args.engines!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = load_tokenizer(DEFAULT_MODEL)
-    results: dict[str, Any] = {"latency_s": args.latency, "max_new_tokens": args.max_new_tokens,
-                               "max_response_tokens": args.max_response_tokens, "load_average": os.getloadavg()}
+    results: dict[str, Any] = {
+        "latency_s": args.latency,
+        "max_new_tokens": args.max_new_tokens,
+        "max_response_tokens": args.max_response_tokens,
+        "load_average": os.getloadavg(),
+    }
 
     if not args.no_overhead:
         overhead = asyncio.run(loop_overhead(tokenizer, args.latency))
         results["loop_overhead"] = overhead
-        print(f"(a) loop overhead: scripted engine with {args.latency} s per turn, episodes of 2 turns (tool call, "
-              f"answer); CPU per turn measured at latency 0")
-        print(table(["env", "concurrency", "episodes", "wall s", "ideal s", "fraction of ideal", "CPU ms/turn"],
-                    [[r["env"], r["concurrency"], r["episodes"], r["wall_s"], r["ideal_s"], r["fraction_of_ideal"],
-                      r["cpu_ms_per_turn"]] for r in overhead]))
+        print(
+            f"(a) loop overhead: scripted engine with {args.latency} s per turn, episodes of 2 turns (tool call, "
+            f"answer); CPU per turn measured at latency 0"
+        )
+        print(
+            table(
+                ["env", "concurrency", "episodes", "wall s", "ideal s", "fraction of ideal", "CPU ms/turn"],
+                [
+                    [
+                        r["env"],
+                        r["concurrency"],
+                        r["episodes"],
+                        r["wall_s"],
+                        r["ideal_s"],
+                        r["fraction_of_ideal"],
+                        r["cpu_ms_per_turn"],
+                    ]
+                    for r in overhead
+                ],
+            )
+        )
 
     rows, saved = [], {}
     for kind in engines:
@@ -226,15 +286,43 @@ def main() -> None:
         saved[kind] = trajectories
     if rows:
         results["real_engines"] = rows
-        print(f"\n(b) real engines on CPU: {args.episodes} greedy {ENV_ID} episodes, {args.max_new_tokens} tokens per "
-              f"turn, {args.max_response_tokens} per episode; concurrent loop beside one episode after another")
-        print(table(["engine", "turns/ep", "concurrent tok", "concurrent s", "tok/s", "sequential tok", "sequential s",
-                     "tok/s", "speedup", "prefix-cache hits", "rows/pass"],
-                    [[r["engine"], r["turns_per_episode"], r["concurrent_tokens"], r["concurrent_s"],
-                      r["concurrent_tok_per_s"], r["sequential_tokens"], r["sequential_s"], r["sequential_tok_per_s"],
-                      r["speedup"], "-" if r["prefix_cache_hit_fraction"] is None
-                      else f"{r['prefix_cache_hit_fraction']:.0%}",
-                      "-" if r["tokens_per_decode_pass"] is None else r["tokens_per_decode_pass"]] for r in rows]))
+        print(
+            f"\n(b) real engines on CPU: {args.episodes} greedy {ENV_ID} episodes, {args.max_new_tokens} tokens per "
+            f"turn, {args.max_response_tokens} per episode; concurrent loop beside one episode after another"
+        )
+        print(
+            table(
+                [
+                    "engine",
+                    "turns/ep",
+                    "concurrent tok",
+                    "concurrent s",
+                    "tok/s",
+                    "sequential tok",
+                    "sequential s",
+                    "tok/s",
+                    "speedup",
+                    "prefix-cache hits",
+                    "rows/pass",
+                ],
+                [
+                    [
+                        r["engine"],
+                        r["turns_per_episode"],
+                        r["concurrent_tokens"],
+                        r["concurrent_s"],
+                        r["concurrent_tok_per_s"],
+                        r["sequential_tokens"],
+                        r["sequential_s"],
+                        r["sequential_tok_per_s"],
+                        r["speedup"],
+                        "-" if r["prefix_cache_hit_fraction"] is None else f"{r['prefix_cache_hit_fraction']:.0%}",
+                        "-" if r["tokens_per_decode_pass"] is None else r["tokens_per_decode_pass"],
+                    ]
+                    for r in rows
+                ],
+            )
+        )
 
         model = load_model(DEFAULT_MODEL)
         exactness = []
@@ -247,11 +335,17 @@ def main() -> None:
             results["hf_vllm_same_greedy_episodes"] = same
         results["exactness"] = exactness
         print("\n(c) token-in-token-out: sampler log-probs vs a fresh float32 forward pass over the saved ids")
-        print(table(["engine", "action tokens", "max |diff|"],
-                    [[r["engine"], r["action_tokens"], f"{r['max_abs_logprob_diff']:.2e}"] for r in exactness]))
+        print(
+            table(
+                ["engine", "action tokens", "max |diff|"],
+                [[r["engine"], r["action_tokens"], f"{r['max_abs_logprob_diff']:.2e}"] for r in exactness],
+            )
+        )
         if len(saved) == 2:
-            print(f"HFEngine and VLLMEngine: {results['hf_vllm_same_greedy_episodes']} of {args.episodes} greedy "
-                  f"episodes token for token identical")
+            print(
+                f"HFEngine and VLLMEngine: {results['hf_vllm_same_greedy_episodes']} of {args.episodes} greedy "
+                f"episodes token for token identical"
+            )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
         print(f"\nresults written to {args.json}")

@@ -39,9 +39,11 @@ FIRST_CALL = "import numpy as np, sympy as sp\nprint(int(np.arange(10).sum()), s
 
 def _ms(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
-    return {"p50_ms": 1e3 * statistics.median(ordered),
-            "p90_ms": 1e3 * ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))],
-            "n": len(ordered)}
+    return {
+        "p50_ms": 1e3 * statistics.median(ordered),
+        "p90_ms": 1e3 * ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))],
+        "n": len(ordered),
+    }
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -76,8 +78,7 @@ def first_run(repeats: int) -> dict[str, object]:
             time.sleep(2.0)  # the model writes its first turn meanwhile
             warm.append(_timed(lambda: _checked(box, FIRST_CALL)))
     fresh = [_timed(lambda: _fresh_interpreter(FIRST_CALL)) for _ in range(repeats)]
-    return {"cold": _ms(cold), "warm": _ms(warm), "fresh_interpreter": _ms(fresh),
-            "isolation": box.isolation.mode}
+    return {"cold": _ms(cold), "warm": _ms(warm), "fresh_interpreter": _ms(fresh), "isolation": box.isolation.mode}
 
 
 def per_call(repeats: int) -> dict[str, object]:
@@ -97,16 +98,20 @@ def fork(repeats: int) -> dict[str, object]:
             start = time.perf_counter()
             child = box.fork()
             forks.append(time.perf_counter() - start)
-            first_calls.append(_timed(lambda: _checked(child, "float(samples[0, 0])")))
+            first_calls.append(_timed(lambda child=child: _checked(child, "float(samples[0, 0])")))
             child.close()
         for _ in range(repeats):
             _checked(spare, "pass")  # started and warm: replay's best case
             replica = spare.fork()  # a fresh interpreter of the warm container
-            replays.append(_timed(lambda: [_checked(replica, code) for code in EPISODE]))
+            replays.append(_timed(lambda replica=replica: [_checked(replica, code) for code in EPISODE]))
             replica.close()
-    return {"fork": _ms(forks), "first_call_after_fork": _ms(first_calls), "replay": _ms(replays),
-            "episode_calls_ms": [round(1e3 * t, 1) for t in episode],
-            "interpreter_rss_mb": round(rss, 1)}
+    return {
+        "fork": _ms(forks),
+        "first_call_after_fork": _ms(first_calls),
+        "replay": _ms(replays),
+        "episode_calls_ms": [round(1e3 * t, 1) for t in episode],
+        "interpreter_rss_mb": round(rss, 1),
+    }
 
 
 def docker(repeats: int) -> dict[str, object]:
@@ -126,8 +131,12 @@ def docker(repeats: int) -> dict[str, object]:
             for code in small_episode:
                 _checked(box, code)
             forks.append(_timed(lambda: box.fork().close()))
-    return {"first_run": _ms(first), "per_call": _ms(calls), "fork_by_replay": _ms(forks),
-            "episode": list(small_episode)}
+    return {
+        "first_run": _ms(first),
+        "per_call": _ms(calls),
+        "fork_by_replay": _ms(forks),
+        "episode": list(small_episode),
+    }
 
 
 def _importable_in_image(client) -> bool:
@@ -139,8 +148,12 @@ def _importable_in_image(client) -> bool:
 
 
 def run(repeats: int = 5) -> dict[str, object]:
-    return {"first_run": first_run(repeats), "per_call": per_call(repeats), "fork": fork(repeats),
-            "docker": docker(repeats)}
+    return {
+        "first_run": first_run(repeats),
+        "per_call": per_call(repeats),
+        "fork": fork(repeats),
+        "docker": docker(repeats),
+    }
 
 
 def table(results: dict) -> str:
@@ -149,26 +162,35 @@ def table(results: dict) -> str:
         ("first run, cold (new sandbox + call)", first["cold"], first["fresh_interpreter"]),
         ("first run, warm (sandbox made 2 s before)", first["warm"], first["fresh_interpreter"]),
         ("per-call overhead (`pass`)", call["sandbox_call"], call["fresh_interpreter"]),
-        (f"fork() of {fk['interpreter_rss_mb']:.0f} MB session vs replay", fk["fork"],
-         fk["replay"]),
+        (f"fork() of {fk['interpreter_rss_mb']:.0f} MB session vs replay", fk["fork"], fk["replay"]),
     ]
-    lines = [f"sandbox isolation: {first['isolation']}",
-             f"{'measurement':44} {'sandbox p50':>12} {'p90':>9} {'alternative p50':>16} {'ratio':>7}",
-             "-" * 92]
+    lines = [
+        f"sandbox isolation: {first['isolation']}",
+        f"{'measurement':44} {'sandbox p50':>12} {'p90':>9} {'alternative p50':>16} {'ratio':>7}",
+        "-" * 92,
+    ]
     for name, ours, other in rows:
-        lines.append(f"{name:44} {ours['p50_ms']:10.1f}ms {ours['p90_ms']:7.1f}ms "
-                     f"{other['p50_ms']:14.1f}ms {other['p50_ms'] / ours['p50_ms']:6.1f}x")
-    lines.append(f"first call in a fork: {fk['first_call_after_fork']['p50_ms']:.1f} ms p50; "
-                 f"episode calls (ms): {fk['episode_calls_ms']}")
-    lines.append("alternatives: fresh `python -c` with the same imports (first run, per call); "
-                 "replaying the episode into a warm sandbox (fork)")
+        lines.append(
+            f"{name:44} {ours['p50_ms']:10.1f}ms {ours['p90_ms']:7.1f}ms "
+            f"{other['p50_ms']:14.1f}ms {other['p50_ms'] / ours['p50_ms']:6.1f}x"
+        )
+    lines.append(
+        f"first call in a fork: {fk['first_call_after_fork']['p50_ms']:.1f} ms p50; "
+        f"episode calls (ms): {fk['episode_calls_ms']}"
+    )
+    lines.append(
+        "alternatives: fresh `python -c` with the same imports (first run, per call); "
+        "replaying the episode into a warm sandbox (fork)"
+    )
     dock = results["docker"]
     if "skipped" in dock:
         lines.append(f"DockerSandbox: not measured ({dock['skipped'][:100]})")
     else:
-        lines.append(f"DockerSandbox: first run {dock['first_run']['p50_ms']:.0f} ms, per call "
-                     f"{dock['per_call']['p50_ms']:.1f} ms, fork by replay "
-                     f"{dock['fork_by_replay']['p50_ms']:.0f} ms (p50)")
+        lines.append(
+            f"DockerSandbox: first run {dock['first_run']['p50_ms']:.0f} ms, per call "
+            f"{dock['per_call']['p50_ms']:.1f} ms, fork by replay "
+            f"{dock['fork_by_replay']['p50_ms']:.0f} ms (p50)"
+        )
     return "\n".join(lines)
 
 

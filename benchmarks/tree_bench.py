@@ -37,10 +37,10 @@ from typing import Any
 
 import agentenv
 from agentenv import TokenEnv
-from agents.rollout.diagnostics import rollout_metrics
 from agents.engines import HFEngine, SamplingParams
 from agents.models import DEFAULT_MODEL
 from agents.rollout import Episode, RolloutConfig
+from agents.rollout.diagnostics import rollout_metrics
 from agents.strategies import (
     Chain,
     EntropyBalancedBranching,
@@ -67,8 +67,9 @@ ENVS: dict[str, dict[str, Any]] = {
 }
 
 
-async def measure(engine: HFEngine, env_id: str, env: TokenEnv, strategy: Strategy, config: TreeConfig,
-                  prompts: int) -> dict:
+async def measure(
+    engine: HFEngine, env_id: str, env: TokenEnv, strategy: Strategy, config: TreeConfig, prompts: int
+) -> dict:
     """Roll the first ``prompts`` tasks of ``env`` out under ``strategy``; a summary of the batch."""
     episodes = [Episode(env.fork(), options={"index": index}) for index in range(prompts)]
     start = time.perf_counter()
@@ -77,8 +78,9 @@ async def measure(engine: HFEngine, env_id: str, env: TokenEnv, strategy: Strate
     for episode in episodes:
         episode.env.close()
     record = rollout_metrics(results, seconds)
-    print(f"{env_id} {strategy}: {record['tokens/generated']:.0f} tokens in {seconds:.0f} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"{env_id} {strategy}: {record['tokens/generated']:.0f} tokens in {seconds:.0f} s", file=sys.stderr, flush=True
+    )
     leaves = sum(len(prompt.leaves) for prompt in results)
     stats = [stats for prompt in results for stats in prompt.stats]
     return {
@@ -97,18 +99,32 @@ async def measure(engine: HFEngine, env_id: str, env: TokenEnv, strategy: Strate
     }
 
 
-async def run(prompts: int, max_new_tokens: int, max_response_tokens: int, envs: list[str],
-              strategies: list[str], json_path: str | None = None) -> dict[str, Any]:
+async def run(
+    prompts: int,
+    max_new_tokens: int,
+    max_response_tokens: int,
+    envs: list[str],
+    strategies: list[str],
+    json_path: str | None = None,
+) -> dict[str, Any]:
     """Measure every (env, strategy) pair; prints each row as it is done (and rewrites ``json_path``)."""
     engine = HFEngine(DEFAULT_MODEL, max_batch_size=32, seed=0)
-    turns = RolloutConfig(sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
-                          max_response_tokens=max_response_tokens)
+    turns = RolloutConfig(
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), max_response_tokens=max_response_tokens
+    )
     config = TreeConfig(rollout=turns, seed=0)
     results: dict[str, Any] = {
-        "config": {"model": DEFAULT_MODEL, "prompts": prompts, "max_new_tokens": max_new_tokens,
-                   "max_response_tokens": max_response_tokens, "temperature": 1.0, "seed": 0,
-                   "envs": {env_id: ENVS[env_id] for env_id in envs}},
-        "rows": []}
+        "config": {
+            "model": DEFAULT_MODEL,
+            "prompts": prompts,
+            "max_new_tokens": max_new_tokens,
+            "max_response_tokens": max_response_tokens,
+            "temperature": 1.0,
+            "seed": 0,
+            "envs": {env_id: ENVS[env_id] for env_id in envs},
+        },
+        "rows": [],
+    }
     print_header(results["config"])
     try:
         for env_id in envs:
@@ -119,8 +135,14 @@ async def run(prompts: int, max_new_tokens: int, max_response_tokens: int, envs:
                 tree = await measure(engine, env_id, env, strategy, config, prompts)
                 if leaves not in chains:
                     chains[leaves] = await measure(engine, env_id, env, Chain(leaves), config, prompts)
-                row = {"env": env_id, "strategy": name, "chain_leaves": leaves, "tree": tree, "chain": chains[leaves],
-                       "tokens_per_leaf_ratio": tree["tokens_per_leaf"] / chains[leaves]["tokens_per_leaf"]}
+                row = {
+                    "env": env_id,
+                    "strategy": name,
+                    "chain_leaves": leaves,
+                    "tree": tree,
+                    "chain": chains[leaves],
+                    "tokens_per_leaf_ratio": tree["tokens_per_leaf"] / chains[leaves]["tokens_per_leaf"],
+                }
                 results["rows"].append(row)
                 print_row(row)
                 if json_path:
@@ -134,28 +156,36 @@ async def run(prompts: int, max_new_tokens: int, max_response_tokens: int, envs:
 
 
 def print_header(config: dict[str, Any]) -> None:
-    print(f"{config['model']} on CPU, {config['prompts']} prompts per env, turns of at most "
-          f"{config['max_new_tokens']} tokens, {config['max_response_tokens']} tokens per path")
-    print(f"{'env':<12}{'strategy':<33}{'leaves':>7}{'tok/leaf':>9}{'chain':>7}{'ratio':>7}{'ctx/leaf':>9}"
-          f"{'chain':>7}{'wall s':>8}{'chain':>7}{'forks':>7}{'fork ms':>9}{'signal':>8}{'chain':>7}{'errors':>7}",
-          flush=True)
+    print(
+        f"{config['model']} on CPU, {config['prompts']} prompts per env, turns of at most "
+        f"{config['max_new_tokens']} tokens, {config['max_response_tokens']} tokens per path"
+    )
+    print(
+        f"{'env':<12}{'strategy':<33}{'leaves':>7}{'tok/leaf':>9}{'chain':>7}{'ratio':>7}{'ctx/leaf':>9}"
+        f"{'chain':>7}{'wall s':>8}{'chain':>7}{'forks':>7}{'fork ms':>9}{'signal':>8}{'chain':>7}{'errors':>7}",
+        flush=True,
+    )
 
 
 def print_row(row: dict[str, Any]) -> None:
     tree, chain = row["tree"], row["chain"]
-    print(f"{row['env']:<12}{row['strategy']:<33}{tree['leaves_per_prompt']:>7.1f}{tree['tokens_per_leaf']:>9.1f}"
-          f"{chain['tokens_per_leaf']:>7.1f}{row['tokens_per_leaf_ratio']:>7.2f}"
-          f"{tree['context_tokens_per_leaf']:>9.0f}{chain['context_tokens_per_leaf']:>7.0f}{tree['seconds']:>8.1f}"
-          f"{chain['seconds']:>7.1f}{tree['forks']:>7d}{1e3 * tree['fork_seconds']:>9.1f}"
-          f"{tree['signal_frac']:>8.2f}{chain['signal_frac']:>7.2f}{int(tree['errors'] + chain['errors']):>7d}",
-          flush=True)
+    print(
+        f"{row['env']:<12}{row['strategy']:<33}{tree['leaves_per_prompt']:>7.1f}{tree['tokens_per_leaf']:>9.1f}"
+        f"{chain['tokens_per_leaf']:>7.1f}{row['tokens_per_leaf_ratio']:>7.2f}"
+        f"{tree['context_tokens_per_leaf']:>9.0f}{chain['context_tokens_per_leaf']:>7.0f}{tree['seconds']:>8.1f}"
+        f"{chain['seconds']:>7.1f}{tree['forks']:>7d}{1e3 * tree['fork_seconds']:>9.1f}"
+        f"{tree['signal_frac']:>8.2f}{chain['signal_frac']:>7.2f}{int(tree['errors'] + chain['errors']):>7d}",
+        flush=True,
+    )
 
 
 def print_legend() -> None:
-    print("leaves: per prompt; tok/leaf: generated tokens per leaf (tree, then Chain with as many leaves) and "
-          "their ratio;\nctx/leaf: context tokens the engine read per leaf (tree, Chain); wall s: the batch "
-          "(tree, Chain);\nforks and fork ms: the tree's env forks; signal: fraction of prompts whose leaf "
-          "rewards differ.")
+    print(
+        "leaves: per prompt; tok/leaf: generated tokens per leaf (tree, then Chain with as many leaves) and "
+        "their ratio;\nctx/leaf: context tokens the engine read per leaf (tree, Chain); wall s: the batch "
+        "(tree, Chain);\nforks and fork ms: the tree's env forks; signal: fraction of prompts whose leaf "
+        "rewards differ."
+    )
 
 
 def main() -> None:
@@ -163,18 +193,24 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--prompts", type=int, default=2, help="tasks per environment (default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per turn (default 24)")
-    parser.add_argument("--max-response-tokens", type=int, default=320,
-                        help="tokens per root-to-leaf path, tool results included (default 320)")
+    parser.add_argument(
+        "--max-response-tokens",
+        type=int,
+        default=320,
+        help="tokens per root-to-leaf path, tool results included (default 320)",
+    )
     parser.add_argument("--envs", default=",".join(ENVS), help=f"comma-separated, from {', '.join(ENVS)}")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES),
-                        help=f"comma-separated, from: {'; '.join(STRATEGIES)}")
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help=f"comma-separated, from: {'; '.join(STRATEGIES)}"
+    )
     args = parser.parse_args()
     envs = [name.strip() for name in args.envs.split(",") if name.strip()]
     strategies = [name.strip() for name in args.strategies.split(",") if name.strip()]
     unknown = [name for name in envs if name not in ENVS] + [name for name in strategies if name not in STRATEGIES]
     if unknown:
-        parser.error(f"unknown env or strategy {unknown}; choose envs from {list(ENVS)} and strategies from "
-                     f"{list(STRATEGIES)}")
+        parser.error(
+            f"unknown env or strategy {unknown}; choose envs from {list(ENVS)} and strategies from {list(STRATEGIES)}"
+        )
     if args.prompts < 1 or args.max_new_tokens < 1 or args.max_response_tokens < 1:
         parser.error("--prompts, --max-new-tokens and --max-response-tokens must be >= 1")
     asyncio.run(run(args.prompts, args.max_new_tokens, args.max_response_tokens, envs, strategies, args.json))

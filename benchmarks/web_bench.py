@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def make_corpus(size: int) -> list[dict[str, str]]:
     """``size`` rows of Search-R1's ``{id, contents}``: the shipped paragraphs, repeated with distinct ids."""
     base = union_corpus()
-    return [{"id": f"{i}", "contents": f'"{base[i % len(base)].title}"\n{base[i % len(base)].text}'}
-            for i in range(size)]
+    return [
+        {"id": f"{i}", "contents": f'"{base[i % len(base)].title}"\n{base[i % len(base)].text}'} for i in range(size)
+    ]
 
 
 def questions(n: int) -> list[str]:
@@ -52,8 +53,12 @@ def questions(n: int) -> list[str]:
 
 def _stats(latencies_s: list[float], queries: int, elapsed_s: float) -> dict[str, float]:
     ms = sorted(x * 1e3 for x in latencies_s)
-    return {"qps": queries / elapsed_s, "p50_ms": statistics.median(ms),
-            "p99_ms": ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))], "requests": len(ms)}
+    return {
+        "qps": queries / elapsed_s,
+        "p50_ms": statistics.median(ms),
+        "p99_ms": ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))],
+        "requests": len(ms),
+    }
 
 
 def bench_local(index: BM25Search, queries: list[str]) -> dict[str, float]:
@@ -68,7 +73,7 @@ def bench_local(index: BM25Search, queries: list[str]) -> dict[str, float]:
 
 async def bench_server(url: str, queries: list[str], *, clients: int, batch: int) -> dict[str, float]:
     client = RemoteSearch(url, timeout=120)
-    requests = iter([queries[i:i + batch] for i in range(0, len(queries), batch)])
+    requests = iter([queries[i : i + batch] for i in range(0, len(queries), batch)])
     latencies: list[float] = []
 
     async def worker() -> None:
@@ -95,17 +100,25 @@ def bench_size(size: int, queries: list[str]) -> dict[str, object]:
         rows = make_corpus(size)
         corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
         env = {**os.environ, "AGENTENV_CACHE": str(Path(tmp) / "cache")}  # cold: nothing cached yet
-        server = subprocess.Popen([sys.executable, "-m", "agentenv.serve", "retrieval", "--corpus", str(corpus),
-                                   "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "agentenv.serve", "retrieval", "--corpus", str(corpus), "--port", "0"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         try:
             banner = server.stdout.readline()
             if not banner.startswith("Serving"):
                 raise RuntimeError(f"the retrieval server did not start: {banner!r}")
             url = banner.split(" on ", 1)[1].split()[0]
             health = asyncio.run(_health(url))
-            result: dict[str, object] = {"passages": size, "build_s": health["build_seconds"],
-                                         "server_peak_rss_mb": health["peak_rss_mb"]}
+            result: dict[str, object] = {
+                "passages": size,
+                "build_s": health["build_seconds"],
+                "server_peak_rss_mb": health["peak_rss_mb"],
+            }
             passages = load_corpus(corpus)  # exactly what the server indexed, so its cached index is found
             previous = os.environ.get("AGENTENV_CACHE")
             os.environ["AGENTENV_CACHE"] = env["AGENTENV_CACHE"]  # the in-process index loads what the server built
@@ -133,18 +146,22 @@ def bench_size(size: int, queries: list[str]) -> dict[str, object]:
 
 def print_table(results: list[dict[str, object]]) -> None:
     print(f"{'passages':>9}  {'mode':<34}{'queries/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'vs seq':>8}")
-    labels = {"local_sequential": "local index, one at a time",
-              "server_sequential": "server, 1 sequential client",
-              "server_concurrent": f"server, {CONCURRENCY} concurrent clients",
-              "server_batched": f"server, {CONCURRENCY} queries per request"}
+    labels = {
+        "local_sequential": "local index, one at a time",
+        "server_sequential": "server, 1 sequential client",
+        "server_concurrent": f"server, {CONCURRENCY} concurrent clients",
+        "server_batched": f"server, {CONCURRENCY} queries per request",
+    }
     for r in results:
         base = r["server_sequential"]["qps"]  # type: ignore[index]
         for key, label in labels.items():
             s = r[key]  # type: ignore[index]
             ratio = f"{s['qps'] / base:>7.2f}x" if key.startswith("server") else ""
             print(f"{r['passages']:>9,}  {label:<34}{s['qps']:>10.0f}{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{ratio}")
-        print(f"{'':>9}  index build {r['build_s']:.1f} s (cold), load from cache {r['load_cached_s']:.1f} s, "
-              f"server peak memory {r['server_peak_rss_mb']:.0f} MB")
+        print(
+            f"{'':>9}  index build {r['build_s']:.1f} s (cold), load from cache {r['load_cached_s']:.1f} s, "
+            f"server peak memory {r['server_peak_rss_mb']:.0f} MB"
+        )
     print(f"(latency is per request: one query, or {CONCURRENCY} in the batched mode)")
 
 

@@ -36,5 +36,14 @@ from sandboxes.limits import Limits
 from sandboxes.local_sandbox import DEFAULT_PREIMPORT, LocalSandbox
 from sandboxes.result import KilledBy, Result
 
-__all__ = ["DEFAULT_PREIMPORT", "DockerSandbox", "Isolation", "KilledBy", "Limits", "LocalSandbox",
-           "Result", "Sandbox", "SandboxError"]
+__all__ = [
+    "DEFAULT_PREIMPORT",
+    "DockerSandbox",
+    "Isolation",
+    "KilledBy",
+    "Limits",
+    "LocalSandbox",
+    "Result",
+    "Sandbox",
+    "SandboxError",
+]

@@ -64,7 +64,7 @@ async def adrive(operation: Operation[T]) -> T:
             try:
                 await asyncio.wait_for(ready_future, _remaining(wait.deadline))
                 ready = True
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 ready = False
             finally:
                 (loop.remove_writer if wait.writable else loop.remove_reader)(wait.fd)

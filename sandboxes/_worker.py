@@ -227,8 +227,9 @@ def fork_sibling():
     libc.syscall.restype = ctypes.c_long
     null = ctypes.c_void_p(None)  # no new stack (the child continues on a copy of ours), no tids
     ctypes.pythonapi.PyOS_BeforeFork()
-    pid = libc.syscall(ctypes.c_long(SYS_CLONE), ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD),
-                       null, null, null, ctypes.c_ulong(0))
+    pid = libc.syscall(
+        ctypes.c_long(SYS_CLONE), ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD), null, null, null, ctypes.c_ulong(0)
+    )
     if pid == 0:
         ctypes.pythonapi.PyOS_AfterFork_Child()
     else:
@@ -416,8 +417,7 @@ class Interpreter:
             "value": value,
             "error": error,
             "error_type": error_type,
-            "truncated": bool(stdout_cut or stderr_cut or value_cut or error_cut
-                              or out.dropped or err.dropped),
+            "truncated": bool(stdout_cut or stderr_cut or value_cut or error_cut or out.dropped or err.dropped),
             "seconds": time.monotonic() - start,
         }
 
@@ -636,8 +636,7 @@ class Anchor:
         try:
             pid = os.fork()
         except OSError as exc:
-            self.notify(sid, {"op": "exit", "code": None, "error": "spawn failed: %s" % exc},
-                        close=True)
+            self.notify(sid, {"op": "exit", "code": None, "error": "spawn failed: %s" % exc}, close=True)
             return
         if pid == 0:
             self.become_interpreter(sid)
@@ -662,8 +661,7 @@ class Anchor:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             set_limits(self.config["limits"])
             enter_scratch(sid)
-            interpreter = Interpreter(PacketChannel(socket.socket(fileno=3)),
-                                      self.config["output_bytes"], sid)
+            interpreter = Interpreter(PacketChannel(socket.socket(fileno=3)), self.config["output_bytes"], sid)
             interpreter.channel.send({"op": "hello"})
             interpreter.serve()
         except BaseException:
@@ -678,8 +676,7 @@ class Anchor:
             self.notify(sid, {"op": "exit", "code": self.unclaimed_exits.pop(pid)}, close=True)
             return
         if pid in self.pids.values() or not self.is_fork(pid):
-            self.notify(sid, {"op": "exit", "code": None, "error": "not a fork of this sandbox"},
-                        close=True)
+            self.notify(sid, {"op": "exit", "code": None, "error": "not a fork of this sandbox"}, close=True)
             return
         self.pids[sid] = pid
 

@@ -8,6 +8,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from sandboxes.limits import Limits
 from sandboxes.result import Result
@@ -33,7 +34,12 @@ class Sandbox(abc.ABC):
     One call at a time per sandbox; use ``fork()`` for parallel branches.
     """
 
-    limits: Limits
+    if TYPE_CHECKING:  # read-only for callers; a backend stores it (DockerSandbox) or derives it (LocalSandbox)
+
+        @property
+        def limits(self) -> Limits:
+            """The limits every call runs under."""
+
     _busy: bool = False  # a call is running (one at a time per sandbox)
 
     @abc.abstractmethod
@@ -61,27 +67,33 @@ class Sandbox(abc.ABC):
     def __enter__(self) -> Sandbox:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def _check_call(self, code: str, timeout: float) -> None:
         """Reject bad arguments and calls on a closed sandbox with a clear message."""
         if self.closed:
-            raise SandboxError(f"{type(self).__name__} is closed; create a new one or fork() "
-                               "an open one")
+            raise SandboxError(f"{type(self).__name__} is closed; create a new one or fork() an open one")
         if not isinstance(code, str):
             raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                or not math.isfinite(timeout) or timeout <= 0:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
     @contextlib.contextmanager
     def _one_call(self) -> Iterator[None]:
         """Hold the sandbox for one call; a second concurrent call is refused, not interleaved."""
         if self._busy:
-            raise SandboxError("this sandbox is already running a call; run one call at a time "
-                               "per sandbox and fork() it for parallel branches")
+            raise SandboxError(
+                "this sandbox is already running a call; run one call at a time "
+                "per sandbox and fork() it for parallel branches"
+            )
         self._busy = True
         try:
             yield

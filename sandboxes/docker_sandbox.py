@@ -32,7 +32,7 @@ from sandboxes.base import Sandbox, SandboxError
 from sandboxes.isolation import SAFE_ENVIRONMENT
 from sandboxes.limits import Limits
 from sandboxes.local_sandbox import DEFAULT_PREIMPORT, WORKER_SOURCE
-from sandboxes.result import Result, killed_by_exit_code, killed_result, result_from_reply
+from sandboxes.result import KilledBy, Result, killed_by_exit_code, killed_result, result_from_reply
 
 DEFAULT_IMAGE = "python:3.11-slim"  # needs numpy/sympy installed to pre-import them
 SCRATCH = "/scratch"
@@ -52,15 +52,19 @@ def connect() -> docker.DockerClient:
     except Exception as exc:  # docker raises several unrelated types for "no engine"
         raise SandboxError(
             f"DockerSandbox needs a running Docker engine, and none answered ({exc}). Start "
-            "Docker (or set DOCKER_HOST), or use sandboxes.LocalSandbox") from None
+            "Docker (or set DOCKER_HOST), or use sandboxes.LocalSandbox"
+        ) from None
     return client
 
 
-def container_config(limits: Limits, image: str, python: str, preimport: Iterable[str]
-                     ) -> dict[str, Any]:
+def container_config(limits: Limits, image: str, python: str, preimport: Iterable[str]) -> dict[str, Any]:
     """Keyword arguments of ``client.containers.create`` for one sandbox container."""
-    config = {"limits": limits.rlimits(), "output_bytes": limits.output_bytes,
-              "preimport": list(preimport), "scratch": SCRATCH}
+    config = {
+        "limits": limits.rlimits(),
+        "output_bytes": limits.output_bytes,
+        "preimport": list(preimport),
+        "scratch": SCRATCH,
+    }
     return {
         "image": image,
         "command": [python, "-I", "-B", "-c", WORKER_SOURCE, "stdio", json.dumps(config)],
@@ -70,14 +74,18 @@ def container_config(limits: Limits, image: str, python: str, preimport: Iterabl
         "init": True,  # a real PID 1 reaps and forwards signals; the interpreter is not PID 1
         "network_mode": "none",
         "read_only": True,
-        "tmpfs": {SCRATCH: f"rw,size={limits.scratch_bytes},mode=1777",
-                  "/tmp": f"rw,size={limits.scratch_bytes},mode=1777"},
+        "tmpfs": {
+            SCRATCH: f"rw,size={limits.scratch_bytes},mode=1777",
+            "/tmp": f"rw,size={limits.scratch_bytes},mode=1777",
+        },
         "mem_limit": limits.memory_bytes,
         "memswap_limit": limits.memory_bytes,  # no swap beyond the memory limit
         "pids_limit": limits.max_processes,
-        "ulimits": [Ulimit(name="nofile", soft=limits.open_files, hard=limits.open_files),
-                    Ulimit(name="fsize", soft=limits.file_size_bytes, hard=limits.file_size_bytes),
-                    Ulimit(name="core", soft=0, hard=0)],
+        "ulimits": [
+            Ulimit(name="nofile", soft=limits.open_files, hard=limits.open_files),
+            Ulimit(name="fsize", soft=limits.file_size_bytes, hard=limits.file_size_bytes),
+            Ulimit(name="core", soft=0, hard=0),
+        ],
         "user": "65534:65534",
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges"],
@@ -166,9 +174,17 @@ class DockerSandbox(Sandbox):
     ``docker.DockerClient`` (default: ``docker.from_env()``).
     """
 
-    def __init__(self, limits: Limits | None = None, *, image: str = DEFAULT_IMAGE,
-                 python: str = "python3", preimport: Iterable[str] = DEFAULT_PREIMPORT,
-                 client: docker.DockerClient | None = None) -> None:
+    limits: Limits
+
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        *,
+        image: str = DEFAULT_IMAGE,
+        python: str = "python3",
+        preimport: Iterable[str] = DEFAULT_PREIMPORT,
+        client: docker.DockerClient | None = None,
+    ) -> None:
         limits = Limits() if limits is None else limits
         if not isinstance(limits, Limits):
             raise TypeError(f"limits must be a sandboxes.Limits, got {type(limits).__name__}")
@@ -195,17 +211,20 @@ class DockerSandbox(Sandbox):
         try:
             container = self._client.containers.create(**self._config)
             attached = self._client.api.attach_socket(
-                container.id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+                container.id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+            )
             container.start()
         except docker.errors.ImageNotFound:
-            raise SandboxError(f"Docker image {self._image!r} is not available; `docker pull "
-                               f"{self._image}` or pass image=... with Python inside") from None
+            raise SandboxError(
+                f"Docker image {self._image!r} is not available; `docker pull "
+                f"{self._image}` or pass image=... with Python inside"
+            ) from None
         except docker.errors.DockerException as exc:
             raise SandboxError(f"could not start the sandbox container: {exc}") from None
         self._holder.container = container
         self._holder.stream = _AttachStream(attached, 6 * 4 * self.limits.output_bytes + (1 << 20))
 
-    def _exit_reason(self) -> tuple[str, int | None]:
+    def _exit_reason(self) -> tuple[KilledBy, int | None]:
         """Why the container's interpreter ended: (killed_by, exit code or -signal)."""
         container = self._holder.container
         try:
@@ -228,11 +247,14 @@ class DockerSandbox(Sandbox):
             self._start()
         state_lost, self._lost = self._lost, False
         start = time.monotonic()
-        killed_by, exit_code, reply = None, None, None
+        killed_by: KilledBy | None = None
+        exit_code: int | None = None
+        reply: dict | None = None
+        stream = self._holder.stream
+        assert stream is not None  # _start() attaches it with the container; remove() drops both
         try:
-            self._holder.stream.send({"op": "run", "code": code,
-                                      "cpu": self.limits.cpu_for(timeout)})
-            reply = self._holder.stream.receive(start + timeout)
+            stream.send({"op": "run", "code": code, "cpu": self.limits.cpu_for(timeout)})
+            reply = stream.receive(start + timeout)
             if reply is None:
                 killed_by, exit_code = self._exit_reason()
             elif reply.get("op") != "result":
@@ -247,25 +269,31 @@ class DockerSandbox(Sandbox):
         if killed_by is not None:
             self._holder.remove()  # the next call starts a fresh container
             self._lost, self._calls = True, []
-            return killed_result(killed_by, limits=self.limits, timeout=timeout,
-                                 wall_time=wall_time, state_lost=state_lost, exit_code=exit_code)
+            return killed_result(
+                killed_by,
+                limits=self.limits,
+                timeout=timeout,
+                wall_time=wall_time,
+                state_lost=state_lost,
+                exit_code=exit_code,
+            )
         self._calls.append((code, timeout))
-        return result_from_reply(reply, limits=self.limits, wall_time=wall_time,
-                                 state_lost=state_lost)
+        assert reply is not None  # a None reply sets killed_by
+        return result_from_reply(reply, limits=self.limits, wall_time=wall_time, state_lost=state_lost)
 
     def fork(self) -> DockerSandbox:
         """A new container with this session's calls replayed into it (see the module doc)."""
         if self.closed:
             raise SandboxError("DockerSandbox is closed; fork() an open sandbox")
         with self._one_call():
-            child = DockerSandbox(self.limits, image=self._image, python=self._python,
-                                  preimport=self._preimport, client=self._client)
+            child = DockerSandbox(
+                self.limits, image=self._image, python=self._python, preimport=self._preimport, client=self._client
+            )
             try:
                 for code, timeout in self._calls:
                     replayed = child.run(code, timeout)
                     if replayed.killed_by is not None:
-                        raise SandboxError("fork() could not replay the session: "
-                                           + replayed.notes[-1])
+                        raise SandboxError("fork() could not replay the session: " + replayed.notes[-1])
             except BaseException:
                 child.close()
                 raise

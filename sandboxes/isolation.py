@@ -38,8 +38,19 @@ OWN_USER = "a user id of its own (cannot touch files or processes of other users
 WALL_CLOCK = "wall-clock timeout that kills the interpreter and all its processes"
 OUTPUT_CAP = "output capped per call"
 
-BUBBLEWRAP_PROTECTIONS = (NETWORK, PID_NAMESPACE, READ_ONLY, NO_HOST_FILES, PRIVATE_SCRATCH,
-                          KERNEL_CLEANUP, RLIMITS, CLEAN_ENV, OWN_USER, WALL_CLOCK, OUTPUT_CAP)
+BUBBLEWRAP_PROTECTIONS = (
+    NETWORK,
+    PID_NAMESPACE,
+    READ_ONLY,
+    NO_HOST_FILES,
+    PRIVATE_SCRATCH,
+    KERNEL_CLEANUP,
+    RLIMITS,
+    CLEAN_ENV,
+    OWN_USER,
+    WALL_CLOCK,
+    OUTPUT_CAP,
+)
 SAFE_ENVIRONMENT = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
@@ -75,11 +86,13 @@ def python_prefixes(python: str) -> tuple[str, ...]:
     else:
         query = "import sys; print('\\n'.join({sys.prefix, sys.base_prefix, sys.exec_prefix}))"
         try:
-            out = subprocess.run([python, "-I", "-c", query], capture_output=True, text=True,
-                                 timeout=30, check=True).stdout
+            out = subprocess.run(
+                [python, "-I", "-c", query], capture_output=True, text=True, timeout=30, check=True
+            ).stdout
         except (OSError, subprocess.SubprocessError) as exc:
-            raise ValueError(f"python={python!r} cannot be run ({exc}); pass the path of a "
-                             "working Python 3 interpreter") from exc
+            raise ValueError(
+                f"python={python!r} cannot be run ({exc}); pass the path of a working Python 3 interpreter"
+            ) from exc
         found = set(out.split())
     found.add(str(Path(os.path.realpath(python)).parent.parent))
     return tuple(sorted(p for p in found if p and p != "/usr" and not p.startswith("/usr/")))
@@ -112,8 +125,17 @@ def bubblewrap_works(bwrap: str) -> bool:
 
 
 def namespace_options() -> list[str]:
-    options = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-               "--unshare-cgroup-try", "--as-pid-1", "--new-session", "--hostname", "sandbox"]
+    options = [
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--as-pid-1",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+    ]
     if os.geteuid() == 0:
         # Privileged bubblewrap: the anchor keeps only what it needs to switch to its own user.
         return options + ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
@@ -128,8 +150,7 @@ def bubblewrap_argv(bwrap: str, python: str, limits: Limits) -> list[str]:
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
-    for path in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
-                 "/etc/alternatives"):
+    for path in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives"):
         argv += ["--ro-bind-try", path, path]
     made: set[Path] = set()
     for prefix in python_prefixes(python):
@@ -138,10 +159,27 @@ def bubblewrap_argv(bwrap: str, python: str, limits: Limits) -> list[str]:
                 made.add(parent)
                 argv += ["--perms", "0755", "--dir", str(parent)]
         argv += ["--ro-bind", prefix, prefix]
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(limits.scratch_bytes), "--perms", "1777", "--tmpfs", SCRATCH,
-             "--size", str(limits.scratch_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
-             "--chdir", SCRATCH, "--clearenv"]
+    argv += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(limits.scratch_bytes),
+        "--perms",
+        "1777",
+        "--tmpfs",
+        SCRATCH,
+        "--size",
+        str(limits.scratch_bytes),
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/dev/shm",
+        "--chdir",
+        SCRATCH,
+        "--clearenv",
+    ]
     if Path("/tmp") not in made:  # (a Python installed under /tmp keeps its folder there)
         argv += ["--symlink", SCRATCH, "/tmp"]
     for name, value in SAFE_ENVIRONMENT.items():
@@ -166,9 +204,10 @@ def choose(isolation: str, python: str) -> tuple[Isolation, str | None]:
         return Isolation("bubblewrap", BUBBLEWRAP_PROTECTIONS, (), uid), bwrap
     if isolation == "bubblewrap":
         raise RuntimeError(
-            "isolation='bubblewrap' but " + ("bubblewrap cannot create namespaces here"
-                                              if bwrap else "bwrap is not installed")
-            + "; install it (Debian/Ubuntu: apt-get install bubblewrap) or pass isolation='auto'")
+            "isolation='bubblewrap' but "
+            + ("bubblewrap cannot create namespaces here" if bwrap else "bwrap is not installed")
+            + "; install it (Debian/Ubuntu: apt-get install bubblewrap) or pass isolation='auto'"
+        )
     in_force = [RLIMITS, CLEAN_ENV, WALL_CLOCK, OUTPUT_CAP]
     missing = [NETWORK, PID_NAMESPACE, READ_ONLY, NO_HOST_FILES, PRIVATE_SCRATCH, KERNEL_CLEANUP]
     uid = None
@@ -176,13 +215,14 @@ def choose(isolation: str, python: str) -> tuple[Isolation, str | None]:
         uid = sandbox_uid()
         in_force.append(OWN_USER)
     else:
-        missing.append(OWN_USER + (" — running as root: the code can lift its own limits"
-                                   if os.geteuid() == 0 else ""))
+        missing.append(OWN_USER + (" — running as root: the code can lift its own limits" if os.geteuid() == 0 else ""))
     chosen = Isolation("process", tuple(in_force), tuple(missing), uid)
     if isolation == "auto" and "process" not in _warned:
         _warned.add("process")
         warnings.warn(
             "bubblewrap (bwrap) is not usable, so sandboxes run as plain processes. "
             "Install it (apt-get install bubblewrap) for full isolation.\n" + chosen.describe(),
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return chosen, None

@@ -40,8 +40,10 @@ class Limits:
                 "with numpy loaded; use at least 256 MiB (268435456)"
             )
         if self.max_processes < 4:
-            raise ValueError("Limits.max_processes must be at least 4 (the anchor, an interpreter, "
-                             f"and room for forks), got {self.max_processes}")
+            raise ValueError(
+                "Limits.max_processes must be at least 4 (the anchor, an interpreter, "
+                f"and room for forks), got {self.max_processes}"
+            )
 
     def cpu_for(self, timeout: float) -> float:
         """CPU seconds allowed to a call with this wall-clock timeout."""

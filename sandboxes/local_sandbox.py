@@ -26,13 +26,14 @@ import warnings
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from sandboxes import _worker
 from sandboxes._driver import Operation, Wait, adrive, drive
 from sandboxes.base import Sandbox, SandboxError
 from sandboxes.isolation import SAFE_ENVIRONMENT, SCRATCH, Isolation, bubblewrap_argv, choose
 from sandboxes.limits import Limits
-from sandboxes.result import Result, killed_by_exit_code, killed_result, result_from_reply
+from sandboxes.result import KilledBy, Result, killed_by_exit_code, killed_result, result_from_reply
 
 DEFAULT_PREIMPORT = ("math", "fractions", "itertools", "collections", "numpy", "sympy")
 STARTUP_SECONDS = 120.0  # a cold container imports numpy and sympy from disk first
@@ -72,10 +73,12 @@ class _Channel:
     def close(self) -> None:
         self.sock.close()
 
-    def send(self, message: dict, fds: Iterable[int] = (), deadline: float | None = None
-             ) -> Operation[None]:
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, b"".join(
-            fd.to_bytes(4, sys.byteorder, signed=True) for fd in fds))] if fds else []
+    def send(self, message: dict, fds: Iterable[int] = (), deadline: float | None = None) -> Operation[None]:
+        rights = (
+            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in fds))]
+            if fds
+            else []
+        )
         for i, packet in enumerate(_worker.packets(message)):
             while True:
                 try:
@@ -134,10 +137,16 @@ class _Family:
         self._sids = itertools.count()
         self._lock = threading.Lock()
         host_end, anchor_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        config = {"control_fd": anchor_end.fileno(), "uid": None, "preimport": list(spec.preimport),
-                  "limits": spec.limits.rlimits(), "output_bytes": spec.limits.output_bytes}
+        config: dict[str, Any] = {
+            "control_fd": anchor_end.fileno(),
+            "uid": None,
+            "preimport": list(spec.preimport),
+            "limits": spec.limits.rlimits(),
+            "output_bytes": spec.limits.output_bytes,
+        }
         options: dict = {}
         if spec.isolation.mode == "bubblewrap":
+            assert spec.bwrap is not None  # choose() returns the bwrap path with this mode
             argv = bubblewrap_argv(spec.bwrap, spec.python, spec.limits)
             config.update(pid1=True, scratch=SCRATCH, uid=spec.isolation.run_as_uid)
         else:
@@ -148,14 +157,20 @@ class _Family:
                 options = {"user": uid, "group": uid, "extra_groups": []}
             argv = [spec.python]
             config.update(pid1=False, scratch=self.scratch_dir)
-            options.update(cwd=self.scratch_dir, env={
-                **SAFE_ENVIRONMENT, "HOME": self.scratch_dir, "TMPDIR": self.scratch_dir})
+            options.update(
+                cwd=self.scratch_dir, env={**SAFE_ENVIRONMENT, "HOME": self.scratch_dir, "TMPDIR": self.scratch_dir}
+            )
         argv += ["-I", "-B", "-c", WORKER_SOURCE, "anchor", json.dumps(config)]
         try:
             self.process = subprocess.Popen(
-                argv, pass_fds=[anchor_end.fileno()], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                **options)
+                argv,
+                pass_fds=[anchor_end.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                **options,
+            )
         except OSError as exc:
             host_end.close()
             self._remove_scratch()
@@ -194,9 +209,12 @@ class _Family:
             self.anchor_pid = pid
             failed = _worker.decode(data[1:]).get("failed_imports") or {}
             if failed:
-                warnings.warn("sandbox pre-imports failed (the modules stay unavailable inside): "
-                              + "; ".join(f"{k}: {v}" for k, v in failed.items()),
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    "sandbox pre-imports failed (the modules stay unavailable inside): "
+                    + "; ".join(f"{k}: {v}" for k, v in failed.items()),
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return self.anchor_pid
 
     def command(self, message: dict, fds: Iterable[int] = ()) -> Operation[None]:
@@ -213,9 +231,11 @@ class _Family:
             self.process.wait(timeout=CONTROL_SECONDS)
         except subprocess.TimeoutExpired:
             return "the sandbox process is still running"
-        os.set_blocking(self.process.stderr.fileno(), False)
+        stderr = self.process.stderr
+        assert stderr is not None  # started with stderr=PIPE
+        os.set_blocking(stderr.fileno(), False)
         try:
-            text = (self.process.stderr.read() or b"").decode("utf-8", "replace").strip()
+            text = (stderr.read() or b"").decode("utf-8", "replace").strip()
         except OSError:
             text = ""
         return f"exit status {self.process.returncode}" + (f": {text[-2000:]}" if text else "")
@@ -230,6 +250,7 @@ class _Family:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        assert self.process.stderr is not None  # started with stderr=PIPE
         self.process.stderr.close()
         uid = self.spec.isolation.run_as_uid
         if self.spec.isolation.mode == "process" and uid is not None:
@@ -289,6 +310,7 @@ class _Session:
         """The next message from ``("anchor" | "interpreter", op)`` in ``accept``; other messages
         are dropped. Raises _Died when the anchor reports the interpreter's death."""
         while True:
+            assert self.channel is not None, "only a spawned session (see spawn) receives"
             try:
                 received = yield from self.channel.receive(deadline)
             except _ProtocolError as bad:  # an oversized message: fatal only from our interpreter
@@ -304,8 +326,7 @@ class _Session:
                 if op == "exit":
                     code = message.get("code")
                     self.reset()
-                    raise _Died(code if isinstance(code, int) else None,
-                                str(message.get("error") or ""))
+                    raise _Died(code if isinstance(code, int) else None, str(message.get("error") or ""))
                 if ("anchor", op) in accept:
                     return message
             elif self.pid is None and op == "hello":
@@ -315,9 +336,9 @@ class _Session:
             elif sender == self.pid and ("interpreter", op) in accept:
                 return message
 
-    def send(self, message: dict, fds: Iterable[int] = (), deadline: float | None = None
-             ) -> Operation[None]:
+    def send(self, message: dict, fds: Iterable[int] = (), deadline: float | None = None) -> Operation[None]:
         """Send the interpreter a request; if it is gone, raise what the anchor says (_Died)."""
+        assert self.channel is not None, "only a spawned session (see spawn) is sent requests"
         try:
             yield from self.channel.send(message, fds, deadline)
         except _PeerClosed:
@@ -329,8 +350,12 @@ class _Session:
         sibling's kill(-1), a thread's os._exit); the session is then reset."""
         if self.channel is None or self.pid is None:
             return False
+        # A death can precede its notice: a sibling's kill(-1) returns before the anchor has reaped
+        # us and said so. A process already dying is waited for, so the call runs on a fresh one.
+        dying = _dying(self.pid) or (self.family.anchor_pid is not None and _dying(self.family.anchor_pid))
         try:
-            yield from self.next(time.monotonic(), set())  # accepts nothing: only a death ends it
+            # accepts nothing: only a death ends it
+            yield from self.next(time.monotonic() + (CONTROL_SECONDS if dying else 0.0), set())
         except _Expired:
             return False
         except (_Died, _FamilyDied):
@@ -358,14 +383,13 @@ class _Session:
                     yield from self.spawn()
                 yield from self.next(time.monotonic() + STARTUP_SECONDS, {("interpreter", "hello")})
             except _Died as died:
-                raise SandboxError(f"the sandbox could not start an interpreter: {died.args[1]}"
-                                   ) from None
+                raise SandboxError(f"the sandbox could not start an interpreter: {died.args[1]}") from None
             except _FamilyDied:
-                raise SandboxError("the sandbox container stopped while starting: "
-                                   + self.family.startup_error()) from None
+                raise SandboxError(
+                    "the sandbox container stopped while starting: " + self.family.startup_error()
+                ) from None
             except _Expired:
-                raise SandboxError(f"the sandbox did not start within {STARTUP_SECONDS:g} s"
-                                   ) from None
+                raise SandboxError(f"the sandbox did not start within {STARTUP_SECONDS:g} s") from None
 
     def _replace_family(self) -> None:
         old = self.family
@@ -391,6 +415,22 @@ class _Session:
         with contextlib.suppress(Exception):
             drive(self.family.command({"op": "kill", "sid": self.sid}))
         self.reset()
+
+
+def _dying(pid: int) -> bool:
+    """Whether process ``pid`` (a host pid) is gone, a zombie, exiting or has a SIGKILL pending."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = dict(line.split(b":", 1) for line in f if b":" in line)
+    except OSError:
+        return True
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ": state is field 3, flags field 9
+    exiting = int(fields[6]) & 0x4  # PF_EXITING
+    kill_bit = 1 << (signal.SIGKILL - 1)
+    pending = int(status.get(b"SigPnd", b"0").strip(), 16) | int(status.get(b"ShdPnd", b"0").strip(), 16)
+    return fields[0] in (b"Z", b"X") or bool(exiting) or bool(pending & kill_bit)
 
 
 def _max_message_bytes(limits: Limits) -> int:
@@ -422,8 +462,14 @@ class LocalSandbox(Sandbox):
     the container imports once, so that every interpreter has them loaded.
     """
 
-    def __init__(self, limits: Limits | None = None, *, isolation: str = "auto",
-                 python: str | None = None, preimport: Iterable[str] = DEFAULT_PREIMPORT) -> None:
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        *,
+        isolation: str = "auto",
+        python: str | None = None,
+        preimport: Iterable[str] = DEFAULT_PREIMPORT,
+    ) -> None:
         limits = Limits() if limits is None else limits
         if not isinstance(limits, Limits):
             raise TypeError(f"limits must be a sandboxes.Limits, got {type(limits).__name__}")
@@ -484,13 +530,14 @@ class LocalSandbox(Sandbox):
         state_lost, session.lost = session.lost, False
         start = time.monotonic()
         session.cells += 1
-        reply, killed_by, exit_code = None, None, None
+        reply: dict | None = None
+        killed_by: KilledBy | None = None
+        exit_code: int | None = None
         try:
-            yield from session.send({"op": "run", "code": code,
-                                                             "cpu": limits.cpu_for(timeout)},
-                                            deadline=start + timeout)
-            reply = yield from session.next(start + timeout, {("interpreter", "result"),
-                                                              ("interpreter", "error")})
+            yield from session.send(
+                {"op": "run", "code": code, "cpu": limits.cpu_for(timeout)}, deadline=start + timeout
+            )
+            reply = yield from session.next(start + timeout, {("interpreter", "result"), ("interpreter", "error")})
             if reply["op"] == "error":  # only code that tampered with the worker gets here
                 raise _ProtocolError(session.pid)
         except _Expired:
@@ -511,9 +558,16 @@ class LocalSandbox(Sandbox):
             yield from session.kill()
         if killed_by is not None:
             session.lost = True
-            return killed_result(killed_by, limits=limits, timeout=timeout, wall_time=wall_time,
-                                 state_lost=state_lost, exit_code=exit_code)
+            return killed_result(
+                killed_by,
+                limits=limits,
+                timeout=timeout,
+                wall_time=wall_time,
+                state_lost=state_lost,
+                exit_code=exit_code,
+            )
         yield from self._cleanup()
+        assert reply is not None  # every path that leaves it unset sets killed_by
         return result_from_reply(reply, limits=limits, wall_time=wall_time, state_lost=state_lost)
 
     def _cleanup(self) -> Operation[None]:
@@ -560,13 +614,14 @@ class LocalSandbox(Sandbox):
         try:
             yield from family.command({"op": "fork_begin"})
             yield from parent.send({"op": "fork", "sid": child.sid}, [theirs.fileno()], deadline)
-            reply = yield from parent.next(deadline, {("interpreter", "forked"),
-                                                      ("interpreter", "error")})
+            reply = yield from parent.next(deadline, {("interpreter", "forked"), ("interpreter", "error")})
             if reply["op"] == "error":
                 raise SandboxError(f"fork() failed inside the sandbox: {reply.get('error')}")
             yield from child.next(deadline, {("interpreter", "hello")})
-            yield from family.command({"op": "adopt", "sid": child.sid,
-                                       "pid": namespace_pid(child.pid)}, [theirs.fileno()])
+            assert child.pid is not None  # next() records the pid from the hello
+            yield from family.command(
+                {"op": "adopt", "sid": child.sid, "pid": namespace_pid(child.pid)}, [theirs.fileno()]
+            )
             adopted = True
             child.cells = parent.cells
         except _Died:  # the parent's interpreter died: the child has nothing to copy either

@@ -54,10 +54,7 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-STATE_LOST_NOTE = (
-    "the Python session was restarted before this call: earlier variables, imports and "
-    "functions are gone"
-)
+STATE_LOST_NOTE = "the Python session was restarted before this call: earlier variables, imports and functions are gone"
 
 
 def killed_by_exit_code(code: int | None) -> KilledBy:
@@ -68,7 +65,8 @@ def killed_by_exit_code(code: int | None) -> KilledBy:
         return "sandbox"
     if code >= 0:
         return "exit"
-    return {-signal.SIGXCPU: "cpu", -signal.SIGXFSZ: "file_size"}.get(code, "signal")
+    by_signal: dict[int, KilledBy] = {-signal.SIGXCPU: "cpu", -signal.SIGXFSZ: "file_size"}
+    return by_signal.get(code, "signal")
 
 
 def _kill_note(killed_by: KilledBy, limits: Limits, timeout: float, exit_code: int | None) -> str:
@@ -94,13 +92,24 @@ def _kill_note(killed_by: KilledBy, limits: Limits, timeout: float, exit_code: i
     return f"the sandbox stopped{lost}"
 
 
-def killed_result(killed_by: KilledBy, *, limits: Limits, timeout: float, wall_time: float,
-                  state_lost: bool, exit_code: int | None = None) -> Result:
+def killed_result(
+    killed_by: KilledBy,
+    *,
+    limits: Limits,
+    timeout: float,
+    wall_time: float,
+    state_lost: bool,
+    exit_code: int | None = None,
+) -> Result:
     """The result of a call whose interpreter died."""
     notes = (STATE_LOST_NOTE,) if state_lost else ()
-    return Result(timed_out=killed_by == "timeout", killed_by=killed_by, wall_time=wall_time,
-                  state_lost=state_lost,
-                  notes=notes + (_kill_note(killed_by, limits, timeout, exit_code),))
+    return Result(
+        timed_out=killed_by == "timeout",
+        killed_by=killed_by,
+        wall_time=wall_time,
+        state_lost=state_lost,
+        notes=notes + (_kill_note(killed_by, limits, timeout, exit_code),),
+    )
 
 
 def _text(reply: dict, key: str, limit: int) -> str | None:
@@ -108,8 +117,7 @@ def _text(reply: dict, key: str, limit: int) -> str | None:
     return value[:limit] if isinstance(value, str) else None
 
 
-def result_from_reply(reply: dict, *, limits: Limits, wall_time: float, state_lost: bool
-                      ) -> Result:
+def result_from_reply(reply: dict, *, limits: Limits, wall_time: float, state_lost: bool) -> Result:
     """The result of a call that finished, from the interpreter's reply."""
     cap = limits.output_bytes
     error_type = _text(reply, "error_type", 200)
@@ -119,7 +127,14 @@ def result_from_reply(reply: dict, *, limits: Limits, wall_time: float, state_lo
         notes.append(f"memory limit: {_size(limits.memory_bytes)} of address space")
     if truncated:
         notes.append(f"output truncated to {_size(cap)}")
-    return Result(stdout=_text(reply, "stdout", cap) or "", stderr=_text(reply, "stderr", cap) or "",
-                  value=_text(reply, "value", cap), error=_text(reply, "error", cap),
-                  error_type=error_type, wall_time=wall_time, truncated=truncated,
-                  state_lost=state_lost, notes=tuple(notes))
+    return Result(
+        stdout=_text(reply, "stdout", cap) or "",
+        stderr=_text(reply, "stderr", cap) or "",
+        value=_text(reply, "value", cap),
+        error=_text(reply, "error", cap),
+        error_type=error_type,
+        wall_time=wall_time,
+        truncated=truncated,
+        state_lost=state_lost,
+        notes=tuple(notes),
+    )

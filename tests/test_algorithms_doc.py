@@ -103,14 +103,22 @@ def expand_numbers(text: str) -> tuple[int, ...]:
 
 def cited_files() -> list[Path]:
     """Every Python file of the product folders, and the README."""
-    files = [path for folder in CODE_DIRS for path in sorted((ROOT / folder).rglob("*.py"))
-             if "__pycache__" not in path.parts]
+    files = [
+        path
+        for folder in CODE_DIRS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if "__pycache__" not in path.parts
+    ]
     return files + ([README] if README.is_file() else [])
 
 
 def product_text_files() -> list[Path]:
-    files = [path for folder in CODE_DIRS for path in sorted((ROOT / folder).rglob("*"))
-             if path.is_file() and path.suffix in TEXT_SUFFIXES and "__pycache__" not in path.parts]
+    files = [
+        path
+        for folder in CODE_DIRS
+        for path in sorted((ROOT / folder).rglob("*"))
+        if path.is_file() and path.suffix in TEXT_SUFFIXES and "__pycache__" not in path.parts
+    ]
     return files + ([README] if README.is_file() else [])
 
 
@@ -128,9 +136,11 @@ def scan_citations(path: Path) -> tuple[list[Citation], list[str]]:
             found[match.start()] = Citation(relative, number, match.group(0), heading=match.group(1))
         for match in CITATION_ATTEMPT.finditer(line):
             if match.start() not in found:
-                tail = line[match.start():match.start() + 60]
-                errors.append(f"{relative}:{number}: malformed citation {tail!r}; write "
-                              f'{DOC_NAME} eq. N, {DOC_NAME} eqs. N, M or {DOC_NAME} "Heading text"')
+                tail = line[match.start() : match.start() + 60]
+                errors.append(
+                    f"{relative}:{number}: malformed citation {tail!r}; write "
+                    f'{DOC_NAME} eq. N, {DOC_NAME} eqs. N, M or {DOC_NAME} "Heading text"'
+                )
         citations += found.values()
     return citations, errors
 
@@ -165,20 +175,27 @@ def test_equations_are_numbered_one_to_n_in_order():
     # The first place where the numbering leaves 1, 2, 3, …; later ones follow from it.
     for position, (number, line) in enumerate(doc.equations, start=1):
         if number != position:
-            previous = f"after ({doc.equations[position - 2][0]}) on line {doc.equations[position - 2][1]}" \
-                if position > 1 else "as the first equation"
-            problems.append(f"{DOC_NAME}:{line}: equation ({number}) {previous}; expected ({position}): numbers run "
-                            "1, 2, 3, … in document order without gaps or repeats (an equation line that does not "
-                            "start with **(N)** is not counted)")
+            previous = (
+                f"after ({doc.equations[position - 2][0]}) on line {doc.equations[position - 2][1]}"
+                if position > 1
+                else "as the first equation"
+            )
+            problems.append(
+                f"{DOC_NAME}:{line}: equation ({number}) {previous}; expected ({position}): numbers run "
+                "1, 2, 3, … in document order without gaps or repeats (an equation line that does not "
+                "start with **(N)** is not counted)"
+            )
             break
     assert not problems, "\n".join(problems)
 
 
 def test_equation_labels_only_start_equation_lines():
     doc = parse_doc()
-    problems = [f"{DOC_NAME}:{line}: an equation label must start its line, followed by a space and the formula "
-                f"in backticks, e.g. **(3)** `A_i = …`, alone on the line: {text!r}"
-                for line, text in doc.malformed_equations]
+    problems = [
+        f"{DOC_NAME}:{line}: an equation label must start its line, followed by a space and the formula "
+        f"in backticks, e.g. **(3)** `A_i = …`, alone on the line: {text!r}"
+        for line, text in doc.malformed_equations
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -200,9 +217,12 @@ def test_equation_references_inside_the_document_resolve():
     doc = parse_doc()
     numbers = {number for number, _ in doc.equations}
     last = max(numbers, default=0)
-    problems = [f"{DOC_NAME}:{line}: {match.group(0)!r} refers to no equation (the document has 1..{last})"
-                for line, text in doc.prose for match in INTERNAL_REFERENCE.finditer(text)
-                if any(n not in numbers for n in expand_numbers(match.group(1)))]
+    problems = [
+        f"{DOC_NAME}:{line}: {match.group(0)!r} refers to no equation (the document has 1..{last})"
+        for line, text in doc.prose
+        for match in INTERNAL_REFERENCE.finditer(text)
+        if any(n not in numbers for n in expand_numbers(match.group(1)))
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -228,8 +248,9 @@ def test_every_citation_in_the_code_resolves():
 
 def test_the_agents_package_cites_the_document():
     agents = [c for c in all_citations()[0] if c.path.startswith("agents/")]
-    assert agents, (f"no file under agents/ cites {DOC_NAME} (eq. N or \"Heading\"), so the citation check "
-                    "above proves nothing")
+    assert agents, (
+        f'no file under agents/ cites {DOC_NAME} (eq. N or "Heading"), so the citation check above proves nothing'
+    )
 
 
 def test_no_product_file_names_the_shared_spec():

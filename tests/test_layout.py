@@ -21,7 +21,8 @@ MODULES = {module_name(path): path for package in PACKAGES for path in sorted((R
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _run_time_imports(body: list[ast.stmt]):
@@ -48,7 +49,9 @@ def imports_of(name: str) -> set[str]:
         else:
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
         found.update(target for target in targets if target in MODULES)
     found.discard(name)
@@ -105,8 +108,15 @@ def _reachable(name: str) -> set[str]:
     return seen
 
 
-ABOVE_ROLLOUT = ("agents.training", "agents.learners", "agents.config", "agents.train", "agents.cli",
-                 "agents.evaluation", "agents.heldout")
+ABOVE_ROLLOUT = (
+    "agents.training",
+    "agents.learners",
+    "agents.config",
+    "agents.train",
+    "agents.cli",
+    "agents.evaluation",
+    "agents.heldout",
+)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("agents.rollout")))
@@ -134,8 +144,10 @@ def _loaded_after(statement: str) -> set[str]:
 
 
 def test_credit_strategies_and_the_rollout_side_load_without_torch():
-    loaded = _loaded_after("import agents.credit, agents.strategies, agents.rollout, agents.tree, "
-                           "agents.rollout.diagnostics, agents.rollout.tree_loop")
+    loaded = _loaded_after(
+        "import agents.credit, agents.strategies, agents.rollout, agents.tree, "
+        "agents.rollout.diagnostics, agents.rollout.tree_loop"
+    )
     assert "agents" in loaded and "torch" not in loaded and "transformers" not in loaded
 
 

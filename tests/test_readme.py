@@ -15,7 +15,7 @@ def test_readme_python_blocks_run(capsys):
     namespace: dict = {}
     for i, block in enumerate(BLOCKS):
         try:
-            exec(compile(block, f"README.md python block {i + 1}", "exec"), namespace)  # noqa: S102
+            exec(compile(block, f"README.md python block {i + 1}", "exec"), namespace)
         except Exception as e:
             raise AssertionError(f"README python block {i + 1} failed: {type(e).__name__}: {e}\n{block}") from e
     assert "42" in capsys.readouterr().out

@@ -12,13 +12,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sandboxes import Limits, Sandbox
-
 from agentenv.datasets import load_examples
 from agentenv.graders import grade
 from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
 from agentenv.tool_env import ToolEnv
 from agentenv.tools import Tool
+from sandboxes import Limits, Sandbox
 
 __all__ = ["MATH_PROMPT_TEMPLATE", "MathEnv"]
 

@@ -47,8 +47,9 @@ def local_passages(examples: Sequence[Example], corpus: str | Path | None) -> li
     return list(seen.values()) or union_corpus()
 
 
-def make_search_backend(search: str | SearchBackend, examples: Sequence[Example], corpus: str | Path | None,
-                        *, cache: CacheMode = "use") -> SearchBackend:
+def make_search_backend(
+    search: str | SearchBackend, examples: Sequence[Example], corpus: str | Path | None, *, cache: CacheMode = "use"
+) -> SearchBackend:
     """The backend for ``search=``.
 
     ``"local"`` (BM25 over :func:`local_passages`, the default), ``"duckduckgo"`` (the real web
@@ -66,8 +67,10 @@ def make_search_backend(search: str | SearchBackend, examples: Sequence[Example]
     elif isinstance(search, str) and search.startswith(("http://", "https://")):
         remote = RemoteSearch(search)
     else:
-        raise ValueError(f"unknown search backend {search!r}: use 'local' (offline BM25), 'duckduckgo', "
-                         "the http(s):// URL of a retrieval server, or pass a SearchBackend")
+        raise ValueError(
+            f"unknown search backend {search!r}: use 'local' (offline BM25), 'duckduckgo', "
+            "the http(s):// URL of a retrieval server, or pass a SearchBackend"
+        )
     return CachedSearch(remote, ResultCache.default(cache))
 
 
@@ -111,9 +114,16 @@ class QAEnv(ToolEnv):
         examples = load_examples(data if data is not None else dataset)
         self.backend = make_search_backend(search, examples, corpus)
         if example is True:
-            example = SEARCH_EXAMPLE.format(answer="\\boxed{France}" if options.get("require_boxed", True) else "France")
-        super().__init__(examples, [search_tool(self.backend, topk=topk, max_chars=result_chars), *tools],
-                         reward=reward, example=example or None, **options)
+            example = SEARCH_EXAMPLE.format(
+                answer="\\boxed{France}" if options.get("require_boxed", True) else "France"
+            )
+        super().__init__(
+            examples,
+            [search_tool(self.backend, topk=topk, max_chars=result_chars), *tools],
+            reward=reward,
+            example=example or None,
+            **options,
+        )
 
 
 def tool_qa(

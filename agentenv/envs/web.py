@@ -87,12 +87,20 @@ class WebResearchEnv(ToolEnv):
         if search == "local":
             self.site = LocalWeb.shared(local_passages(examples, corpus))
             self.backend: SearchBackend = LocalWebSearch(self.site)
-            self.browser = Browser(aliases={LOCAL_WEB_URL: self.site.serve_in_background()},
-                                   allow_private_urls=allow_private_urls, timeout=browse_timeout, page_chars=page_chars)
+            self.browser = Browser(
+                aliases={LOCAL_WEB_URL: self.site.serve_in_background()},
+                allow_private_urls=allow_private_urls,
+                timeout=browse_timeout,
+                page_chars=page_chars,
+            )
         else:
             self.backend = make_search_backend(search, examples, corpus, cache=cache)
-            self.browser = Browser(allow_private_urls=allow_private_urls, timeout=browse_timeout, page_chars=page_chars,
-                                   cache=ResultCache.default(cache))
+            self.browser = Browser(
+                allow_private_urls=allow_private_urls,
+                timeout=browse_timeout,
+                page_chars=page_chars,
+                cache=ResultCache.default(cache),
+            )
         extra = [as_tool(t) for t in tools]
         if reward == "aepo":
             names = ("search", "browse", *(t.name for t in extra))

@@ -5,5 +5,13 @@ from agentenv.serve.hosting import BackgroundServer, run_until_signal
 from agentenv.serve.retrieval import RetrievalService, read_corpus
 from agentenv.serve.web import LOCAL_WEB_URL, LocalWeb, LocalWebSearch
 
-__all__ = ["LOCAL_WEB_URL", "BackgroundServer", "DenseSearch", "LocalWeb", "LocalWebSearch", "RetrievalService", "read_corpus",
-           "run_until_signal"]
+__all__ = [
+    "LOCAL_WEB_URL",
+    "BackgroundServer",
+    "DenseSearch",
+    "LocalWeb",
+    "LocalWebSearch",
+    "RetrievalService",
+    "read_corpus",
+    "run_until_signal",
+]

@@ -15,10 +15,10 @@ import asyncio
 import sys
 
 from agentenv.datasets import DatasetError, union_corpus
+from agentenv.search import load_corpus
 from agentenv.serve.hosting import run_until_signal
 from agentenv.serve.retrieval import DEFAULT_TOPK, MAX_TOPK, RetrievalService, read_corpus
 from agentenv.serve.web import LocalWeb
-from agentenv.search import load_corpus
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,13 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     retrieval = servers.add_parser("retrieval", help="a Search-R1-compatible retrieval server (POST /retrieve)")
     web = servers.add_parser("web", help="the offline web: an HTML article per title, links, a search page")
     for sub, port in ((retrieval, 8000), (web, 8080)):
-        sub.add_argument("--corpus", help="JSONL/JSON of {title, text} or {id, contents} "
-                                          "(default: the shipped multi-hop paragraphs)")
+        sub.add_argument(
+            "--corpus", help="JSONL/JSON of {title, text} or {id, contents} (default: the shipped multi-hop paragraphs)"
+        )
         sub.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
         sub.add_argument("--port", type=int, default=port, help=f"port (default {port}; 0 picks a free one)")
     retrieval.add_argument("--index", choices=("bm25", "dense"), default="bm25", help="retriever (default bm25)")
-    retrieval.add_argument("--topk", type=int, default=DEFAULT_TOPK,
-                           help=f"passages per query when a request does not say (default {DEFAULT_TOPK})")
+    retrieval.add_argument(
+        "--topk",
+        type=int,
+        default=DEFAULT_TOPK,
+        help=f"passages per query when a request does not say (default {DEFAULT_TOPK})",
+    )
     retrieval.add_argument("--model", help="dense model folder (default: the bundled all-MiniLM-L6-v2)")
     args = parser.parse_args(argv)
     if args.server == "retrieval" and not 1 <= args.topk <= MAX_TOPK:

@@ -47,16 +47,24 @@ class DenseSearch(SearchBackend):
 
     name = "dense"
 
-    def __init__(self, passages: Sequence[Paragraph | Passage], *, model: str | Path | None = None,
-                 batch_size: int = DEFAULT_BATCH_SIZE, cache: bool = True, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        passages: Sequence[Paragraph | Passage],
+        *,
+        model: str | Path | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        cache: bool = True,
+        device: str = "cpu",
+    ) -> None:
         from sentence_transformers import SentenceTransformer
 
         if not passages:
             raise ValueError("DenseSearch needs at least one passage")
         model_path = Path(model) if model is not None else default_model_path()
         if not (model_path / "modules.json").is_file() and not (model_path / "config.json").is_file():
-            raise FileNotFoundError(f"{model_path} is not a sentence-transformers model folder "
-                                    "(no modules.json or config.json in it)")
+            raise FileNotFoundError(
+                f"{model_path} is not a sentence-transformers model folder (no modules.json or config.json in it)"
+            )
         self.passages = [Passage(p.title, p.text) for p in passages]
         self.encoder = SentenceTransformer(str(model_path), device=device)
         self._lock = threading.Lock()  # one encoder forward pass at a time
@@ -64,7 +72,7 @@ class DenseSearch(SearchBackend):
         self.key = digest.hexdigest()[:32]
         path = cache_dir("dense") / f"{self.key}.npy" if cache else None
         self.loaded_from_cache = path is not None and path.is_file()
-        if self.loaded_from_cache:
+        if path is not None and self.loaded_from_cache:
             self.embeddings = np.load(path)
         else:
             texts = [f"{p.title}\n{p.text}" for p in self.passages]
@@ -74,8 +82,9 @@ class DenseSearch(SearchBackend):
 
     def _encode(self, texts: list[str], batch_size: int = DEFAULT_BATCH_SIZE) -> np.ndarray:
         with self._lock:
-            vectors = self.encoder.encode(texts, batch_size=batch_size, normalize_embeddings=True,
-                                          convert_to_numpy=True, show_progress_bar=False)
+            vectors = self.encoder.encode(
+                texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+            )
         return np.asarray(vectors, dtype=np.float32)
 
     def search_batch(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:

@@ -24,7 +24,9 @@ def _bound_port(runner: web.AppRunner) -> int:
     return runner.addresses[0][1]
 
 
-async def run_until_signal(app: web.Application, *, host: str = "127.0.0.1", port: int = 0, name: str = "server") -> None:
+async def run_until_signal(
+    app: web.Application, *, host: str = "127.0.0.1", port: int = 0, name: str = "server"
+) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then stop gracefully (requests in flight finish).
 
     Prints ``Serving <name> on http://HOST:PORT`` once listening (the real port when ``port=0``).
@@ -52,8 +54,9 @@ class BackgroundServer:
     process of an environment.
     """
 
-    def __init__(self, make_app: Callable[[], web.Application], *, host: str = "127.0.0.1", port: int = 0,
-                 name: str = "server") -> None:
+    def __init__(
+        self, make_app: Callable[[], web.Application], *, host: str = "127.0.0.1", port: int = 0, name: str = "server"
+    ) -> None:
         self.make_app, self.host, self.port, self.name = make_app, host, port, name
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,8 +72,9 @@ class BackgroundServer:
             ready = threading.Event()
             failure: list[BaseException] = []
             self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._serve, args=(ready, failure), daemon=True,
-                                            name=f"agentenv-{self.name}")
+            self._thread = threading.Thread(
+                target=self._serve, args=(ready, failure), daemon=True, name=f"agentenv-{self.name}"
+            )
             self._thread.start()
             ready.wait()
             if failure:
@@ -84,8 +88,9 @@ class BackgroundServer:
         asyncio.set_event_loop(loop)
         runner: web.AppRunner | None = None
         try:
-            runner = web.AppRunner(self.make_app(), shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False,
-                                   access_log=None)
+            runner = web.AppRunner(
+                self.make_app(), shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False, access_log=None
+            )
             loop.run_until_complete(runner.setup())
             loop.run_until_complete(web.TCPSite(runner, self.host, self.port).start())
         except BaseException as e:  # reported to start(), which raises it in the caller's thread

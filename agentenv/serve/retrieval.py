@@ -47,8 +47,10 @@ EXAMPLE_REQUEST = '{"queries": ["..."], "topk": 3, "return_scores": true}'
 def read_corpus(path: str | Path) -> tuple[list[Paragraph], list[str]]:
     """Passages (see :func:`agentenv.search.load_corpus`) and their ids: a row's ``id``, else its position."""
     passages = load_corpus(path)
-    ids = [str(row["id"]) if isinstance(row, dict) and "id" in row else str(i)
-           for i, (_, row) in enumerate(read_rows(Path(path)))]
+    ids = [
+        str(row["id"]) if isinstance(row, dict) and "id" in row else str(i)
+        for i, (_, row) in enumerate(read_rows(Path(path)))
+    ]
     return passages, ids
 
 
@@ -64,9 +66,15 @@ class RetrievalService:
         model: Dense model folder (default: the bundled all-MiniLM-L6-v2).
     """
 
-    def __init__(self, passages: Sequence[Paragraph | Passage], ids: Sequence[str] | None = None, *,
-                 index: Literal["bm25", "dense"] | BM25Search | DenseSearch = "bm25", topk: int = DEFAULT_TOPK,
-                 model: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        passages: Sequence[Paragraph | Passage],
+        ids: Sequence[str] | None = None,
+        *,
+        index: Literal["bm25", "dense"] | BM25Search | DenseSearch = "bm25",
+        topk: int = DEFAULT_TOPK,
+        model: str | Path | None = None,
+    ) -> None:
         if not isinstance(index, BM25Search | DenseSearch) and index not in ("bm25", "dense"):
             raise ValueError(f"index must be 'bm25', 'dense' or a built BM25Search or DenseSearch, got {index!r}")
         if ids is not None and len(ids) != len(passages):
@@ -94,13 +102,22 @@ class RetrievalService:
 
     def document(self, p: Passage) -> dict[str, str]:
         """A passage as Search-R1 returns it, plus ``title`` and ``text``."""
-        return {"id": self.ids[self._position[(p.title, p.text)]], "contents": f'"{p.title}"\n{p.text}',
-                "title": p.title, "text": p.text}
+        return {
+            "id": self.ids[self._position[(p.title, p.text)]],
+            "contents": f'"{p.title}"\n{p.text}',
+            "title": p.title,
+            "text": p.text,
+        }
 
     def health(self) -> dict[str, Any]:
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        return {"status": "ok", "index": self.kind, "passages": len(self.ids),
-                "build_seconds": round(self.build_seconds, 3), "peak_rss_mb": round(peak_kib / 1024, 1)}
+        return {
+            "status": "ok",
+            "index": self.kind,
+            "passages": len(self.ids),
+            "build_seconds": round(self.build_seconds, 3),
+            "peak_rss_mb": round(peak_kib / 1024, 1),
+        }
 
     # -- HTTP ----------------------------------------------------------------------------------
 
@@ -119,7 +136,7 @@ class RetrievalService:
         if not queries:
             raise ValueError('"queries" is empty: send at least one query')
         if len(queries) > MAX_QUERIES:
-            raise ValueError(f'{len(queries)} queries in one request; send at most {MAX_QUERIES} per request')
+            raise ValueError(f"{len(queries)} queries in one request; send at most {MAX_QUERIES} per request")
         topk = payload.get("topk")
         topk = self.topk if topk is None else topk
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
@@ -178,15 +195,19 @@ def _error(status: int, message: str) -> web.Response:
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPException as e:  # aiohttp's own 404, 405, 413: same JSON shape as ours
         if e.status < 400:
             raise
-        hints = {404: "the endpoints are POST /retrieve and GET /health",
-                 405: "use POST for /retrieve and GET for /health",
-                 413: f"the request body is larger than {MAX_BODY_BYTES:,} bytes; send fewer queries per request"}
+        hints = {
+            404: "the endpoints are POST /retrieve and GET /health",
+            405: "use POST for /retrieve and GET for /health",
+            413: f"the request body is larger than {MAX_BODY_BYTES:,} bytes; send fewer queries per request",
+        }
         detail = f"{e.reason}: {hints[e.status]}" if e.status in hints else e.reason
         return _error(e.status, detail)
     except Exception as e:  # an unexpected failure must answer, not drop the connection

@@ -109,8 +109,13 @@ class LocalWeb:
                 words = tuple(_WORD.findall(name))
                 # "Army (Ellie Goulding song)" must not link every "Army": a disambiguated name needs two words
                 too_vague = len(words) < 2 and name != title
-                if (len(name) < MIN_LINK_TITLE_CHARS or not words or too_vague or name in seen
-                        or not any(c.isupper() for c in name)):
+                if (
+                    len(name) < MIN_LINK_TITLE_CHARS
+                    or not words
+                    or too_vague
+                    or name in seen
+                    or not any(c.isupper() for c in name)
+                ):
                     continue
                 seen.add(name)  # an ambiguous name links to its first article
                 index.setdefault(words[0], []).append((words, name, slug))
@@ -128,8 +133,12 @@ class LocalWeb:
             match = None
             for title_words, name, slug in mentions.get(words[i].group(), ()):
                 n = len(title_words)
-                if (slug != own_slug and slug not in linked and i + n <= len(words)
-                        and text[words[i].start():words[i + n - 1].end()] == name):
+                if (
+                    slug != own_slug
+                    and slug not in linked
+                    and i + n <= len(words)
+                    and text[words[i].start() : words[i + n - 1].end()] == name
+                ):
                     match = (n, slug)
                     break
             if match is None:
@@ -153,7 +162,8 @@ class LocalWeb:
         paragraphs = "\n".join(
             f'<p id="p{n}">{self.linked_html(part, slug, linked)}</p>'
             for n, i in enumerate(self.articles[slug], 1)
-            for part in self.passages[i].text.split("\n") if part.strip()
+            for part in self.passages[i].text.split("\n")
+            if part.strip()
         )
         return self._page(title, f"<article>\n<h1>{html.escape(title)}</h1>\n{paragraphs}\n</article>")
 
@@ -166,19 +176,27 @@ class LocalWeb:
             p = self.passages[i]
             snippet = p.text if len(p.text) <= SNIPPET_CHARS else p.text[:SNIPPET_CHARS].rsplit(" ", 1)[0] + " …"
             link = html.escape(self.path(self.slug_of[i]))
-            items.append(f'<li><a href="{link}">{html.escape(self.titles[self.slug_of[i]])}</a>\n'
-                         f"<p>{html.escape(snippet)}</p></li>")
+            items.append(
+                f'<li><a href="{link}">{html.escape(self.titles[self.slug_of[i]])}</a>\n'
+                f"<p>{html.escape(snippet)}</p></li>"
+            )
         body = "\n".join(items) if items else "<li>No articles match these words.</li>"
         return self._page(f"Search: {query}", f"<h1>Search results for {html.escape(query)}</h1>\n<ol>\n{body}\n</ol>")
 
     def home_html(self) -> str:
-        return self._page(SITE_NAME, f"<h1>{SITE_NAME}</h1>\n<p>An offline encyclopedia of {len(self.articles):,} "
-                                     f"articles. Use the search box to find one.</p>")
+        return self._page(
+            SITE_NAME,
+            f"<h1>{SITE_NAME}</h1>\n<p>An offline encyclopedia of {len(self.articles):,} "
+            f"articles. Use the search box to find one.</p>",
+        )
 
     def missing_html(self, slug: str) -> str:
         name = slug.replace("_", " ")
-        return self._page("Not found", f"<h1>Not found</h1>\n<p>There is no article named {html.escape(name)}. "
-                                       f'Try <a href="/search?q={quote(name)}">searching for it</a>.</p>')
+        return self._page(
+            "Not found",
+            f"<h1>Not found</h1>\n<p>There is no article named {html.escape(name)}. "
+            f'Try <a href="/search?q={quote(name)}">searching for it</a>.</p>',
+        )
 
     @staticmethod
     def _page(title: str, main: str) -> str:

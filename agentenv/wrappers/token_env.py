@@ -102,19 +102,24 @@ class TokenEnv:
     def __getattr__(self, name: str) -> Any:
         # Called only when normal lookup fails: forward public names to the wrapped env.
         if name.startswith("_"):
-            raise AttributeError(f"accessing private attribute {name!r} through {type(self).__name__} is prohibited; "
-                                 f"use .unwrapped.{name} if you mean the environment's")
+            raise AttributeError(
+                f"accessing private attribute {name!r} through {type(self).__name__} is prohibited; "
+                f"use .unwrapped.{name} if you mean the environment's"
+            )
         if name in self._NOT_FORWARDED:
-            raise AttributeError(f"{type(self).__name__} has no {name}: it takes and returns token ids, not the "
-                                 f"wrapped env's text (its text space is .env.{name})")
+            raise AttributeError(
+                f"{type(self).__name__} has no {name}: it takes and returns token ids, not the "
+                f"wrapped env's text (its text space is .env.{name})"
+            )
         if "env" not in self.__dict__:  # not initialised (e.g. mid-copy): never recurse through self.env
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         env = self.__dict__["env"]
         try:
             return env.get_wrapper_attr(name) if isinstance(env, gymnasium.Env) else getattr(env, name)
         except AttributeError as e:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}, "
-                                 f"nor has its env ({type(env).__name__})") from e
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}, nor has its env ({type(env).__name__})"
+            ) from e
 
     # Gymnasium's lookups through a stack of wrappers: TokenEnv's own attributes first, then env's.
     def _has_own(self, name: str) -> bool:
@@ -147,18 +152,22 @@ class TokenEnv:
 
     def _turn_delimiters(self, role: str) -> tuple[str, str]:
         """The template's text between an assistant message and an observation, and after it."""
-        messages = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _ACTION},
-                    {"role": role, "content": _OBSERVATION}]
+        messages = [
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": _ACTION},
+            {"role": role, "content": _OBSERVATION},
+        ]
         try:
             text = self._render(messages, add_generation_prompt=True)
         except Exception as e:
-            raise ValueError(f"the chat template cannot render a {role!r} turn ({e}); "
-                             "choose another observation_role (e.g. 'user')") from e
+            raise ValueError(
+                f"the chat template cannot render a {role!r} turn ({e}); choose another observation_role (e.g. 'user')"
+            ) from e
         if _ACTION not in text or _OBSERVATION not in text:
             raise ValueError("the chat template drops message contents; pass chat_template= explicitly")
         action_end = text.index(_ACTION) + len(_ACTION)
         obs_start = text.index(_OBSERVATION)
-        return text[action_end:obs_start], text[obs_start + len(_OBSERVATION):]
+        return text[action_end:obs_start], text[obs_start + len(_OBSERVATION) :]
 
     def observation_ids(self, observation: str, action_ids: Sequence[int]) -> list[int]:
         """The ids of the segment that follows an action: the observation with its delimiters."""
@@ -178,11 +187,15 @@ class TokenEnv:
         self._last = _Segment(tuple(ids), is_action, self._last, start + len(ids))
         return start, self._last.end
 
-    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[list[int], dict[str, Any]]:
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[int], dict[str, Any]]:
         """Reset the episode; returns the prompt ids (chat template applied) and the env's info."""
         obs, info = await self.env.areset(seed=seed, options=options)
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        prompt_ids = self._encode(self._render([*messages, {"role": "user", "content": obs}], add_generation_prompt=True))
+        prompt_ids = self._encode(
+            self._render([*messages, {"role": "user", "content": obs}], add_generation_prompt=True)
+        )
         self._last = None
         info["prompt_span"] = self._append(prompt_ids, is_action=False)
         return prompt_ids, info
@@ -200,7 +213,9 @@ class TokenEnv:
         info["length"] = self._last.end
         return obs_ids, reward, terminated, truncated, info
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[list[int], dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[int], dict[str, Any]]:
         """Sync form of :meth:`areset`."""
         return run_sync(self.areset(seed=seed, options=options))
 

@@ -9,7 +9,16 @@ imported on first use.
 
 from agents.engines.base import Completion, Engine, FinishReason, SamplingParams
 
-__all__ = ["Completion", "Engine", "FinishReason", "HFEngine", "OpenAIEngine", "SamplingParams", "ScriptedEngine", "VLLMEngine"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "FinishReason",
+    "HFEngine",
+    "OpenAIEngine",
+    "SamplingParams",
+    "ScriptedEngine",
+    "VLLMEngine",
+]
 
 _LAZY = {
     "HFEngine": "agents.engines.hf",

@@ -193,6 +193,7 @@ def find_stop(text: str, stops: Sequence[str]) -> tuple[str, int] | None:
 def stop_overshoot(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int], stop: str) -> str:
     """The text the completion's last token carries beyond its first occurrence of ``stop``."""
     text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    assert isinstance(text, str)  # one sequence decodes to one string (a batch to a list)
     match = find_stop(text, [stop])
     return text[match[1] :] if match else ""
 

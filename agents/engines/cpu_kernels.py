@@ -19,8 +19,14 @@ __all__ = ["CPU_GQA_ATTENTION", "WeightFirstLinear"]
 CPU_GQA_ATTENTION = "sdpa-cpu-gqa"
 
 
-def _sdpa_cpu_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+def _sdpa_cpu_gqa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention, minus its copy of the KV heads on CPU under no-grad.
 
     With a mask, transformers repeats each KV head once per query head of its group before
@@ -29,17 +35,29 @@ def _sdpa_cpu_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     copy cost 58.7 ms a layer against 4.9 ms without it, 90% of a decode step (this machine).
     """
     grouped = query.shape[1] != key.shape[1]
-    if (not grouped or attention_mask is None or query.device.type != "cpu" or torch.is_grad_enabled()
-            or kwargs.get("position_bias") is not None):
+    if (
+        not grouped
+        or attention_mask is None
+        or query.device.type != "cpu"
+        or torch.is_grad_enabled()
+        or kwargs.get("position_bias") is not None
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                            dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"),
-                                            enable_gqa=True)
+    output = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+        enable_gqa=True,
+    )
     return output.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(CPU_GQA_ATTENTION, _sdpa_cpu_gqa)
 AttentionMaskInterface.register(CPU_GQA_ATTENTION, sdpa_mask)
+
 
 class WeightFirstLinear(TorchFunctionMode):
     """Within this mode, ``F.linear(x, W)`` with 2 to ``max_rows`` input rows runs as ``(W @ xᵀ)ᵀ``.

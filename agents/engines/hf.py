@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -52,7 +53,11 @@ from agents.engines.kv_cache import PrefixCache, SlotCache
 from agents.engines.sampling import sample_next_tokens
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 __all__ = ["BatchStats", "HFEngine"]
+
 
 @dataclass
 class BatchStats:
@@ -94,8 +99,8 @@ class HFEngine(Engine):
     """A transformers causal LM behind the :class:`Engine` interface (CPU or GPU).
 
     ``model`` is a model name (see :func:`agents.models.resolve_model`), loaded in ``dtype`` on
-    ``device``, or a loaded model to share (used as it is); with a loaded model pass its
-    ``tokenizer`` too. ``max_batch_size`` caps the rows of
+    ``device``, or a loaded model to share (used as it is; a trainer's peft LoRA model too); with a
+    loaded model pass its ``tokenizer`` too. ``max_batch_size`` caps the rows of
     one forward pass; ``batch_window_s`` is how long an idle worker waits for more requests
     before starting a batch; ``seed`` seeds the generator of requests without their own seed;
     ``prefix_cache_tokens`` bounds the tokens whose KV the prefix cache keeps (0 turns it off;
@@ -106,7 +111,7 @@ class HFEngine(Engine):
 
     def __init__(
         self,
-        model: str | PreTrainedModel = DEFAULT_MODEL,
+        model: str | PreTrainedModel | PeftModel = DEFAULT_MODEL,
         tokenizer: str | PreTrainedTokenizerBase | None = None,
         *,
         device: str | torch.device = "cpu",
@@ -133,10 +138,8 @@ class HFEngine(Engine):
         if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(CPU_GQA_ATTENTION)
         self._linear_mode = WeightFirstLinear if model.device.type == "cpu" else contextlib.nullcontext
-        self.model: PreTrainedModel = model
-        self.tokenizer: PreTrainedTokenizerBase = (
-            load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        )
+        self.model: PreTrainedModel | PeftModel = model
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
@@ -161,7 +164,9 @@ class HFEngine(Engine):
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         ids = self._check_request(prompt_ids, params, self.vocab_size)
         if self.max_positions is not None and len(ids) >= self.max_positions:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the model's {self.max_positions} positions")
+            raise ValueError(
+                f"prompt of {len(ids)} tokens leaves no room in the model's {self.max_positions} positions"
+            )
         if self._closed:
             raise RuntimeError("HFEngine is closed")
         self._start_worker()
@@ -205,7 +210,7 @@ class HFEngine(Engine):
         while True:
             if not self._collect(waiting, block=batch is None):
                 break
-            newcomers = []
+            newcomers: list[_Request] = []
             while waiting and len(newcomers) + (len(batch.requests) if batch else 0) < self.max_batch_size:
                 request = waiting.popleft()
                 if not request.future.cancelled():
@@ -216,6 +221,7 @@ class HFEngine(Engine):
                 with self.forward_lock, torch.inference_mode(), self._linear_mode():
                     if newcomers:
                         batch = self._join(batch, newcomers)
+                    assert batch is not None  # joined now, or running (no batch and no newcomers continued above)
                     batch = self._step(batch)
             except Exception as error:  # a failed forward pass fails its rows, not the worker
                 for request in (batch.requests if batch else []) + newcomers:
@@ -257,8 +263,7 @@ class HFEngine(Engine):
         batch.logits = torch.cat([batch.logits, logits])
         return batch
 
-    def _prefill(self, requests: list[_Request]
-                 ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]:
+    def _prefill(self, requests: list[_Request]) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]:
         """One forward pass over the prompts' tokens that the prefix cache does not hold.
 
         Returns each prompt's KV per layer ([kv heads, prompt length, head dim]) and the logits of
@@ -282,8 +287,9 @@ class HFEngine(Engine):
         if cached:
             heads, dim = self.prefix_cache.shape
             for layer in range(self.prefix_cache.num_layers):
-                keys, values = (torch.zeros((rows, heads, cached, dim), dtype=self.model.dtype, device=device)
-                                for _ in "kv")
+                keys, values = (
+                    torch.zeros((rows, heads, cached, dim), dtype=self.model.dtype, device=device) for _ in "kv"
+                )
                 for row, (hit, n) in enumerate(zip(hits, reused)):
                     if hit:
                         keys[row, :, cached - n :] = hit[1][layer][0][:, :n]
@@ -309,8 +315,12 @@ class HFEngine(Engine):
         sequences = []
         for row in range(rows):
             columns = attention_mask[row].nonzero()[:, 0]
-            sequences.append([(keys[row].index_select(1, columns), values[row].index_select(1, columns))
-                              for keys, values, *_ in cache])
+            sequences.append(
+                [
+                    (keys[row].index_select(1, columns), values[row].index_select(1, columns))
+                    for keys, values, *_ in cache
+                ]
+            )
         return sequences, output.logits[:, -1].float()
 
     def _step(self, batch: _Batch) -> _Batch | None:
@@ -327,6 +337,7 @@ class HFEngine(Engine):
             if request.params.logprobs_topk:
                 request.top_logprobs.append(sampled.top_logprobs[row][: request.params.logprobs_topk])
             if request.params.return_entropy:
+                assert sampled.entropies is not None  # computed when any row asks for them
                 request.entropies.append(float(sampled.entropies[row]))
             completion = self._finish(request, token, int(batch.cache.lengths[row]) + 1)
             if completion is not None:
@@ -368,6 +379,7 @@ class HFEngine(Engine):
             reason = "eos"
         elif params.stop:
             text = self.tokenizer.decode(request.token_ids, skip_special_tokens=True)
+            assert isinstance(text, str)  # one sequence decodes to one string (a batch to a list)
             match = find_stop(text, params.stop)
             if match is not None:
                 reason, stop_reason, overshoot = "stop", match[0], text[match[1] :]
@@ -400,7 +412,7 @@ def _settle(future: concurrent.futures.Future, *, result=None, exception: BaseEx
         pass
 
 
-def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def _eos_token_ids(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     ids = getattr(model.generation_config, "eos_token_id", None)
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None:

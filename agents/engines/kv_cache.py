@@ -22,15 +22,24 @@ class _SlotLayer(DynamicLayer):
         self.cache = cache
         self.room: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The room for keys and values, which ``SlotCache._reserve`` allocates before any row is stored."""
+        assert self.room is not None, "SlotCache._reserve allocates the room before rows are stored"
+        return self.room
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step: write each row's new key and value at its own column; return columns [0, width]."""
         if key_states.shape[-2] != 1:
-            raise ValueError("a SlotCache takes one new position per row and forward pass (prefill with a DynamicCache)")
+            raise ValueError(
+                "a SlotCache takes one new position per row and forward pass (prefill with a DynamicCache)"
+            )
         rows, columns, width = self.cache.rows_index, self.cache.lengths, self.cache.width + 1
-        self.room[0][rows, :, columns] = key_states[:, :, 0]
-        self.room[1][rows, :, columns] = value_states[:, :, 0]
-        return self.room[0][: len(rows), :, :width], self.room[1][: len(rows), :, :width]
+        keys, values = self.kv()
+        keys[rows, :, columns] = key_states[:, :, 0]
+        values[rows, :, columns] = value_states[:, :, 0]
+        return keys[: len(rows), :, :width], values[: len(rows), :, :width]
 
     def get_seq_length(self) -> int:
         return self.cache.width
@@ -49,7 +58,9 @@ class SlotCache(Cache):
     """
 
     def __init__(self, num_layers: int, max_rows: int, device: str | torch.device = "cpu") -> None:
-        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+        # self.layers, typed as what they are (transformers types them as any cache layer); never resized
+        self.slot_layers = [_SlotLayer(self) for _ in range(num_layers)]
+        super().__init__(layers=list(self.slot_layers))
         self.max_rows = max_rows
         self._set_lengths(torch.zeros(0, dtype=torch.long, device=device))
 
@@ -63,9 +74,10 @@ class SlotCache(Cache):
         first, rows = self.num_rows, self.num_rows + len(sequences)
         self._reserve(rows, max(lengths), example=sequences[0][0][0])
         for row, (kv, length) in enumerate(zip(sequences, lengths), start=first):
-            for layer, (keys, values) in zip(self.layers, kv):
-                layer.room[0][row, :, :length] = keys
-                layer.room[1][row, :, :length] = values
+            for layer, (keys, values) in zip(self.slot_layers, kv):
+                room_keys, room_values = layer.kv()
+                room_keys[row, :, :length] = keys
+                room_values[row, :, :length] = values
         self._set_lengths(torch.cat([self.lengths, self.lengths.new_tensor(lengths)]))
 
     def remove_row(self, row: int) -> None:
@@ -73,8 +85,8 @@ class SlotCache(Cache):
         last = self.num_rows - 1
         if row != last:
             length = int(self.lengths[last])
-            for layer in self.layers:
-                for room in layer.room:
+            for layer in self.slot_layers:
+                for room in layer.kv():
                     room[row, :, :length] = room[last, :, :length]
             self.lengths[row] = self.lengths[last]
         self._set_lengths(self.lengths[:last])
@@ -82,8 +94,10 @@ class SlotCache(Cache):
     def row(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of ``row``'s keys and values per layer, [kv heads, length, head dim] each."""
         length = int(self.lengths[row])
-        return [(layer.room[0][row, :, :length].clone(), layer.room[1][row, :, :length].clone())
-                for layer in self.layers]
+        return [
+            (keys[row, :, :length].clone(), values[row, :, :length].clone())
+            for keys, values in (layer.kv() for layer in self.slot_layers)
+        ]
 
     def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Make room for a decode step; its attention mask [rows, width + 1] and position ids [rows, 1]."""
@@ -102,17 +116,22 @@ class SlotCache(Cache):
 
     def _reserve(self, rows: int, columns: int, example: torch.Tensor | None = None) -> None:
         """Grow every layer's room to at least ``rows`` x ``columns``, keeping what it holds."""
-        for layer in self.layers:
+        for layer in self.slot_layers:
             if layer.room is None:
+                assert example is not None, "the first rows added give the room its shape"
                 heads, _, dim = example.shape
-                layer.room = tuple(example.new_zeros((0, heads, 0, dim)) for _ in "kv")
+                layer.room = (example.new_zeros((0, heads, 0, dim)), example.new_zeros((0, heads, 0, dim)))
             held_rows, heads, held_columns, dim = layer.room[0].shape
             if rows <= held_rows and columns <= held_columns:
                 continue
-            shape = (held_rows if rows <= held_rows else max(rows, min(2 * held_rows, self.max_rows)), heads,
-                     held_columns if columns <= held_columns else columns + GROWTH, dim)
+            shape = (
+                held_rows if rows <= held_rows else max(rows, min(2 * held_rows, self.max_rows)),
+                heads,
+                held_columns if columns <= held_columns else columns + GROWTH,
+                dim,
+            )
             # Zeros, not empty memory: attention reads masked columns too, and a NaN there (0 x NaN) spoils the row.
-            room = tuple(layer.room[0].new_zeros(shape) for _ in "kv")
+            room = (layer.room[0].new_zeros(shape), layer.room[0].new_zeros(shape))
             used_rows, used_columns = self.num_rows, self.width
             for old, new in zip(layer.room, room):
                 new[:used_rows, :, :used_columns] = old[:used_rows, :, :used_columns]

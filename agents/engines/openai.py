@@ -103,7 +103,7 @@ class OpenAIEngine(Engine):
                     message = text[:500]
                     if response.status not in _RETRIED_STATUSES or last:
                         raise ServerError(f"{self.url} answered HTTP {response.status}: {message}")
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as error:
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
                 if last:
                     raise ServerError(
                         f"{self.url} failed after {self.max_retries + 1} attempts: {type(error).__name__}: {error}"
@@ -144,7 +144,9 @@ class OpenAIEngine(Engine):
             logprobs=[float(lp) for lp in logprobs],
             finish_reason=reason,
             stop_reason=stop_reason,
-            stop_overshoot=stop_overshoot(self.tokenizer, token_ids, stop_reason) if isinstance(stop_reason, str) else "",
+            stop_overshoot=stop_overshoot(self.tokenizer, token_ids, stop_reason)
+            if isinstance(stop_reason, str)
+            else "",
             top_logprobs=top_logprobs,
         )
 

@@ -11,6 +11,7 @@ from agents.engines.base import SamplingParams
 
 __all__ = ["SampledTokens", "sample_next_tokens"]
 
+
 @dataclass
 class SampledTokens:
     """One sampling step over a batch of rows (see :func:`sample_next_tokens`)."""

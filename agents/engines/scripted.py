@@ -51,7 +51,8 @@ class ScriptedEngine(Engine):
 
     def __init__(
         self,
-        script: Iterable[ScriptedTurn | str | Sequence[int]] | Callable[[list[int]], ScriptedTurn | str | Sequence[int]],
+        script: Iterable[ScriptedTurn | str | Sequence[int]]
+        | Callable[[list[int]], ScriptedTurn | str | Sequence[int]],
         *,
         tokenizer=None,
         latency_s: float = 0.0,
@@ -76,8 +77,10 @@ class ScriptedEngine(Engine):
         return self._complete(turn, params)
 
     def _complete(self, turn: ScriptedTurn, params: SamplingParams) -> Completion:
-        token_ids = list(turn.token_ids) if turn.token_ids is not None else self._tokenizer("text turns").encode(
-            turn.text, add_special_tokens=False
+        token_ids = (
+            list(turn.token_ids)
+            if turn.token_ids is not None
+            else self._tokenizer("text turns").encode(turn.text, add_special_tokens=False)
         )
         logprobs = _per_token(turn.logprobs, len(token_ids), "logprobs")
         reason: FinishReason = "length"

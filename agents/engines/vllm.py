@@ -43,6 +43,8 @@ _OFFLINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE
 class WeightLoaderExtension:
     """Methods vLLM mixes into each worker (``worker_extension_cls``) for weight updates."""
 
+    model_runner: Any  # the worker's, once mixed in
+
     def load_weights_from_file(self, path: str) -> int:
         """Load a ``torch.save``'d state dict into the worker's model; returns how many tensors."""
         state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -130,7 +132,9 @@ class VLLMEngine(Engine):
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         ids = self._check_request(prompt_ids, params, self.vocab_size)
         if params.logprobs_topk > self.max_logprobs:
-            raise ValueError(f"logprobs_topk={params.logprobs_topk} exceeds this engine's max_logprobs={self.max_logprobs}")
+            raise ValueError(
+                f"logprobs_topk={params.logprobs_topk} exceeds this engine's max_logprobs={self.max_logprobs}"
+            )
         return await self._on_engine_loop(self._generate(ids, params))
 
     async def _generate(self, ids: list[int], params: SamplingParams) -> Completion:
@@ -151,16 +155,28 @@ class VLLMEngine(Engine):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         final = None
-        async for output in self._llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, f"r{next(self._request_ids)}"):
+        async for output in self._llm.generate(
+            TokensPrompt(prompt_token_ids=ids), sampling, f"r{next(self._request_ids)}"
+        ):
             final = output
+        assert final is not None  # FINAL_ONLY: the finished request, yielded once
         sample = final.outputs[0]
+        assert sample.logprobs is not None  # asked for: logprobs=k >= 0 always returns the sampled token's
         token_ids = list(sample.token_ids)
-        logprobs = [position[token].logprob for token, position in zip(token_ids, sample.logprobs)]
+        # Iterated, a completion's logprobs are one {token: Logprob} per token; vLLM's Sequence type also allows the
+        # missing positions of prompt logprobs (which zip() would infer), and Optional ranks, which sampled ones have.
+        positions = [position for position in sample.logprobs]
+        logprobs = [position[token].logprob for token, position in zip(token_ids, positions)]
         top_logprobs = None
         if params.logprobs_topk:
+            k = params.logprobs_topk
             top_logprobs = [
-                [(t, lp.logprob) for t, lp in sorted(position.items(), key=lambda kv: kv[1].rank) if lp.rank <= params.logprobs_topk]
-                for position in sample.logprobs
+                [
+                    (t, lp.logprob)
+                    for t, lp in sorted(position.items(), key=lambda kv: kv[1].rank or 0)
+                    if lp.rank is not None and lp.rank <= k
+                ]
+                for position in positions
             ]
         reason: FinishReason
         if sample.finish_reason == "length":

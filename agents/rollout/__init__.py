@@ -29,4 +29,17 @@ from agents.rollout.episodes import (
     take_turn,
 )
 
-__all__ = ['DEFAULT_MAX_PROMPT_TOKENS', 'DEFAULT_MAX_RESPONSE_TOKENS', 'Episode', 'EpisodeStatus', 'RolloutConfig', 'Trajectory', 'TurnRecord', 'episodes_for', 'run_episode', 'run_episodes', 'stream_episodes', 'take_turn']
+__all__ = [
+    "DEFAULT_MAX_PROMPT_TOKENS",
+    "DEFAULT_MAX_RESPONSE_TOKENS",
+    "Episode",
+    "EpisodeStatus",
+    "RolloutConfig",
+    "Trajectory",
+    "TurnRecord",
+    "episodes_for",
+    "run_episode",
+    "run_episodes",
+    "stream_episodes",
+    "take_turn",
+]

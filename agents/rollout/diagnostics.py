@@ -20,7 +20,8 @@ Per tree:
 - ``node_entropy_mean``: mean H(n) over the tree's turns (H(n) = mean negative sampler
   log-prob of the turn's action, the Monte-Carlo estimate of docs/algorithms.md eq. 1);
   ``segment_entropy_topk_mean``: mean of ARPO's and AEPO's segment entropy over the turns that
-  have one (``node.info["segment_entropy_topk"]``: top-k log-probs of the first tokens over ln|V|);
+  have one (``node.info["segment_entropy_topk"]``: top-k log-probs of the first tokens over ln|V|,
+  docs/algorithms.md eq. 12);
 - ``reward_mean``, ``reward_std`` (population), ``reward_min``, ``reward_max``,
   ``reward_spread`` (max − min) of the leaves;
 - ``context_tokens``: context tokens the engine read to sample the tree's turns (see
@@ -51,8 +52,9 @@ ROLLOUT_TIME = "time/rollout_s"
 GENERATED_TOKENS = "tokens/generated"
 
 
-def tree_metrics(tree: RolloutTree, stats: TreeStats | None = None,
-                 events: Iterable[BranchEvent] = ()) -> dict[str, float]:
+def tree_metrics(
+    tree: RolloutTree, stats: TreeStats | None = None, events: Iterable[BranchEvent] = ()
+) -> dict[str, float]:
     """The diagnostics of one tree (see the module docstring).
 
     Args:
@@ -124,8 +126,10 @@ def rollout_metrics(prompts: Sequence[PromptTrees], seconds: float | None = None
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value
                 counts[name] += 1
-    record = {f"tree/{name}": (total if name in summed or name.startswith("branch_depth/") else total / counts[name])
-              for name, total in sorted(totals.items())}
+    record = {
+        f"tree/{name}": (total if name in summed or name.startswith("branch_depth/") else total / counts[name])
+        for name, total in sorted(totals.items())
+    }
     leaves = sum(len(prompt.leaves) for prompt in prompts)
     tokens = sum(prompt.tokens for prompt in prompts)
     if prompts:
@@ -133,7 +137,8 @@ def rollout_metrics(prompts: Sequence[PromptTrees], seconds: float | None = None
         with_leaves = [prompt for prompt in prompts if prompt.leaves]
         if with_leaves:
             record["tree/signal_frac"] = sum(
-                len({leaf.reward for leaf in prompt.leaves}) > 1 for prompt in with_leaves) / len(with_leaves)
+                len({leaf.reward for leaf in prompt.leaves}) > 1 for prompt in with_leaves
+            ) / len(with_leaves)
     if leaves:
         record["tree/tokens_per_leaf"] = tokens / leaves
     record["tree/prompt_errors"] = float(sum(prompt.error is not None for prompt in prompts))

@@ -342,7 +342,9 @@ def _turn_seed(base: int, episode: int, turn: int) -> int:
     return int(np.random.SeedSequence([base, episode, turn]).generate_state(1)[0])
 
 
-async def run_episode(engine: Engine, episode: Episode, config: RolloutConfig | None = None, *, index: int = 0) -> Trajectory:
+async def run_episode(
+    engine: Engine, episode: Episode, config: RolloutConfig | None = None, *, index: int = 0
+) -> Trajectory:
     """Run one episode to its end; never raises for a failure of the env or the engine.
 
     An exception becomes ``status="error"`` and a timeout ``status="timeout"``, with the turns
@@ -381,7 +383,9 @@ async def _play(engine: Engine, episode: Episode, config: RolloutConfig, traject
         state = env.fork() if config.keep_states else None
         seed = None if base_seed is None else _turn_seed(base_seed, trajectory.index, len(trajectory.turns))
         try:
-            turn, status = await take_turn(engine, env, ids, config, prompt_length=len(prompt_ids), seed=seed, state=state)
+            turn, status = await take_turn(
+                engine, env, ids, config, prompt_length=len(prompt_ids), seed=seed, state=state
+            )
         except BaseException:
             if state is not None:
                 state.close()  # a fork may hold a process (a sandbox); no turn keeps it
@@ -427,12 +431,13 @@ async def take_turn(
         The turn, and how the episode ended: ``"terminated"``/``"truncated"`` (the env ended
         it), ``"budget"`` (no response tokens left after this turn), or ``None`` (it goes on).
     """
+    # B − (|context| − |prompt|)  (docs/algorithms.md eq. 60)
     budget = config.max_response_tokens - (len(ids) - prompt_length)
     if budget < 1:
         raise ValueError(f"the episode has used its max_response_tokens={config.max_response_tokens}; no turn is left")
     base = config.sampling
     stop = base.stop + tuple(s for s in env.stop_strings if s not in base.stop)
-    cap = min(base.max_new_tokens, budget)
+    cap = min(base.max_new_tokens, budget)  # docs/algorithms.md eq. 60
     if max_new_tokens is not None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
@@ -448,10 +453,10 @@ async def take_turn(
             f"the env places the action at {step_info['action_span']} but the loop at {action_span}: "
             "the env was stepped outside the loop"
         )
-    left = budget - len(action_ids)
+    left = budget - len(action_ids)  # docs/algorithms.md eq. 61
     if len(obs_ids) > left:
         step_info["obs_cut"] = len(obs_ids) - max(left, 0)
-        obs_ids = obs_ids[: max(left, 0)]
+        obs_ids = obs_ids[: max(left, 0)]  # obs ← obs[: max(0, left)]  (docs/algorithms.md eq. 61)
     obs_start = action_span[1]
     turn = TurnRecord(
         action_ids=action_ids,
@@ -469,7 +474,7 @@ async def take_turn(
     )
     if terminated or truncated:
         return turn, "terminated" if terminated else "truncated"
-    if left - len(obs_ids) < 1:
+    if left - len(obs_ids) < 1:  # the path ends once left − |obs| < 1 (docs/algorithms.md "Token budgets")
         return turn, "budget"
     return turn, None
 
@@ -530,8 +535,11 @@ def episodes_for(env: TokenEnv, tasks: Sequence[int], samples: int = 1, key_pref
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples!r}")
     return [
-        Episode(env.fork(), options={"index": task},
-                key=(task, sample) if key_prefix is None else (key_prefix, task, sample))
+        Episode(
+            env.fork(),
+            options={"index": task},
+            key=(task, sample) if key_prefix is None else (key_prefix, task, sample),
+        )
         for task in tasks
         for sample in range(samples)
     ]

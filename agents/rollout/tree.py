@@ -104,10 +104,13 @@ class Node:
 
     @property
     def entropy(self) -> float:
-        """H(n) = -(1/|a_n|) Σ log π(a_t): mean negative sampler log-prob of the action tokens."""
+        """H(n) = -(1/|a_n|) Σ log π(a_t): mean negative sampler log-prob of the action tokens.
+
+        docs/algorithms.md eq. 1 ("Node entropy").
+        """
         if not self.action_ids:
             raise ValueError("the root is the prompt and has no sampled action, so no entropy")
-        return -math.fsum(self.logprobs) / len(self.logprobs)
+        return -math.fsum(self.logprobs) / len(self.logprobs)  # docs/algorithms.md eq. 1
 
     def lineage(self) -> list[Node]:
         """The nodes from the root down to this one, both included."""
@@ -159,7 +162,8 @@ class TrainingPath:
         turn_ids: id of the node each token belongs to (the prompt belongs to the root, id 0).
         weights: on action tokens, 1 / (number of leaves whose path contains the token's turn),
             0 elsewhere. A turn shared by k leaves appears in k paths; multiplying the
-            advantages by these weights trains it once in total instead of k times.
+            advantages by these weights trains it once in total instead of k times
+            (docs/algorithms.md eq. 35).
         reward: the leaf's reward.
         leaf: the leaf node.
     """
@@ -183,8 +187,9 @@ class RolloutTree:
     """
 
     def __init__(self, prompt_ids: Sequence[int], env: Any = None) -> None:
-        self.root = Node(id=0, parent=None, obs_ids=_token_ids("prompt_ids", prompt_ids),
-                         action_ids=[], logprobs=[], env=env)
+        self.root = Node(
+            id=0, parent=None, obs_ids=_token_ids("prompt_ids", prompt_ids), action_ids=[], logprobs=[], env=env
+        )
         self._nodes: dict[int, Node] = {0: self.root}
         self._next_id = 1
 
@@ -234,8 +239,9 @@ class RolloutTree:
         """
         if self._nodes.get(parent.id) is not parent:
             raise ValueError(f"parent node {parent.id} is not in this tree (pruned, or from another tree)")
-        node = _new_node(self._next_id, parent, obs_ids, action_ids, logprobs, token_entropies,
-                         env, terminal, reward, info)
+        node = _new_node(
+            self._next_id, parent, obs_ids, action_ids, logprobs, token_entropies, env, terminal, reward, info
+        )
         self._link(node)
         return node
 
@@ -301,24 +307,28 @@ class RolloutTree:
                 if source.advantage is None:
                     raise ValueError(
                         f"node {source.id} has no advantage: run credit assignment first"
-                        + (" (trajectory-level credit such as GRPO fills only the leaves: "
-                           "use paths(advantage='leaf'))" if advantage == "turn" else ""))
+                        + (
+                            " (trajectory-level credit such as GRPO fills only the leaves: use paths(advantage='leaf'))"
+                            if advantage == "turn"
+                            else ""
+                        )
+                    )
                 value = source.advantage
                 n_obs, n_act = len(node.obs_ids), len(node.action_ids)
                 ids += node.obs_ids + node.action_ids
                 mask += [0] * n_obs + [1] * n_act
                 advantages += [0.0] * n_obs + [float(value)] * n_act
                 old_logprobs += [math.nan] * n_obs + node.logprobs
-                weights += [0.0] * n_obs + [1.0 / leaves_below[node.id]] * n_act
+                weights += [0.0] * n_obs + [1.0 / leaves_below[node.id]] * n_act  # docs/algorithms.md eq. 35
                 turn_ids += [node.id] * (n_obs + n_act)
-            paths.append(TrainingPath(ids, mask, advantages, old_logprobs, turn_ids, weights,
-                                      float(leaf.reward), leaf))
+            paths.append(TrainingPath(ids, mask, advantages, old_logprobs, turn_ids, weights, float(leaf.reward), leaf))
         return paths
 
     def _leaves_below(self) -> dict[int, int]:
         """Number of leaves in each node's subtree (a leaf counts itself)."""
         counts = {node.id: int(node.terminal) for node in self._nodes.values()}
         for node in reversed(self.nodes()):  # children come after their parent in depth-first order
+            assert node.parent is not None  # nodes() lists turns only, never the root
             counts[node.parent.id] += counts[node.id]
         return counts
 
@@ -369,8 +379,18 @@ class RolloutTree:
                 raise ValueError(f"node {record['id']} names parent {record['parent']}, which is not an earlier node")
             if record["id"] in tree._nodes:
                 raise ValueError(f"node id {record['id']} appears twice")
-            node = _new_node(record["id"], parent, record["obs_ids"], record["action_ids"], record["logprobs"],
-                             record["token_entropies"], None, record["terminal"], record["reward"], record["info"])
+            node = _new_node(
+                record["id"],
+                parent,
+                record["obs_ids"],
+                record["action_ids"],
+                record["logprobs"],
+                record["token_entropies"],
+                None,
+                record["terminal"],
+                record["reward"],
+                record["info"],
+            )
             node.value, node.advantage = record["value"], record["advantage"]
             tree._link(node)
         return tree
@@ -380,8 +400,10 @@ class RolloutTree:
         try:
             text = json.dumps(self.to_dict())
         except TypeError as error:
-            raise ValueError(f"a node's info holds a value JSON cannot store ({error}); "
-                             "keep info to str, numbers, bool, None, lists and dicts") from None
+            raise ValueError(
+                f"a node's info holds a value JSON cannot store ({error}); "
+                "keep info to str, numbers, bool, None, lists and dicts"
+            ) from None
         Path(path).write_text(text, encoding="utf-8")
 
     @classmethod
@@ -396,28 +418,45 @@ class RolloutTree:
         value and advantage where set; leaves are marked ``leaf``. With ``decode`` (a
         tokenizer's decode), the start of each action's text follows, cut to ``width`` characters.
         """
-        lines = [f"root: prompt {len(self.prompt_ids)} tok, {len(self)} turns, {len(self.leaves())} leaves"
-                 + _numbers(self.root)]
-        stack = [(child, "", index == len(self.root.children) - 1)
-                 for index, child in reversed(list(enumerate(self.root.children)))]
+        lines = [
+            f"root: prompt {len(self.prompt_ids)} tok, {len(self)} turns, {len(self.leaves())} leaves"
+            + _numbers(self.root)
+        ]
+        stack = [
+            (child, "", index == len(self.root.children) - 1)
+            for index, child in reversed(list(enumerate(self.root.children)))
+        ]
         while stack:
             node, indent, last = stack.pop()
-            line = (f"{indent}{'└─ ' if last else '├─ '}#{node.id} d{node.depth} "
-                    f"obs {len(node.obs_ids)} act {len(node.action_ids)} H={node.entropy:.3f}{_numbers(node)}")
+            line = (
+                f"{indent}{'└─ ' if last else '├─ '}#{node.id} d{node.depth} "
+                f"obs {len(node.obs_ids)} act {len(node.action_ids)} H={node.entropy:.3f}{_numbers(node)}"
+            )
             if node.terminal:
                 line += " leaf"
             if decode is not None:
                 line += f" {decode(node.action_ids)[:width]!r}"
             lines.append(line)
             child_indent = indent + ("   " if last else "│  ")
-            stack.extend((child, child_indent, index == len(node.children) - 1)
-                         for index, child in reversed(list(enumerate(node.children))))
+            stack.extend(
+                (child, child_indent, index == len(node.children) - 1)
+                for index, child in reversed(list(enumerate(node.children)))
+            )
         return "\n".join(lines)
 
 
-def _new_node(node_id: int, parent: Node, obs_ids: Sequence[int], action_ids: Sequence[int],
-              logprobs: Sequence[float], token_entropies: Sequence[float] | None, env: Any,
-              terminal: bool, reward: float | None, info: dict[str, Any] | None) -> Node:
+def _new_node(
+    node_id: int,
+    parent: Node,
+    obs_ids: Sequence[int],
+    action_ids: Sequence[int],
+    logprobs: Sequence[float],
+    token_entropies: Sequence[float] | None,
+    env: Any,
+    terminal: bool,
+    reward: float | None,
+    info: dict[str, Any] | None,
+) -> Node:
     """A validated turn (not yet linked into its tree)."""
     action = _token_ids("action_ids", action_ids)
     if not action:
@@ -460,8 +499,9 @@ def _logprobs(values: Sequence[float], length: int) -> list[float]:
     logprobs = _floats("logprobs", values, length)
     for index, value in enumerate(logprobs):
         if value > _LOGPROB_ROUNDING:
-            raise ValueError(f"logprobs[{index}] = {value} is positive: give log-probabilities (<= 0), "
-                             "not probabilities")
+            raise ValueError(
+                f"logprobs[{index}] = {value} is positive: give log-probabilities (<= 0), not probabilities"
+            )
     return [min(value, 0.0) for value in logprobs]
 
 
@@ -472,6 +512,9 @@ def _finite(name: str, value: float) -> float:
 
 
 def _numbers(node: Node) -> str:
-    parts = [f" {label}={value:.3f}" for label, value in
-             (("r", node.reward), ("V", node.value), ("A", node.advantage)) if value is not None]
+    parts = [
+        f" {label}={value:.3f}"
+        for label, value in (("r", node.reward), ("V", node.value), ("A", node.advantage))
+        if value is not None
+    ]
     return "".join(parts)

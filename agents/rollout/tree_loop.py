@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agents.rollout.diagnostics import tree_metrics
+from agentenv.wrappers import TokenEnv
 from agents.engines.base import Completion, Engine
+from agents.rollout.diagnostics import tree_metrics
 from agents.rollout.episodes import (
     Episode,
     EpisodeStatus,
@@ -48,9 +49,9 @@ from agents.rollout.episodes import (
 )
 from agents.rollout.strategies.base import Branch, BranchEvent, BranchPoint, Budget, PromptTrees, Strategy, TreeStats
 from agents.rollout.tree import Node, RolloutTree
-from agentenv.wrappers import TokenEnv
 
 __all__ = ["TreeConfig", "rollout_trees"]
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -80,11 +81,15 @@ class TreeConfig:
         if not isinstance(self.rollout, RolloutConfig):
             raise TypeError(f"rollout must be an agents.rollout.RolloutConfig, got {type(self.rollout).__name__}")
         if self.rollout.sampling.seed is not None:
-            raise ValueError("TreeConfig.rollout.sampling.seed must be None; set TreeConfig.seed, from which the "
-                             "loop derives one seed per turn")
+            raise ValueError(
+                "TreeConfig.rollout.sampling.seed must be None; set TreeConfig.seed, from which the "
+                "loop derives one seed per turn"
+            )
         if self.rollout.episode_timeout is not None:
-            raise ValueError("TreeConfig.rollout.episode_timeout must be None; a tree's branches time out per "
-                             "turn: set TreeConfig.turn_timeout")
+            raise ValueError(
+                "TreeConfig.rollout.episode_timeout must be None; a tree's branches time out per "
+                "turn: set TreeConfig.turn_timeout"
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if not isinstance(self.budget, Budget):
@@ -163,8 +168,11 @@ class _Probe:
         base = run.rollout.sampling
         env = loop.root_env
         params = dataclasses.replace(
-            base, stop=base.stop + tuple(s for s in env.stop_strings if s not in base.stop),
-            max_new_tokens=max_new_tokens, seed=run.seed(loop.group.index, 0, 0))
+            base,
+            stop=base.stop + tuple(s for s in env.stop_strings if s not in base.stop),
+            max_new_tokens=max_new_tokens,
+            seed=run.seed(loop.group.index, 0, 0),
+        )
         async with run.slots:
             completion = await run.engine.generate(loop.prompt_ids, params)
         loop.group.premonitor_tokens += len(completion.token_ids)
@@ -174,8 +182,9 @@ class _Probe:
         """One whole episode of the prompt's task on a fork of the env (its tools really run)."""
         loop, run = self._loop, self._loop.run
         env = loop.fork(0, loop.root_env)
-        config = dataclasses.replace(run.rollout, sampling=dataclasses.replace(
-            run.rollout.sampling, seed=run.seed(loop.group.index, 0, 1)))
+        config = dataclasses.replace(
+            run.rollout, sampling=dataclasses.replace(run.rollout.sampling, seed=run.seed(loop.group.index, 0, 1))
+        )
         episode = Episode(env, seed=loop.episode.seed, options=loop.episode.options)
         try:
             trajectory = await run_episode(run.engine, episode, config)
@@ -206,8 +215,10 @@ class _PromptLoop:
             prompt_ids, group.info = await self.root_env.areset(seed=self.episode.seed, options=options)
             self.prompt_ids = list(prompt_ids)
             if len(self.prompt_ids) > self.run.rollout.max_prompt_tokens:
-                raise ValueError(f"the prompt has {len(self.prompt_ids)} tokens, more than max_prompt_tokens="
-                                 f"{self.run.rollout.max_prompt_tokens}; raise it or shorten the prompt")
+                raise ValueError(
+                    f"the prompt has {len(self.prompt_ids)} tokens, more than max_prompt_tokens="
+                    f"{self.run.rollout.max_prompt_tokens}; raise it or shorten the prompt"
+                )
             group.trees = [RolloutTree(self.prompt_ids, env=self.root_env) for _ in range(strategy.trees_per_prompt)]
             group.stats = [TreeStats() for _ in group.trees]
             await strategy.prepare(group, _Probe(self))
@@ -227,8 +238,10 @@ class _PromptLoop:
             self.drop_dead_ends()
             self.release_states()
         group.seconds = time.perf_counter() - start
-        group.metrics = [tree_metrics(tree, stats, [e for e in group.events if e.tree == position])
-                         for position, (tree, stats) in enumerate(zip(group.trees, group.stats))]
+        group.metrics = [
+            tree_metrics(tree, stats, [e for e in group.events if e.tree == position])
+            for position, (tree, stats) in enumerate(zip(group.trees, group.stats))
+        ]
         return group
 
     # -- branches -----------------------------------------------------------------------------
@@ -239,8 +252,9 @@ class _PromptLoop:
         opened = []
         for point in points:
             if not isinstance(point, BranchPoint):
-                raise TypeError(f"{type(self.run.strategy).__name__} returned a {type(point).__name__}, "
-                                "not a BranchPoint")
+                raise TypeError(
+                    f"{type(self.run.strategy).__name__} returned a {type(point).__name__}, not a BranchPoint"
+                )
             if leaves is not None and group.started >= leaves:
                 group.refused += 1
                 self.exhausted("leaves")
@@ -252,14 +266,30 @@ class _PromptLoop:
                 raise ValueError(f"branch point parent {parent.id} is not in tree {point.tree}")
             if point.kind != "chain":
                 source = point.source if point.source is not None and not point.source.is_root else None
-                group.events.append(BranchEvent(point.tree, group.step, point.kind, parent.depth,
-                                                None if source is None else source.entropy, group.entropy_median()))
-            opened.append(Branch(
-                number=group.started, tree=point.tree, kind=point.kind, parent=parent,
-                obs_ids=list(point.obs_ids), env=self.fork(point.tree, point.state),
-                ids=parent.context_ids() + list(point.obs_ids),
-                tool_calls=int(parent.info.get("tool_calls", 0)), reward=float(parent.info.get("return", 0.0)),
-                notes=dict(point.notes)))
+                group.events.append(
+                    BranchEvent(
+                        point.tree,
+                        group.step,
+                        point.kind,
+                        parent.depth,
+                        None if source is None else source.entropy,
+                        group.entropy_median(),
+                    )
+                )
+            opened.append(
+                Branch(
+                    number=group.started,
+                    tree=point.tree,
+                    kind=point.kind,
+                    parent=parent,
+                    obs_ids=list(point.obs_ids),
+                    env=self.fork(point.tree, point.state),
+                    ids=parent.context_ids() + list(point.obs_ids),
+                    tool_calls=int(parent.info.get("tool_calls", 0)),
+                    reward=float(parent.info.get("return", 0.0)),
+                    notes=dict(point.notes),
+                )
+            )
             self.unclosed[opened[-1]] = None
             group.started += 1
         return opened
@@ -270,8 +300,11 @@ class _PromptLoop:
         group.step += 1
         tokens_left = None if budget.tokens is None else budget.tokens - group.tokens
         calls_left = None if budget.tool_calls is None else budget.tool_calls - group.tool_calls
-        spent = [name for name, left in (("tokens", tokens_left), ("tool_calls", calls_left))
-                 if left is not None and left < 1]
+        spent = [
+            name
+            for name, left in (("tokens", tokens_left), ("tool_calls", calls_left))
+            if left is not None and left < 1
+        ]
         if spent:
             for name in spent:
                 self.exhausted(name)
@@ -286,6 +319,7 @@ class _PromptLoop:
         cap = None
         if tokens_left is not None:
             running = running[:tokens_left]
+            # cap ← min(cap, ⌊tokens_left / running branches⌋)  (docs/algorithms.md eq. 63)
             cap = min(self.run.rollout.sampling.max_new_tokens, tokens_left // len(running))
         results = await asyncio.gather(*(self.turn(branch, cap) for branch in running), return_exceptions=True)
         outcomes = dict(zip(running, results))
@@ -322,9 +356,15 @@ class _PromptLoop:
                 try:
                     async with asyncio.timeout(run.config.turn_timeout):
                         turn, status = await take_turn(
-                            run.engine, branch.env, branch.ids, run.rollout, prompt_length=len(self.prompt_ids),
+                            run.engine,
+                            branch.env,
+                            branch.ids,
+                            run.rollout,
+                            prompt_length=len(self.prompt_ids),
                             seed=run.seed(self.group.index, branch.number + 1, branch.turns),
-                            max_new_tokens=cap, state=state)
+                            max_new_tokens=cap,
+                            state=state,
+                        )
                 except TimeoutError:
                     raise TimeoutError(f"the turn took longer than turn_timeout={run.config.turn_timeout} s") from None
         except BaseException:
@@ -339,8 +379,13 @@ class _PromptLoop:
         made = max(0, calls - branch.tool_calls) if isinstance(calls, int) else 0  # the env counts per episode
         branch.tool_calls += made
         branch.reward += turn.reward
-        info = {"branch": branch.number, "finish_reason": turn.finish_reason, "tool": turn.info.get("tool"),
-                "tool_calls": branch.tool_calls, "return": branch.reward}
+        info = {
+            "branch": branch.number,
+            "finish_reason": turn.finish_reason,
+            "tool": turn.info.get("tool"),
+            "tool_calls": branch.tool_calls,
+            "return": branch.reward,
+        }
         if status is not None:
             info["status"] = status
         if "obs_cut" in turn.info:
@@ -349,9 +394,16 @@ class _PromptLoop:
             info["grade"] = dict(turn.info["grade"])
         ended = status is not None
         node = self.group.trees[branch.tree].add_turn(
-            branch.parent, obs_ids=branch.obs_ids, action_ids=turn.action_ids, logprobs=turn.logprobs,
-            token_entropies=turn.entropies, env=state, terminal=ended, reward=branch.reward if ended else None,
-            info=info)
+            branch.parent,
+            obs_ids=branch.obs_ids,
+            action_ids=turn.action_ids,
+            logprobs=turn.logprobs,
+            token_entropies=turn.entropies,
+            env=state,
+            terminal=ended,
+            reward=branch.reward if ended else None,
+            info=info,
+        )
         if state is not None:
             self.kept.append(node)
         stats = self.group.stats[branch.tree]

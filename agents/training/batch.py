@@ -65,8 +65,9 @@ def collate(paths: Sequence[TrainingPath], pad_id: int) -> PathBatch:
         attention_mask=padded(([1] * len(path.ids) for path in paths), 0, torch.int64),
         mask=padded((path.mask for path in paths), 0, torch.float32),
         advantages=padded((path.advantages for path in paths), 0.0, torch.float32),
-        old_logprobs=padded(([lp if m else 0.0 for lp, m in zip(path.old_logprobs, path.mask)]
-                             for path in paths), 0.0, torch.float32),
+        old_logprobs=padded(
+            ([lp if m else 0.0 for lp, m in zip(path.old_logprobs, path.mask)] for path in paths), 0.0, torch.float32
+        ),
         turn_ids=padded((path.turn_ids for path in paths), -1, torch.int64),
         weights=padded((path.weights for path in paths), 0.0, torch.float32),
         rewards=torch.tensor([path.reward for path in paths], dtype=torch.float32),

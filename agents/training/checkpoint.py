@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+    from torch.nn.modules.module import _IncompatibleKeys
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
@@ -70,15 +72,18 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    found = [(int(match.group(1)), path) for path in root.iterdir()
-             if (match := _NAME.fullmatch(path.name)) and (path / _STATE_JSON).is_file()]
+    found = [
+        (int(match.group(1)), path)
+        for path in root.iterdir()
+        if (match := _NAME.fullmatch(path.name)) and (path / _STATE_JSON).is_file()
+    ]
     return max(found)[1] if found else None
 
 
 def save_checkpoint(
     path: str | Path,
     *,
-    model: PreTrainedModel,
+    model: PreTrainedModel | PeftModel,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     step: int,
@@ -92,16 +97,19 @@ def save_checkpoint(
     try:
         state_text = json.dumps(state, indent=2)
     except TypeError as error:
-        raise ValueError(f"data_position and config must be JSON-serialisable (str, numbers, bool, None, "
-                         f"lists, dicts): {error}") from None
+        raise ValueError(
+            f"data_position and config must be JSON-serialisable (str, numbers, bool, None, lists, dicts): {error}"
+        ) from None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        model.save_pretrained(tmp / _MODEL)  # safetensors; a PeftModel writes only its adapter
+        model.save_pretrained(str(tmp / _MODEL))  # safetensors; a PeftModel writes only its adapter (it takes a str)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / _MODEL)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": get_rng_state()}, tmp / _STATE_PT)
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": get_rng_state()},
+            tmp / _STATE_PT,
+        )
         (tmp / _STATE_JSON).write_text(state_text + "\n")
         if path.exists():
             shutil.rmtree(path)
@@ -114,7 +122,7 @@ def save_checkpoint(
 def load_checkpoint(
     path: str | Path,
     *,
-    model: PreTrainedModel,
+    model: PreTrainedModel | PeftModel,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     restore_rng: bool = True,
@@ -127,8 +135,10 @@ def load_checkpoint(
     path = Path(path)
     state_json = path / _STATE_JSON
     if not state_json.is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint folder (no {_STATE_JSON}); "
-                                f"give a folder such as runs/NAME/checkpoints/{checkpoint_name(1)}")
+        raise FileNotFoundError(
+            f"{path} is not a checkpoint folder (no {_STATE_JSON}); "
+            f"give a folder such as runs/NAME/checkpoints/{checkpoint_name(1)}"
+        )
     state = json.loads(state_json.read_text())
     if state.get("format") != FORMAT:
         raise ValueError(f"{path} holds a checkpoint of format {state.get('format')!r}, expected {FORMAT!r}")
@@ -145,12 +155,21 @@ def load_checkpoint(
 
 def get_rng_state() -> dict[str, Any]:
     """The states of Python's, NumPy's and torch's global generators (CPU and every CUDA device)."""
-    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)
+    # The global RandomState is an MT19937, whose legacy state is always the 5-tuple (a dict only for
+    # other bit generators); numpy's stubs type the result as either.
+    assert isinstance(numpy_state, tuple)
+    name, keys, position, has_gauss, cached_gaussian = numpy_state
     return {
         "python": random.getstate(),
         # As a tensor, so that torch.load(weights_only=True) reads it back.
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -161,14 +180,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     numpy = state["numpy"]
-    np.random.set_state((numpy["name"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
-                         numpy["has_gauss"], numpy["cached_gaussian"]))
+    np.random.set_state(
+        (
+            numpy["name"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["position"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _load_weights(model: PreTrainedModel, folder: Path) -> None:
+def _load_weights(model: PreTrainedModel | PeftModel, folder: Path) -> None:
     """Copy the safetensors weights of ``folder`` into ``model`` in place."""
     from safetensors.torch import load_file
 
@@ -177,7 +203,8 @@ def _load_weights(model: PreTrainedModel, folder: Path) -> None:
 
         if not isinstance(model, PeftModel):
             raise ValueError(f"{folder} holds a LoRA adapter; load it into a LoRA policy (lora_rank > 0)")
-        result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        # peft annotates its result as ``namedtuple``; it is what torch's load_state_dict returns
+        result: _IncompatibleKeys = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
         if result.unexpected_keys:
             raise ValueError(f"the adapter in {folder} does not fit this model: {result.unexpected_keys[:5]}")
         return
@@ -189,8 +216,10 @@ def _load_weights(model: PreTrainedModel, folder: Path) -> None:
         weights.update(load_file(file))
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
-        raise ValueError(f"the checkpoint in {folder} has weights this model lacks: {result.unexpected_keys[:5]} "
-                         "(a different architecture?)")
+        raise ValueError(
+            f"the checkpoint in {folder} has weights this model lacks: {result.unexpected_keys[:5]} "
+            "(a different architecture?)"
+        )
     # save_pretrained stores tied weights (lm_head tied to the embeddings) once; they need no file.
     own = model.state_dict()
     loaded = {own[name].data_ptr() for name in weights}

@@ -54,14 +54,15 @@ def grpo_advantages(rewards: Sequence[float], eps: float = 1e-6, unbiased: bool 
         eps: added to the std (verl's ``epsilon``, 1e-6).
         unbiased: Bessel-corrected std (default, the code's) or population std.
     """
-    return _zscores(rewards, eps, unbiased)
+    return _zscores(rewards, eps, unbiased)  # docs/algorithms.md eq. 21
 
 
 def tree_grpo_advantages(rewards_by_tree: Sequence[Sequence[float]], eps: float = 1e-6) -> list[list[float]]:
     """Tree-GRPO advantages of one prompt's M trees (Ji et al. 2025).
 
     ``A_i = z(r_i within its tree) + z(r_i within all leaves of the prompt)``, each
-    ``z = (r − mean) / (std + eps)`` with the unbiased std; a group of one gets mean 0, std 1.
+    ``z = (r − mean) / (std + eps)`` with the unbiased std; a group of one gets mean 0, std 1
+    (docs/algorithms.md eq. 22, with z from eqs. 19, 20).
 
     Args:
         rewards_by_tree: the leaf rewards of each tree of one prompt.
@@ -72,12 +73,13 @@ def tree_grpo_advantages(rewards_by_tree: Sequence[Sequence[float]], eps: float 
     """
     if not rewards_by_tree:
         raise ValueError("tree_grpo_advantages needs the leaf rewards of at least one tree")
+    # docs/algorithms.md eq. 22: the inter-tree term, over all leaves of the prompt
     pooled = _zscores([reward for rewards in rewards_by_tree for reward in rewards], eps, unbiased=True)
     advantages, start = [], 0
     for rewards in rewards_by_tree:
         within_tree = _zscores(rewards, eps, unbiased=True) if rewards else []
-        # A_i = z_tree(r_i) + z_prompt(r_i)  (Tree-GRPO intra-tree + inter-tree advantage)
-        advantages.append([a + b for a, b in zip(within_tree, pooled[start:start + len(rewards)])])
+        # A_i = z_tree(r_i) + z_prompt(r_i): Tree-GRPO's intra-tree plus inter-tree advantage
+        advantages.append([a + b for a, b in zip(within_tree, pooled[start : start + len(rewards)])])
         start += len(rewards)
     return advantages
 
@@ -106,6 +108,8 @@ def turnwise_credit(
     eps: float = 1e-6,
 ) -> None:
     """AT²PO turn-wise credit: fill ``node.value`` for every node and ``node.advantage`` per turn.
+
+    The formulas and defaults are docs/algorithms.md "AT²PO turn-wise credit" (eqs. 23–31).
 
     1. Leaves: ``V_leaf = (r − mean) / (std + eps)`` over the tree's leaves with the population
        std (the official code's default); ``normalize_leaves=False`` keeps ``V_leaf = r``.
@@ -136,15 +140,19 @@ def turnwise_credit(
     leaves = _leaves_of([tree])
     for node in tree.nodes():
         if not node.children and not node.terminal:
-            raise ValueError(f"node {node.id} has no children and did not end its episode: finish it with "
-                             "node.finish(reward) or drop it with tree.prune(...) before credit assignment")
+            raise ValueError(
+                f"node {node.id} has no children and did not end its episode: finish it with "
+                "node.finish(reward) or drop it with tree.prune(...) before credit assignment"
+            )
     rewards = [_reward(leaf) for leaf in leaves]
-    leaf_values = _zscores(rewards, eps, unbiased=False) if normalize_leaves else rewards
+    leaf_values = _zscores(rewards, eps, unbiased=False) if normalize_leaves else rewards  # docs/algorithms.md eq. 23
+    # V(n) by node id, filled leaves first; each value is also written to node.value.
+    values: dict[int, float] = {}
     for leaf, value in zip(leaves, leaf_values):
-        leaf.value = value
+        leaf.value = values[leaf.id] = value
 
     # Children before parents: reversed depth-first order. Leaf sums and counts serve leaf_mean.
-    leaf_sum = {leaf.id: leaf.value for leaf in leaves}
+    leaf_sum = {leaf.id: values[leaf.id] for leaf in leaves}
     leaf_count = {leaf.id: 1 for leaf in leaves}
     for node in [*reversed(tree.nodes()), tree.root]:
         if node.terminal:
@@ -152,51 +160,61 @@ def turnwise_credit(
         leaf_sum[node.id] = math.fsum(leaf_sum[child.id] for child in node.children)
         leaf_count[node.id] = sum(leaf_count[child.id] for child in node.children)
         if backup == "leaf_mean":
-            node.value = leaf_sum[node.id] / leaf_count[node.id]
+            values[node.id] = leaf_sum[node.id] / leaf_count[node.id]  # docs/algorithms.md eq. 26
         else:
-            node.value = math.fsum(w * child.value for w, child in zip(_child_weights(node, backup), node.children))
+            # docs/algorithms.md eqs. 24, 25, 27
+            values[node.id] = math.fsum(
+                w * values[child.id] for w, child in zip(_child_weights(node, backup), node.children)
+            )
+        node.value = values[node.id]
 
-    root_value = tree.root.value
+    root_value = values[tree.root.id]
     for node in tree.nodes():
-        parent_value = node.parent.value
+        assert node.parent is not None  # nodes() lists turns only; the root is the parent of a first turn
+        value, parent_value = values[node.id], values[node.parent.id]
         if advantage == "node_value":
-            node.advantage = node.value  # A_n = V_n
+            node.advantage = value  # A_n = V_n  (docs/algorithms.md eq. 28)
         elif advantage == "value_minus_parent":
-            node.advantage = node.value - parent_value  # A_n = V_n − V_parent
+            node.advantage = value - parent_value  # A_n = V_n − V_parent  (docs/algorithms.md eq. 29)
         elif advantage == "value_minus_root":
-            node.advantage = node.value - root_value  # A_n = V_n − V_root
+            node.advantage = value - root_value  # A_n = V_n − V_root  (docs/algorithms.md eq. 30)
         else:
-            node.advantage = (node.value - parent_value) + (node.value - root_value)  # sum of the two
+            node.advantage = (value - parent_value) + (value - root_value)  # sum of the two (docs/algorithms.md eq. 31)
 
 
 def _child_weights(node: Node, backup: str) -> list[float]:
     """Backup weights of a node's children (they sum to 1)."""
     n = len(node.children)
     if backup == "child_mean":
-        return [1.0 / n] * n
+        return [1.0 / n] * n  # docs/algorithms.md eq. 25
     entropies = [child.entropy for child in node.children]
     if backup == "child_softmax":
-        # softmax_c(H(c)), shifted by the max for numerical safety
+        # softmax_c(H(c)), shifted by the max for numerical safety (docs/algorithms.md eq. 24)
         top = max(entropies)
         exps = [math.exp(h - top) for h in entropies]
         total = math.fsum(exps)
         return [e / total for e in exps]
-    total = math.fsum(entropies)  # entropy_linear: H(c) / Σ H(c')
+    total = math.fsum(entropies)  # entropy_linear: H(c) / Σ H(c')  (docs/algorithms.md eq. 27)
     return [h / total for h in entropies] if total > 0 else [1.0 / n] * n
 
 
 def _zscores(values: Sequence[float], eps: float, unbiased: bool) -> list[float]:
-    """``(v − mean) / (std + eps)``; with ``unbiased`` a group of one gets mean 0, std 1."""
+    """``(v − mean) / (std + eps)``; with ``unbiased`` a group of one gets mean 0, std 1.
+
+    docs/algorithms.md eqs. 19, 20 ("Group z-score").
+    """
     values = [float(value) for value in values]
     n = len(values)
     if n == 0:
         raise ValueError("cannot normalise an empty group of rewards")
     if unbiased and n == 1:
-        mean, std = 0.0, 1.0  # the code's convention: the unbiased std of one value is undefined
+        # the code's convention: the unbiased std of one value is undefined (docs/algorithms.md eq. 20)
+        mean, std = 0.0, 1.0
     else:
         mean = math.fsum(values) / n
+        # docs/algorithms.md eq. 20
         std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1 if unbiased else n))
-    return [(v - mean) / (std + eps) for v in values]
+    return [(v - mean) / (std + eps) for v in values]  # docs/algorithms.md eq. 19
 
 
 def _leaves_of(trees: Sequence[RolloutTree]) -> list[Node]:
@@ -204,8 +222,9 @@ def _leaves_of(trees: Sequence[RolloutTree]) -> list[Node]:
         raise TypeError("pass the trees of one prompt as a sequence, e.g. [tree]")
     leaves = [leaf for tree in trees for leaf in tree.leaves()]
     if not leaves:
-        raise ValueError("no finished leaves: credit assignment needs at least one turn marked terminal "
-                         "(node.finish(reward))")
+        raise ValueError(
+            "no finished leaves: credit assignment needs at least one turn marked terminal (node.finish(reward))"
+        )
     return leaves
 
 

@@ -42,10 +42,12 @@ __all__ = [
 #: Names of the ways a ``[batch, tokens]`` loss is reduced to a scalar (see :func:`aggregate`).
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
-_LOG_RATIO_BOUND = 20.0  # verl compute_policy_loss clamps log r to ±20 so that exp() stays finite
+# verl compute_policy_loss clamps log r to ±20 so that exp() stays finite (docs/algorithms.md eq. 38)
+_LOG_RATIO_BOUND = 20.0
 _MAX_LOG_SEGMENT_RATIO = 10.0  # docs/algorithms.md eqs. 42, 45 (GSPO, ATPO; verl's GSPO loss): clamp log s ≤ 10
-_KL_LOG_BOUND, _KL_BOUND = 20.0, 10.0  # verl kl_penalty("low_var_kl"): clamps of the k3 estimator
-_ZERO_STD = 1e-6  # an entropy spread below this counts as std 0 (then std := 1)
+# verl kl_penalty("low_var_kl"): clamps of the k3 estimator (docs/algorithms.md eq. 50)
+_KL_LOG_BOUND, _KL_BOUND = 20.0, 10.0
+_ZERO_STD = 1e-6  # an entropy spread below this counts as std 0 (then std := 1) (docs/algorithms.md eq. 36)
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
@@ -56,7 +58,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     - ``"seq-mean-token-sum"``: sum over each sequence's masked tokens, then mean over sequences.
 
     Sequences without any masked token are left out of the mean over sequences; an all-zero
-    mask gives 0.
+    mask gives 0 (docs/algorithms.md "Aggregation modes", eqs. 52–54).
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")
@@ -64,11 +66,11 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     masked = torch.where(mask, values, 0.0)
     tokens = mask.sum(-1)
     if mode == "token-mean":
-        return masked.sum() / tokens.sum().clamp(min=1)
+        return masked.sum() / tokens.sum().clamp(min=1)  # docs/algorithms.md eq. 52
     per_sequence = masked.sum(-1)
     if mode == "seq-mean-token-mean":
-        per_sequence = per_sequence / tokens.clamp(min=1)
-    return per_sequence.sum() / (tokens > 0).sum().clamp(min=1)
+        per_sequence = per_sequence / tokens.clamp(min=1)  # docs/algorithms.md eq. 53
+    return per_sequence.sum() / (tokens > 0).sum().clamp(min=1)  # docs/algorithms.md eqs. 53, 54
 
 
 def ppo_clip_loss(
@@ -92,10 +94,12 @@ def ppo_clip_loss(
     agg(k3(π_θ, π_ref))`` when ``ref_logprobs`` is given, and ``− entropy_coef · agg(entropy)``
     when ``entropy`` (per-token entropy carrying its gradient) is given. Extra metrics:
     ``dual_clip_frac``, and ``kl_ref``/``entropy`` with their optional inputs.
+    Formulas and defaults: docs/algorithms.md "PPO-clip" (eqs. 39, 40), with eqs. 50, 51 for the optional terms.
     """
     mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy)
-    pg_loss, metrics = _clipped_policy_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high,
-                                            dual_clip, balanced_upper=False, agg=agg)
+    pg_loss, metrics = _clipped_policy_loss(
+        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip, balanced_upper=False, agg=agg
+    )
     return _with_regularizers(pg_loss, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
 
@@ -128,17 +132,21 @@ def aepo_loss(
     are first rescaled by :func:`entropy_aware_advantages`; this needs ``entropy``, the per-token
     entropy of the full next-token distribution from the training forward pass. The same tensor
     feeds the optional entropy bonus. With both flags off this is :func:`ppo_clip_loss` with the same
-    hyper-parameters.
+    hyper-parameters. Formulas and defaults: docs/algorithms.md "AEPO clipping-balanced" (eqs. 47–49).
     """
     if entropy_aware_advantage and entropy is None:
-        raise ValueError("aepo_loss with entropy_aware_advantage=True needs `entropy`, the per-token entropy "
-                         "[batch, tokens] from the training forward pass; pass it, or set "
-                         "entropy_aware_advantage=False")
+        raise ValueError(
+            "aepo_loss with entropy_aware_advantage=True needs `entropy`, the per-token entropy "
+            "[batch, tokens] from the training forward pass; pass it, or set "
+            "entropy_aware_advantage=False"
+        )
     mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy)
-    if entropy_aware_advantage:
+    if entropy_aware_advantage and entropy is not None:  # entropy is never None here: checked above
+        # docs/algorithms.md eq. 37
         advantages = entropy_aware_advantages(advantages, entropy, mask, coef=entropy_advantage_coef)
-    pg_loss, metrics = _clipped_policy_loss(logprobs, old_logprobs, advantages, mask, eps_low, eps_high,
-                                            dual_clip, balanced_upper=clip_balanced, agg=agg)
+    pg_loss, metrics = _clipped_policy_loss(
+        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip, balanced_upper=clip_balanced, agg=agg
+    )
     return _with_regularizers(pg_loss, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
 
@@ -152,17 +160,18 @@ def entropy_aware_advantages(
 
     ``z_t`` is the token entropy standardised over the action tokens of the batch given
     (the micro-batch): ``(H_t − mean) / std`` with the unbiased std; a std of 0 (or below 1e-6,
-    or fewer than two action tokens) is replaced by 1. Off the mask ``z = 0``.
+    or fewer than two action tokens) is replaced by 1. Off the mask ``z = 0``
+    (docs/algorithms.md "AEPO entropy-aware advantage", eqs. 36, 37).
     """
     mask = mask.bool()
     h = entropy.detach().to(torch.float64)
     count = mask.sum()
-    mean = torch.where(mask, h, 0.0).sum() / count.clamp(min=1)
-    variance = torch.where(mask, (h - mean) ** 2, 0.0).sum() / (count - 1).clamp(min=1)
+    mean = torch.where(mask, h, 0.0).sum() / count.clamp(min=1)  # docs/algorithms.md eq. 36
+    variance = torch.where(mask, (h - mean) ** 2, 0.0).sum() / (count - 1).clamp(min=1)  # docs/algorithms.md eq. 36
     std = variance.sqrt()
-    std = torch.where(std > _ZERO_STD, std, torch.ones_like(std))
-    z = torch.where(mask, (h - mean) / std, 0.0).to(advantages.dtype)
-    return advantages * (1 + coef * z)  # Ã = Â·(1 + 0.2·sg(z_t))  (AEPO entropy-aware advantage)
+    std = torch.where(std > _ZERO_STD, std, torch.ones_like(std))  # docs/algorithms.md eq. 36
+    z = torch.where(mask, (h - mean) / std, 0.0).to(advantages.dtype)  # docs/algorithms.md eq. 36
+    return advantages * (1 + coef * z)  # Ã = Â·(1 + 0.2·sg(z_t))  (docs/algorithms.md eq. 37)
 
 
 def gspo_loss(
@@ -171,8 +180,8 @@ def gspo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    eps_low: float = 3e-4,  # GSPO paper §5 (Zheng et al. 2025)
-    eps_high: float = 4e-4,  # GSPO paper §5
+    eps_low: float = 3e-4,  # GSPO paper §5 (Zheng et al. 2025; docs/algorithms.md "GSPO")
+    eps_high: float = 4e-4,  # GSPO paper §5 (docs/algorithms.md "GSPO")
     agg: str = "seq-mean-token-mean",  # GSPO objective: 1/|y_i| Σ_t, then mean over sequences
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,  # GSPO trains without a KL term
@@ -184,12 +193,13 @@ def gspo_loss(
     Token form: ``log s_t = sg(log s) + log π_θ(t) − sg(log π_θ(t))``, so the forward value is
     the sequence ratio and the gradient is ``s·∇log π_θ(t)``; ``ℓ_t = max(−A_t·s_t,
     −A_t·clip(s_t, 1−ε_low, 1+ε_high))``, no dual clip. Extra metrics: ``sequences`` and
-    ``clipped_sequences``.
+    ``clipped_sequences``. Formulas and defaults: docs/algorithms.md "GSPO" (eqs. 41–43).
     """
     mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy)
-    first_action_token = mask & (mask.long().cumsum(-1) == 1)
-    pg_loss, metrics = _segment_ratio_loss(logprobs, old_logprobs, advantages, mask, first_action_token,
-                                           eps_low, eps_high, agg, unit="sequences")
+    first_action_token = mask & (mask.long().cumsum(-1) == 1)  # one segment per sequence (docs/algorithms.md eq. 41)
+    pg_loss, metrics = _segment_ratio_loss(
+        logprobs, old_logprobs, advantages, mask, first_action_token, eps_low, eps_high, agg, unit="sequences"
+    )
     return _with_regularizers(pg_loss, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
 
@@ -218,37 +228,48 @@ def atpo_loss(
     A turn is a maximal run of mask-1 tokens in a row. With ``turn_ids`` (the
     :class:`~agents.training.batch.PathBatch` field), a run is also split where the turn id changes, which
     separates two actions that no observation token divides. Extra metrics: ``turns`` and
-    ``clipped_turns``.
+    ``clipped_turns``. Formulas and defaults: docs/algorithms.md "ATPO" (eqs. 44–46).
     """
-    mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy,
-                         turn_ids=turn_ids)
+    mask = _check_inputs(
+        logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy, turn_ids=turn_ids
+    )
     previous = F.pad(mask[:, :-1], (1, 0), value=False)
-    turn_start = mask & ~previous
+    turn_start = mask & ~previous  # docs/algorithms.md eq. 44
     if turn_ids is not None:
         previous_turn = F.pad(turn_ids[:, :-1], (1, 0), value=-1)
-        turn_start = turn_start | (mask & previous & (turn_ids != previous_turn))
-    pg_loss, metrics = _segment_ratio_loss(logprobs, old_logprobs, advantages, mask, turn_start,
-                                           eps_low, eps_high, agg, unit="turns")
+        turn_start = turn_start | (mask & previous & (turn_ids != previous_turn))  # docs/algorithms.md eq. 44
+    pg_loss, metrics = _segment_ratio_loss(
+        logprobs, old_logprobs, advantages, mask, turn_start, eps_low, eps_high, agg, unit="turns"
+    )
     return _with_regularizers(pg_loss, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
 
 def _clipped_policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    eps_low: float, eps_high: float, dual_clip: float | None, balanced_upper: bool, agg: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+    balanced_upper: bool,
+    agg: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The token-ratio clipped surrogate shared by PPO/GRPO and AEPO."""
     advantages = torch.where(mask, advantages, 0.0)
     log_ratio = _log_ratio(logprobs, old_logprobs, mask)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio)  # docs/algorithms.md eq. 38
     if balanced_upper:
-        upper = (1 + eps_high) * ratio / ratio.detach()  # AEPO: forward 1+ε_h, gradient (1+ε_h)·∇log π
+        # AEPO: forward 1+ε_h, gradient (1+ε_h)·∇log π  (docs/algorithms.md eq. 47)
+        upper = (1 + eps_high) * ratio / ratio.detach()
     else:
         upper = torch.full_like(ratio, 1 + eps_high)
-    clipped = torch.minimum(torch.clamp(ratio, min=1 - eps_low), upper)
-    token_loss = torch.maximum(-advantages * ratio, -advantages * clipped)  # PPO clipped surrogate
+    clipped = torch.minimum(torch.clamp(ratio, min=1 - eps_low), upper)  # docs/algorithms.md eqs. 39, 47
+    # PPO clipped surrogate (docs/algorithms.md eqs. 39, 48)
+    token_loss = torch.maximum(-advantages * ratio, -advantages * clipped)
     metrics = _clip_metrics(ratio, log_ratio, advantages, mask, eps_low, eps_high)
     if dual_clip is not None:
-        # dual clip: for A < 0, ℓ = min(ℓ, −A·c)
+        # dual clip: for A < 0, ℓ = min(ℓ, −A·c)  (docs/algorithms.md eq. 40)
         token_loss = torch.where(advantages < 0, torch.minimum(token_loss, -advantages * dual_clip), token_loss)
         with torch.no_grad():
             metrics["dual_clip_frac"] = _masked_mean((advantages < 0) & (ratio > dual_clip), mask)
@@ -256,8 +277,15 @@ def _clipped_policy_loss(
 
 
 def _segment_ratio_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    segment_start: torch.Tensor, eps_low: float, eps_high: float, agg: str, unit: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    segment_start: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    agg: str,
+    unit: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate with one geometric-mean ratio per segment (GSPO: sequence, ATPO: turn)."""
     advantages = torch.where(mask, advantages, 0.0)
@@ -269,12 +297,14 @@ def _segment_ratio_loss(
     counts = torch.zeros(segments + 1, dtype=torch.float64, device=log_ratio.device)
     counts.index_add_(0, index, mask.flatten().to(torch.float64))
     sums = torch.zeros_like(counts).index_add_(0, index, log_ratio.detach().flatten().to(torch.float64))
+    # docs/algorithms.md eqs. 41, 45
     segment_mean = (sums / counts.clamp(min=1))[index].view_as(log_ratio).to(log_ratio.dtype)
     # log s_t = sg(mean_{u∈segment} log r_u) + log π_θ(t) − sg(log π_θ(t))   (GSPO token form)
-    log_s = segment_mean + torch.where(mask, logprobs - logprobs.detach(), 0.0)
-    s = torch.exp(torch.clamp(log_s, max=_MAX_LOG_SEGMENT_RATIO))
-    clipped = torch.clamp(s, 1 - eps_low, 1 + eps_high)
-    token_loss = torch.maximum(-advantages * s, -advantages * clipped)  # clipped surrogate on s
+    log_s = segment_mean + torch.where(mask, logprobs - logprobs.detach(), 0.0)  # docs/algorithms.md eqs. 42, 45
+    s = torch.exp(torch.clamp(log_s, max=_MAX_LOG_SEGMENT_RATIO))  # docs/algorithms.md eqs. 42, 45
+    clipped = torch.clamp(s, 1 - eps_low, 1 + eps_high)  # docs/algorithms.md eqs. 43, 46
+    # clipped surrogate on s (docs/algorithms.md eqs. 43, 46)
+    token_loss = torch.maximum(-advantages * s, -advantages * clipped)
     metrics = _clip_metrics(s, log_ratio, advantages, mask, eps_low, eps_high)
     with torch.no_grad():
         clipped_tokens = ((advantages > 0) & (s > 1 + eps_high)) | ((advantages < 0) & (s < 1 - eps_low))
@@ -291,20 +321,28 @@ def _row_offsets(segment_start: torch.Tensor) -> torch.Tensor:
 
 
 def _with_regularizers(
-    pg_loss: torch.Tensor, metrics: dict[str, float], logprobs: torch.Tensor, mask: torch.Tensor, agg: str,
-    ref_logprobs: torch.Tensor | None, kl_coef: float, entropy: torch.Tensor | None, entropy_coef: float,
+    pg_loss: torch.Tensor,
+    metrics: dict[str, float],
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    agg: str,
+    ref_logprobs: torch.Tensor | None,
+    kl_coef: float,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Add the optional KL-to-reference and entropy-bonus terms; finish the metrics."""
     loss = pg_loss
     if ref_logprobs is not None:
         # k3 estimator of KL(π_θ ‖ π_ref): exp(d) − d − 1, d = log π_ref − log π_θ (Schulman 2020)
+        # docs/algorithms.md eq. 50
         d = torch.clamp(torch.where(mask, ref_logprobs - logprobs, 0.0), -_KL_LOG_BOUND, _KL_LOG_BOUND)
-        kl = aggregate(torch.clamp(torch.exp(d) - d - 1, -_KL_BOUND, _KL_BOUND), mask, agg)
-        loss = loss + kl_coef * kl
+        kl = aggregate(torch.clamp(torch.exp(d) - d - 1, -_KL_BOUND, _KL_BOUND), mask, agg)  # docs/algorithms.md eq. 50
+        loss = loss + kl_coef * kl  # docs/algorithms.md eq. 51
         metrics["kl_ref"] = kl.item()
     if entropy is not None:
         mean_entropy = aggregate(entropy, mask, agg)
-        loss = loss - entropy_coef * mean_entropy  # entropy bonus
+        loss = loss - entropy_coef * mean_entropy  # entropy bonus (docs/algorithms.md eq. 51)
         metrics["entropy"] = mean_entropy.item()
     metrics["pg_loss"] = pg_loss.item()
     metrics["loss"] = loss.item()
@@ -312,21 +350,27 @@ def _with_regularizers(
 
 
 def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``log r = log π_θ − log π_old`` on the mask (clamped to ±20), 0 off it."""
+    """``log r = log π_θ − log π_old`` on the mask (clamped to ±20), 0 off it (docs/algorithms.md eq. 38)."""
+    # docs/algorithms.md eq. 38
     return torch.clamp(torch.where(mask, logprobs - old_logprobs, 0.0), -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
 
 
 def _clip_metrics(
-    ratio: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    eps_low: float, eps_high: float,
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
 ) -> dict[str, float]:
     with torch.no_grad():
         return {
+            # docs/algorithms.md eq. 55
             "clip_frac_low": _masked_mean((advantages < 0) & (ratio < 1 - eps_low), mask),
             "clip_frac_high": _masked_mean((advantages > 0) & (ratio > 1 + eps_high), mask),
             "ratio_mean": _masked_mean(ratio, mask),
             # k3 estimate of KL(π_old ‖ π_θ) on samples from π_old: (r − 1) − log r
-            "approx_kl": _masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
+            "approx_kl": _masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),  # docs/algorithms.md eq. 56
         }
 
 
@@ -335,20 +379,30 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def _check_inputs(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
     **optional: torch.Tensor | None,
 ) -> torch.Tensor:
     """Check that every tensor is ``[batch, tokens]`` like ``logprobs``; return the mask as bool."""
-    tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "mask": mask,
-               **{name: value for name, value in optional.items() if value is not None}}
+    tensors = {
+        "logprobs": logprobs,
+        "old_logprobs": old_logprobs,
+        "advantages": advantages,
+        "mask": mask,
+        **{name: value for name, value in optional.items() if value is not None},
+    }
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape [batch, tokens], got {type(value).__name__}")
         if value.dim() != 2:
             raise ValueError(f"{name} must have shape [batch, tokens], got {tuple(value.shape)}")
         if value.shape != logprobs.shape:
-            raise ValueError(f"{name} has shape {tuple(value.shape)} but logprobs has {tuple(logprobs.shape)}; "
-                             "align every tensor token by token")
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)} but logprobs has {tuple(logprobs.shape)}; "
+                "align every tensor token by token"
+            )
     if mask.dtype != torch.bool:
         if not ((mask == 0) | (mask == 1)).all():
             raise ValueError("mask must hold only 0 and 1 (1 on action tokens)")
@@ -380,8 +434,9 @@ def register_loss(name: str, loss: LossFn | None = None) -> Any:
         if not callable(fn):
             raise TypeError(f"register_loss({name!r}) needs a callable with the losses' signature, got {fn!r}")
         if name in LOSSES and LOSSES[name] is not fn:
-            raise ValueError(f"a loss named {name!r} is already registered ({LOSSES[name].__qualname__}); "
-                             "choose another name")
+            raise ValueError(
+                f"a loss named {name!r} is already registered ({LOSSES[name].__qualname__}); choose another name"
+            )
         LOSSES[name] = fn
         return fn
 

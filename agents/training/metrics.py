@@ -6,10 +6,11 @@ A record is a flat ``{name: float}`` dict. Names are ``group/quantity``; the tra
   of the batch's paths;
 - ``policy/...``: what the loss reports (``loss``, ``pg_loss``, ``clip_frac_low``,
   ``clip_frac_high``, ``ratio_mean``, ``approx_kl``, ``kl_ref``, ``entropy`` and per-loss
-  extras such as ATPO's ``turns``); ``policy/entropy`` is the exact full-vocabulary token
-  entropy of the action tokens from the training forward pass;
+  extras such as ATPO's ``turns``; docs/algorithms.md "Loss metrics", eqs. 55, 56); ``policy/entropy``
+  is the exact full-vocabulary token entropy of the action tokens from the training forward pass
+  (docs/algorithms.md eq. 2);
 - ``mismatch/max_abs``, ``mismatch/mean_abs``, ``mismatch/tokens``: the sampler's log-probs
-  against the trainer's, before the update;
+  against the trainer's, before the update (docs/algorithms.md eq. 59);
 - ``optim/grad_norm`` (before clipping), ``optim/lr``, ``optim/updates``,
   ``optim/skipped_updates`` (non-finite gradients);
 - ``tokens/trained``, ``tokens/action``, ``batch/sequences``;
@@ -74,8 +75,9 @@ class MetricsLog:
             it, ``out_dir`` must not hold another run's metrics.
     """
 
-    def __init__(self, out_dir: str | Path | None = None, *, tensorboard: bool = True,
-                 resume_step: int | None = None) -> None:
+    def __init__(
+        self, out_dir: str | Path | None = None, *, tensorboard: bool = True, resume_step: int | None = None
+    ) -> None:
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.history: list[dict[str, float]] = []
         self._writer = None
@@ -87,8 +89,10 @@ class MetricsLog:
             self.jsonl_path.write_text("".join(json.dumps(record) + "\n" for record in self.history))
         elif resume_step is None:
             if self.jsonl_path.is_file() and self.jsonl_path.stat().st_size:
-                raise FileExistsError(f"{self.out_dir} already holds the metrics of a run; resume it from one of "
-                                      "its checkpoints, or choose an empty folder")
+                raise FileExistsError(
+                    f"{self.out_dir} already holds the metrics of a run; resume it from one of "
+                    "its checkpoints, or choose an empty folder"
+                )
             self.jsonl_path.write_text("")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -152,8 +156,9 @@ def plot_curves(
     """
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
-    present = [(title, [name for name in names if any(name in record for record in history)])
-               for title, names in panels]
+    present = [
+        (title, [name for name in names if any(name in record for record in history)]) for title, names in panels
+    ]
     present = [(title, names) for title, names in present if names]
     if not present:
         raise ValueError("nothing to plot: no record holds any metric named in the panels")
@@ -168,14 +173,19 @@ def plot_curves(
             axis.plot(steps, values, marker="o", markersize=3, label=name)
             if name == "reward/mean" and all("reward/std" in record for record in history if name in record):
                 spread = [record["reward/std"] for record in history if name in record]
-                axis.fill_between(steps, [v - s for v, s in zip(values, spread)],
-                                  [v + s for v, s in zip(values, spread)], alpha=0.2, label="± reward/std")
+                axis.fill_between(
+                    steps,
+                    [v - s for v, s in zip(values, spread)],
+                    [v + s for v, s in zip(values, spread)],
+                    alpha=0.2,
+                    label="± reward/std",
+                )
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
         if len(names) > 1 or title == "reward":
             axis.legend(fontsize="x-small")
-    for axis in axes[len(present):]:
+    for axis in axes[len(present) :]:
         axis.set_visible(False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

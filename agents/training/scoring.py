@@ -14,7 +14,11 @@ __all__ = ["score_tokens"]
 
 
 def score_tokens(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, entropy: bool = False,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``ids[:, 1:]`` under the distributions the logits before them give, and their entropies.
@@ -25,7 +29,7 @@ def score_tokens(
         temperature: The sampler's temperature: logits are divided by it (greedy sampling reports
             temperature-1 log-probs: pass 1).
         entropy: Also return the entropy of each of those distributions (the exact token entropy,
-            over the whole vocabulary).
+            over the whole vocabulary: docs/algorithms.md eqs. 2, 3).
         entropy_grad: Let the entropy carry a gradient (an entropy bonus); otherwise it is computed
             without one, which saves the memory of a second graph through the softmax.
 
@@ -35,9 +39,11 @@ def score_tokens(
     """
     scaled = logits[:, :-1].float() / temperature
     log_z = torch.logsumexp(scaled, dim=-1)
-    logprobs = scaled.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - log_z  # log softmax(z/T)[token]
+    # log softmax(z/T)[token]  (docs/algorithms.md eq. 4)
+    logprobs = scaled.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - log_z
     entropies = None
     if entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropies = log_z - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)  # H = log Z − Σ_v p_v z_v
+            # H = log Z − Σ_v p_v z_v  (docs/algorithms.md eq. 3)
+            entropies = log_z - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
     return logprobs, entropies

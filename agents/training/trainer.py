@@ -9,7 +9,7 @@ One :meth:`Trainer.step` (read :meth:`Trainer._update` top to bottom):
 3. reference log-probs, when a KL penalty to a reference policy is on;
 4. one epoch of ``mini_batches`` optimiser updates over the batch; each accumulates gradients
    over micro-batches of ``micro_batch_size`` sequences (padded, or packed into one row), clips
-   the gradient norm, and steps AdamW and the learning-rate schedule;
+   the gradient norm, and steps AdamW and the learning-rate schedule (docs/algorithms.md "Optimiser and batching");
 5. weight sync to the engine: nothing to copy when it shares the model object (``HFEngine``
    built on ``trainer.model``), ``await engine.update_weights(state_dict)`` otherwise;
 6. metrics (:mod:`agents.training.metrics`), merged with the caller's rollout numbers, to JSONL and
@@ -38,27 +38,42 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
-from agents.training.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
-from agents.training.losses import LOSSES, TRAINER_INPUTS, LossFn
-from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog, plot_curves
 from agents.models import load_model, load_tokenizer
 from agents.rollout.tree import TrainingPath
 from agents.training.batch import PathBatch, collate
+from agents.training.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
+from agents.training.losses import LOSSES, TRAINER_INPUTS, LossFn
+from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog, plot_curves
 from agents.training.scoring import score_tokens
 from agents.training.trainer_config import TrainerConfig
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 __all__ = ["Trainer", "TrainerConfig"]
 
 # Metric names the trainer writes (see agents.training.metrics); the caller's rollout metrics must avoid them.
 _TRAINER_GROUPS = ("policy/", "mismatch/", "optim/", "batch/", "throughput/")
-_TRAINER_METRICS = frozenset({"reward/mean", "reward/std", "reward/min", "reward/max", "tokens/trained",
-                              "tokens/action", "time/old_logprobs_s", "time/update_s", "time/sync_s", "time/step_s"})
+_TRAINER_METRICS = frozenset(
+    {
+        "reward/mean",
+        "reward/std",
+        "reward/min",
+        "reward/max",
+        "tokens/trained",
+        "tokens/action",
+        "time/old_logprobs_s",
+        "time/update_s",
+        "time/sync_s",
+        "time/step_s",
+    }
+)
 # Loss metrics that count things (turns, sequences): summed over micro-batches, not averaged.
 _COUNT_METRICS = frozenset({"turns", "clipped_turns", "sequences", "clipped_sequences"})
 
@@ -106,14 +121,16 @@ class Trainer:
         # forward pass must score the same policy.
         model.eval()
         self.base_model: PreTrainedModel = model
-        self.model = _with_lora(model, cfg) if cfg.lora_rank else model
+        self.model: PreTrainedModel | PeftModel = _with_lora(model, cfg) if cfg.lora_rank else model
         self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
         if not self.trainable_parameters:
             raise ValueError("the model has no parameter with requires_grad=True, so there is nothing to train")
         wrong = {str(p.dtype) for p in self.trainable_parameters if p.dtype != torch.float32}
         if wrong:
-            raise ValueError(f"trainable parameters are {', '.join(sorted(wrong))}; load the policy in float32 "
-                             "(the trainer computes in bfloat16 on a GPU through autocast)")
+            raise ValueError(
+                f"trainable parameters are {', '.join(sorted(wrong))}; load the policy in float32 "
+                "(the trainer computes in bfloat16 on a GPU through autocast)"
+            )
         self.ref_model = ref_model
         if ref_model is None and cfg.kl_coef > 0 and not cfg.lora_rank:
             self.ref_model = copy.deepcopy(model)
@@ -122,15 +139,17 @@ class Trainer:
         self.loss_fn: LossFn = LOSSES[cfg.loss] if isinstance(cfg.loss, str) else cfg.loss
         self._loss_params = _loss_parameters(self.loss_fn, cfg, uses_reference=self._uses_reference)
         self._token_weighted = self._loss_params.get("agg") == "token-mean"
-        self.optimizer = torch.optim.AdamW(self.trainable_parameters, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.trainable_parameters, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
         total_updates = None if cfg.total_steps is None else cfg.total_steps * cfg.mini_batches * cfg.epochs
         if cfg.lr_schedule == "constant" and cfg.warmup_steps:
             raise ValueError("lr_schedule 'constant' has no warm-up; use 'constant_with_warmup' with warmup_steps")
         if cfg.lr_schedule not in ("constant", "constant_with_warmup") and total_updates is None:
             raise ValueError(f"lr_schedule {cfg.lr_schedule!r} decays over the run; set TrainerConfig.total_steps")
-        self.scheduler = get_scheduler(cfg.lr_schedule, self.optimizer, num_warmup_steps=cfg.warmup_steps,
-                                       num_training_steps=total_updates)
+        self.scheduler = get_scheduler(
+            cfg.lr_schedule, self.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_updates
+        )
         self.engine = engine
         self.out_dir = None if out_dir is None else Path(out_dir)
         #: Steps (rollout batches) trained so far; checkpoints and metrics are numbered by it.
@@ -146,8 +165,9 @@ class Trainer:
     @engine.setter
     def engine(self, engine: Any) -> None:
         if engine is not None and not inspect.iscoroutinefunction(getattr(engine, "update_weights", None)):
-            raise TypeError(f"engine must have a coroutine update_weights(state_dict); "
-                            f"{type(engine).__name__} has none")
+            raise TypeError(
+                f"engine must have a coroutine update_weights(state_dict); {type(engine).__name__} has none"
+            )
         self._engine = engine
 
     @property
@@ -205,13 +225,20 @@ class Trainer:
         mask = batch.mask.bool()
         n = batch.ids.shape[0]
         if mask[:, 0].any():
-            raise ValueError("a path starts with an action token, which has no context to be scored from; "
-                             "every path must start with at least one prompt token")
+            raise ValueError(
+                "a path starts with an action token, which has no context to be scored from; "
+                "every path must start with at least one prompt token"
+            )
         if cfg.mini_batches > n:
             raise ValueError(f"mini_batches={cfg.mini_batches} but the batch has only {n} sequences")
         micro_batches = [rows.split(cfg.micro_batch_size) for rows in torch.arange(n).tensor_split(cfg.mini_batches)]
-        bar = tqdm(total=cfg.epochs * sum(len(m) for m in micro_batches), desc=f"step {self.step_count + 1}",
-                   unit="micro-batch", leave=False, disable=self._progress_disabled)
+        bar = tqdm(
+            total=cfg.epochs * sum(len(m) for m in micro_batches),
+            desc=f"step {self.step_count + 1}",
+            unit="micro-batch",
+            leave=False,
+            disable=self._progress_disabled,
+        )
         mismatch = _Mismatch()
 
         # 2-3. Old log-probs: the current policy before this step's updates, and the reference's.
@@ -228,11 +255,12 @@ class Trainer:
 
         # 4. Updates: one optimiser step per mini-batch, gradients accumulated over its micro-batches.
         start = time.perf_counter()
+        # A_t ← w_t · A_t when shared turns are trained once (docs/algorithms.md eq. 35)
         advantages = batch.advantages * batch.weights if cfg.dedup_shared_turns else batch.advantages
         # The loss averages over action tokens (token-mean) or sequences (the seq-mean modes); a
         # micro-batch's loss is weighted by its share of the mini-batch's, so that accumulating
-        # micro-batches gives the gradient of the whole mini-batch at once.
-        units = mask.sum(-1) if self._token_weighted else (mask.sum(-1) > 0)
+        # micro-batches gives the gradient of the whole mini-batch at once (docs/algorithms.md eq. 58).
+        units = mask.sum(-1) if self._token_weighted else (mask.sum(-1) > 0)  # u_j of docs/algorithms.md eq. 58
         loss_metrics, optim = _LossMetrics(), defaultdict(list)
         for epoch in range(cfg.epochs):
             for update, mini_batch in enumerate(micro_batches):
@@ -241,17 +269,28 @@ class Trainer:
                 for rows in mini_batch:
                     width = int(batch.attention_mask[rows].sum(-1).max())  # trim the batch's padding
                     cut = (rows, slice(0, width))
-                    logprobs, entropy = self._forward(self.model, batch.ids[cut], batch.attention_mask[cut],
-                                                      entropy_grad=cfg.entropy_coef > 0)
+                    logprobs, entropy = self._forward(
+                        self.model, batch.ids[cut], batch.attention_mask[cut], entropy_grad=cfg.entropy_coef > 0
+                    )
+                    assert entropy is not None  # _forward computes the entropy unless asked not to (entropy=False)
                     if cfg.old_logprobs == "sampler" and epoch == update == 0:
                         mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask[cut])
-                    optional = {"entropy": entropy, "turn_ids": batch.turn_ids[cut], "entropy_coef": cfg.entropy_coef,
-                                "ref_logprobs": None if ref_logprobs is None else ref_logprobs[cut],
-                                "kl_coef": cfg.kl_coef}
+                    optional = {
+                        "entropy": entropy,
+                        "turn_ids": batch.turn_ids[cut],
+                        "entropy_coef": cfg.entropy_coef,
+                        "ref_logprobs": None if ref_logprobs is None else ref_logprobs[cut],
+                        "kl_coef": cfg.kl_coef,
+                    }
                     loss, metrics = self.loss_fn(
-                        logprobs, old_logprobs[cut], advantages[cut], batch.mask[cut], **cfg.loss_kwargs,
-                        **{name: value for name, value in optional.items() if name in self._loss_params})
-                    share = int(units[rows].sum()) / max(total, 1)
+                        logprobs,
+                        old_logprobs[cut],
+                        advantages[cut],
+                        batch.mask[cut],
+                        **cfg.loss_kwargs,
+                        **{name: value for name, value in optional.items() if name in self._loss_params},
+                    )
+                    share = int(units[rows].sum()) / max(total, 1)  # u_j / Σ_j' u_j'  (docs/algorithms.md eq. 58)
                     (loss * share).backward()
                     if "loss" not in metrics:  # a callable loss may report nothing
                         metrics["loss"] = float(loss.detach())
@@ -260,7 +299,7 @@ class Trainer:
                     loss_metrics.add(metrics, share)
                     bar.update()
                 optim["lr"].append(self.scheduler.get_last_lr()[0])
-                # Clip to max_grad_norm; the returned norm is the one before clipping.
+                # Clip to max_grad_norm; the returned norm is the one before clipping (docs/algorithms.md eq. 57).
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters, cfg.max_grad_norm))
                 optim["grad_norm"].append(grad_norm)
                 if math.isfinite(grad_norm):
@@ -311,13 +350,19 @@ class Trainer:
         scores = torch.zeros(batch.ids.shape, dtype=torch.float32, device=self.device)
         for rows in torch.arange(batch.ids.shape[0]).split(self.config.micro_batch_size):
             width = int(batch.attention_mask[rows].sum(-1).max())
-            scores[rows, :width] = self._forward(model, batch.ids[rows, :width], batch.attention_mask[rows, :width],
-                                                 entropy=False)[0]
+            scores[rows, :width] = self._forward(
+                model, batch.ids[rows, :width], batch.attention_mask[rows, :width], entropy=False
+            )[0]
         return scores
 
     def _forward(
-        self, model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor, *,
-        entropy: bool = True, entropy_grad: bool = False,
+        self,
+        model: torch.nn.Module,
+        ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        entropy: bool = True,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs and full-vocabulary entropies of right-padded sequences.
 
@@ -332,9 +377,10 @@ class Trainer:
             inputs = {"input_ids": ids, "attention_mask": attention_mask}
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             logits = model(**inputs, use_cache=False).logits
-        token_logprobs, token_entropy = score_tokens(logits, inputs["input_ids"], self.config.temperature,
-                                                     entropy=entropy, entropy_grad=entropy_grad)
-        results = []
+        token_logprobs, token_entropy = score_tokens(
+            logits, inputs["input_ids"], self.config.temperature, entropy=entropy, entropy_grad=entropy_grad
+        )
+        results: list[torch.Tensor | None] = []
         for values in (token_logprobs, token_entropy):
             if values is None:
                 results.append(None)
@@ -343,7 +389,9 @@ class Trainer:
             if self.config.packing:
                 values = values[0, index]  # back to [batch, tokens]; index 0 holds the row's leading 0
             results.append(values * attention_mask)
-        return results[0], results[1]
+        logprobs = results[0]
+        assert logprobs is not None  # score_tokens always returns the log-probs
+        return logprobs, results[1]
 
     @contextlib.contextmanager
     def _reference_policy(self):
@@ -372,15 +420,22 @@ class Trainer:
             return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         from peft.tuners.lora import LoraLayer
 
-        merged = {}
+        merged: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, module in self.base_model.named_modules():
                 if isinstance(module, LoraLayer):
                     base = module.get_base_layer()
-                    delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
-                    merged[f"{name}.weight"] = base.weight + delta  # W + (α/r)·B·A
-                    if getattr(base, "bias", None) is not None:
-                        merged[f"{name}.bias"] = base.bias.detach()
+                    weight, bias = base.weight, getattr(base, "bias", None)
+                    assert isinstance(weight, torch.Tensor)  # nn.Module.__getattr__ is typed Tensor | Module
+                    # peft declares get_delta_weight on every concrete LoraLayer (Linear, Embedding, Conv…) but
+                    # not on the LoraLayer base class itself.
+                    delta = sum(
+                        module.get_delta_weight(adapter)  # type: ignore[attr-defined]
+                        for adapter in module.active_adapters
+                    )
+                    merged[f"{name}.weight"] = weight + delta  # W + (α/r)·B·A
+                    if bias is not None:
+                        merged[f"{name}.bias"] = bias.detach()
         return merged
 
     def save_checkpoint(self, path: str | Path | None = None, data_position: dict[str, Any] | None = None) -> Path:
@@ -394,9 +449,16 @@ class Trainer:
             if self.out_dir is None:
                 raise ValueError("save_checkpoint needs a path, or a Trainer with out_dir")
             path = self.out_dir / "checkpoints" / checkpoint_name(self.step_count)
-        path = save_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                               step=self.step_count, data_position=data_position, config=self.config.to_dict(),
-                               tokenizer=self.tokenizer)
+        path = save_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            step=self.step_count,
+            data_position=data_position,
+            config=self.config.to_dict(),
+            tokenizer=self.tokenizer,
+        )
         if self.metrics is not None and self.metrics.history:
             plot_curves(self.metrics.history, path / "curves.png")
             if self.out_dir is not None:
@@ -440,19 +502,30 @@ class Trainer:
 
     def _advance_steps_bar(self, record: Mapping[str, float]) -> None:
         if self._steps_bar is None:
-            self._steps_bar = tqdm(total=self.config.total_steps, initial=self.step_count - 1, desc="train",
-                                   unit="step", disable=self._progress_disabled)
-        self._steps_bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['policy/loss']:.4f}",
-                                    refresh=False)
+            self._steps_bar = tqdm(
+                total=self.config.total_steps,
+                initial=self.step_count - 1,
+                desc="train",
+                unit="step",
+                disable=self._progress_disabled,
+            )
+        self._steps_bar.set_postfix(
+            reward=f"{record['reward/mean']:.3f}", loss=f"{record['policy/loss']:.4f}", refresh=False
+        )
         self._steps_bar.update()
 
 
-def _with_lora(model: PreTrainedModel, cfg: TrainerConfig) -> PreTrainedModel:
+def _with_lora(model: PreTrainedModel, cfg: TrainerConfig) -> PeftModel:
     """``model`` with LoRA adapters injected in place (only the adapters train)."""
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
-                      lora_dropout=0.0, task_type="CAUSAL_LM")  # no dropout in RL, as for the base model
+    lora = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        target_modules=cfg.lora_target_modules,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )  # no dropout in RL, as for the base model
     return get_peft_model(model, lora).eval()
 
 
@@ -466,22 +539,32 @@ def _loss_parameters(loss_fn: LossFn, cfg: TrainerConfig, uses_reference: bool) 
     """The loss's keyword parameters and the values it will run with; checks the config against them."""
     signature = inspect.signature(loss_fn)
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-    params = {name: p.default for name, p in signature.parameters.items()
-              if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    params = {
+        name: p.default
+        for name, p in signature.parameters.items()
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
     name = getattr(loss_fn, "__name__", repr(loss_fn))
     reserved = sorted(set(cfg.loss_kwargs) & set(TRAINER_INPUTS))
     if reserved:
-        raise ValueError(f"loss_kwargs sets {reserved}, which the trainer supplies; set kl_coef and entropy_coef "
-                         "on TrainerConfig, and leave the tensors to the trainer")
+        raise ValueError(
+            f"loss_kwargs sets {reserved}, which the trainer supplies; set kl_coef and entropy_coef "
+            "on TrainerConfig, and leave the tensors to the trainer"
+        )
     unknown = sorted(set(cfg.loss_kwargs) - set(params)) if not takes_any else []
     if unknown:
         raise ValueError(f"loss {name} has no parameter {', '.join(unknown)}; it takes {', '.join(list(params)[4:])}")
-    needed = {"kl_coef": uses_reference, "ref_logprobs": uses_reference,
-              "entropy": cfg.entropy_coef > 0, "entropy_coef": cfg.entropy_coef > 0}
+    needed = {
+        "kl_coef": uses_reference,
+        "ref_logprobs": uses_reference,
+        "entropy": cfg.entropy_coef > 0,
+        "entropy_coef": cfg.entropy_coef > 0,
+    }
     missing = [param for param, need in needed.items() if need and param not in params and not takes_any]
     if missing:
-        raise ValueError(f"loss {name} takes no {', '.join(missing)}, so it cannot apply the configured "
-                         "KL penalty or entropy bonus")
+        raise ValueError(
+            f"loss {name} takes no {', '.join(missing)}, so it cannot apply the configured KL penalty or entropy bonus"
+        )
     if takes_any:
         params.update(dict.fromkeys(TRAINER_INPUTS))
     return {**params, **cfg.loss_kwargs}
@@ -513,8 +596,10 @@ def _checked_rollout_metrics(rollout: Mapping[str, float]) -> dict[str, float]:
     """The caller's metrics as floats, refusing names the trainer writes itself."""
     clash = sorted(name for name in rollout if name in _TRAINER_METRICS or name.startswith(_TRAINER_GROUPS))
     if clash:
-        raise ValueError(f"rollout_metrics names {clash}, which the trainer computes itself; rename them "
-                         f"(the trainer owns {', '.join(_TRAINER_GROUPS)}* and {', '.join(sorted(_TRAINER_METRICS))})")
+        raise ValueError(
+            f"rollout_metrics names {clash}, which the trainer computes itself; rename them "
+            f"(the trainer owns {', '.join(_TRAINER_GROUPS)}* and {', '.join(sorted(_TRAINER_METRICS))})"
+        )
     try:
         return {str(name): float(value) for name, value in rollout.items()}
     except (TypeError, ValueError) as error:
@@ -524,29 +609,33 @@ def _checked_rollout_metrics(rollout: Mapping[str, float]) -> dict[str, float]:
 def _merge_rollout_metrics(own: dict[str, float], rollout: dict[str, float]) -> dict[str, float]:
     """The trainer's metrics with the caller's, plus what follows from both (step time, rollout tokens/s)."""
     record = {**own, **rollout}
-    record["time/step_s"] = sum(record.get(name, 0.0) for name in
-                                (ROLLOUT_TIME, "time/old_logprobs_s", "time/update_s", "time/sync_s"))
+    record["time/step_s"] = sum(
+        record.get(name, 0.0) for name in (ROLLOUT_TIME, "time/old_logprobs_s", "time/update_s", "time/sync_s")
+    )
     if ROLLOUT_TIME in rollout and GENERATED_TOKENS in rollout and rollout[ROLLOUT_TIME] > 0:
         record["throughput/rollout_tokens_per_s"] = rollout[GENERATED_TOKENS] / rollout[ROLLOUT_TIME]
     return record
 
 
 class _Mismatch:
-    """|sampler log-prob − trainer log-prob| over action tokens: max and mean."""
+    """|sampler log-prob − trainer log-prob| over action tokens: max and mean (docs/algorithms.md eq. 59)."""
 
     def __init__(self) -> None:
         self.max, self.sum, self.tokens = 0.0, 0.0, 0
 
     def add(self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> None:
-        difference = (trainer.double() - sampler.double()).abs()[mask]
+        difference = (trainer.double() - sampler.double()).abs()[mask]  # docs/algorithms.md eq. 59
         if difference.numel():
             self.max = max(self.max, float(difference.max()))
             self.sum += float(difference.sum())
             self.tokens += difference.numel()
 
     def result(self) -> dict[str, float]:
-        return {"mismatch/max_abs": self.max, "mismatch/mean_abs": self.sum / max(self.tokens, 1),
-                "mismatch/tokens": float(self.tokens)}
+        return {
+            "mismatch/max_abs": self.max,
+            "mismatch/mean_abs": self.sum / max(self.tokens, 1),
+            "mismatch/tokens": float(self.tokens),
+        }
 
 
 class _LossMetrics:
@@ -569,5 +658,6 @@ class _LossMetrics:
 
     def result(self, epochs: int) -> dict[str, float]:
         """Averages over the updates; counts summed over one epoch's mini-batches."""
-        return {name: value / (epochs if name in _COUNT_METRICS else self.updates)
-                for name, value in self.totals.items()}
+        return {
+            name: value / (epochs if name in _COUNT_METRICS else self.updates) for name, value in self.totals.items()
+        }

@@ -46,12 +46,14 @@ class TrainerConfig:
 
     # Old log-probs: "recompute" (verl's actor recomputes them before the update; every paper's
     # code) or "sampler" (the engine's, skipping that forward pass; the mismatch is then measured
-    # on the first mini-batch, the only one trained before the policy changes).
+    # on the first mini-batch, the only one trained before the policy changes). docs/algorithms.md "Old log-probs".
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
-    temperature: float = 1.0  # the sampler's temperature: logits are divided by it (verl); papers: 1.0
+    # the sampler's temperature: logits are divided by it (verl); papers: 1.0 (docs/algorithms.md eq. 4)
+    temperature: float = 1.0
 
     # Regularisers. KL (k3) to a reference policy: 0 in AT²PO and AEPO, 0.001 in GRPO
     # (DeepSeekMath); any value > 0 needs a reference (see Trainer). Entropy bonus: 0 everywhere.
+    # docs/algorithms.md eqs. 50, 51 ("KL penalty (k3)", "Entropy bonus").
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
 
@@ -70,14 +72,24 @@ class TrainerConfig:
     progress: bool | None = None  # tqdm bars; None: only when writing to a terminal
 
     def __post_init__(self) -> None:
-        positive = {"lr": self.lr, "max_grad_norm": self.max_grad_norm, "mini_batches": self.mini_batches,
-                    "epochs": self.epochs, "micro_batch_size": self.micro_batch_size,
-                    "temperature": self.temperature}
+        positive = {
+            "lr": self.lr,
+            "max_grad_norm": self.max_grad_norm,
+            "mini_batches": self.mini_batches,
+            "epochs": self.epochs,
+            "micro_batch_size": self.micro_batch_size,
+            "temperature": self.temperature,
+        }
         for name, value in positive.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"TrainerConfig.{name} must be a finite number > 0, got {value!r}")
-        non_negative = {"weight_decay": self.weight_decay, "warmup_steps": self.warmup_steps,
-                        "kl_coef": self.kl_coef, "entropy_coef": self.entropy_coef, "lora_rank": self.lora_rank}
+        non_negative = {
+            "weight_decay": self.weight_decay,
+            "warmup_steps": self.warmup_steps,
+            "kl_coef": self.kl_coef,
+            "entropy_coef": self.entropy_coef,
+            "lora_rank": self.lora_rank,
+        }
         for name, value in non_negative.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"TrainerConfig.{name} must be a finite number >= 0, got {value!r}")
@@ -86,8 +98,9 @@ class TrainerConfig:
         if self.old_logprobs not in ("recompute", "sampler"):
             raise ValueError(f"TrainerConfig.old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"TrainerConfig.compute_dtype must be 'auto', 'float32' or 'bfloat16', "
-                             f"got {self.compute_dtype!r}")
+            raise ValueError(
+                f"TrainerConfig.compute_dtype must be 'auto', 'float32' or 'bfloat16', got {self.compute_dtype!r}"
+            )
         if isinstance(self.loss, str) and self.loss not in LOSSES:
             raise ValueError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)} or pass a callable")
         if not isinstance(self.loss, str) and not callable(self.loss):

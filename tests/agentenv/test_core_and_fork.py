@@ -60,7 +60,9 @@ async def test_run_sync_refuses_inside_a_running_loop():
 
 
 def test_render_mode_is_validated():
-    with pytest.raises(ValueError, match=r"render_mode='human' is not supported by QAEnv; choose one of \['ansi'\] or None"):
+    with pytest.raises(
+        ValueError, match=r"render_mode='human' is not supported by QAEnv; choose one of \['ansi'\] or None"
+    ):
         agentenv.make("multihop-qa", render_mode="human")
     env = agentenv.make("multihop-qa", render_mode="ansi")
     env.reset(options={"index": 0})

@@ -42,18 +42,24 @@ def test_shipped_datasets_load(name, count, first_answers, paragraphs, supportin
     assert sum(p.is_supporting for p in first.paragraphs) == supporting
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data (the project's data source) is not beside this checkout")
+@pytest.mark.skipif(
+    not SHARED.is_dir(), reason="../shared/data (the project's data source) is not beside this checkout"
+)
 def test_shipped_files_are_the_shared_data_unmodified():
     for name in BUILTIN_DATASETS.values():
-        assert (Path(__file__).resolve().parents[2] / "agentenv" / "data" / name).read_bytes() == (SHARED / name).read_bytes()
+        assert (Path(__file__).resolve().parents[2] / "agentenv" / "data" / name).read_bytes() == (
+            SHARED / name
+        ).read_bytes()
 
 
 def test_hotpotqa_official_paragraphs_join_sentences():
     first = load_examples("hotpotqa-official")[0]
     porcaro = first.paragraphs[0]
     assert porcaro.title == "Jeff Porcaro"
-    assert porcaro.text.startswith("Jeffrey Thomas Porcaro (April 1, 1954 – August 5, 1992) was an American drummer, "
-                                   "songwriter, and record producer. In a career")
+    assert porcaro.text.startswith(
+        "Jeffrey Thomas Porcaro (April 1, 1954 – August 5, 1992) was an American drummer, "
+        "songwriter, and record producer. In a career"
+    )
     assert first.meta == {"type": "bridge", "level": "hard"}
 
 
@@ -69,22 +75,52 @@ def _write(tmp_path, name, rows, as_list=False):
 
 
 def test_formats_are_detected(tmp_path):
-    hotpot = {"_id": "h1", "question": "Q?", "answer": "A", "supporting_facts": [["T1", 0]],
-              "context": [["T1", ["First.", " Second."]], ["T2", ["Other."]]]}
-    ircot = {"question_id": "i1", "question_text": "Q?", "answers_objects": [{"spans": ["A", "B"]}],
-             "contexts": [{"title": "T", "paragraph_text": "P", "is_supporting": True}]}
-    musique = {"id": "m1", "question": "Q?", "answer": "A", "answer_aliases": ["AA"],
-               "paragraphs": [{"idx": 0, "title": "T", "paragraph_text": "P", "is_supporting": False}]}
+    hotpot = {
+        "_id": "h1",
+        "question": "Q?",
+        "answer": "A",
+        "supporting_facts": [["T1", 0]],
+        "context": [["T1", ["First.", " Second."]], ["T2", ["Other."]]],
+    }
+    ircot = {
+        "question_id": "i1",
+        "question_text": "Q?",
+        "answers_objects": [{"spans": ["A", "B"]}],
+        "contexts": [{"title": "T", "paragraph_text": "P", "is_supporting": True}],
+    }
+    musique = {
+        "id": "m1",
+        "question": "Q?",
+        "answer": "A",
+        "answer_aliases": ["AA"],
+        "paragraphs": [{"idx": 0, "title": "T", "paragraph_text": "P", "is_supporting": False}],
+    }
     flashrag = {"id": "f1", "question": "Q?", "golden_answers": ["A"]}
     plain = {"question": "Q?", "answers": ["A"]}
     gsm8k = {"question": "Q?", "answer": "2+2=<<2+2=4>>4 apples, 1,000 pears\n#### 1,004"}
-    math = {"problem": "Q?", "answer": "\\frac{1}{2}", "solution": "S", "subject": "Algebra", "level": 2, "unique_id": "u"}
+    math = {
+        "problem": "Q?",
+        "answer": "\\frac{1}{2}",
+        "solution": "S",
+        "subject": "Algebra",
+        "level": 2,
+        "unique_id": "u",
+    }
     assert [detect_format(r) for r in (hotpot, ircot, musique, flashrag, plain, gsm8k, math)] == [
-        "hotpotqa", "ircot", "musique", "flashrag", "plain", "gsm8k", "math"]
+        "hotpotqa",
+        "ircot",
+        "musique",
+        "flashrag",
+        "plain",
+        "gsm8k",
+        "math",
+    ]
     assert load_examples(_write(tmp_path, "gsm8k.jsonl", [gsm8k]))[0] == Example(
-        "1", "Q?", ("1004",), (), {"solution": "2+2=<<2+2=4>>4 apples, 1,000 pears"})
+        "1", "Q?", ("1004",), (), {"solution": "2+2=<<2+2=4>>4 apples, 1,000 pears"}
+    )
     assert load_examples(_write(tmp_path, "math.jsonl", [math]))[0] == Example(
-        "u", "Q?", ("\\frac{1}{2}",), (), {"solution": "S", "subject": "Algebra", "level": 2})
+        "u", "Q?", ("\\frac{1}{2}",), (), {"solution": "S", "subject": "Algebra", "level": 2}
+    )
     # The official HotpotQA file is one JSON list, not JSONL.
     assert load_examples(_write(tmp_path, "hotpot.json", [hotpot], as_list=True)) == [
         Example("h1", "Q?", ("A",), (Paragraph("T1", "First. Second.", True), Paragraph("T2", "Other.", False)), {})
@@ -92,7 +128,9 @@ def test_formats_are_detected(tmp_path):
     assert load_examples(_write(tmp_path, "ircot.jsonl", [ircot]))[0].answers == ("A", "B")
     assert load_examples(_write(tmp_path, "musique.jsonl", [musique]))[0].answers == ("A", "AA")
     assert load_examples(_write(tmp_path, "flashrag.jsonl", [flashrag]))[0] == Example("f1", "Q?", ("A",))
-    assert load_examples(_write(tmp_path, "plain.jsonl", [plain, {"question": "R?", "answer": "B"}]))[1] == Example("2", "R?", ("B",))
+    assert load_examples(_write(tmp_path, "plain.jsonl", [plain, {"question": "R?", "answer": "B"}]))[1] == Example(
+        "2", "R?", ("B",)
+    )
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"data": [plain]}, indent=2))
     assert load_examples(wrapped)[0].question == "Q?"

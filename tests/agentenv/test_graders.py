@@ -109,7 +109,9 @@ def test_grade():
 )
 def test_reward_schemes(scheme, response, tools, reward):
     fn = get_reward(scheme)
-    assert call_reward(fn, {"grade": grade(response, ["Rush"]), "tool_counts": tools, "answer": None}) == pytest.approx(reward)
+    assert call_reward(fn, {"grade": grade(response, ["Rush"]), "tool_counts": tools, "answer": None}) == pytest.approx(
+        reward
+    )
 
 
 def test_custom_reward_receives_only_named_arguments():
@@ -123,6 +125,9 @@ def test_custom_reward_receives_only_named_arguments():
 
 
 def test_unknown_reward_scheme():
-    with pytest.raises(ValueError, match=r"unknown reward scheme 'bleu'; choose one of \['aepo', 'at2po', 'cover_em', 'em', 'f1', 'math'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown reward scheme 'bleu'; choose one of \['aepo', 'at2po', 'cover_em', 'em', 'f1', 'math'\]",
+    ):
         get_reward("bleu")
     assert sorted(REWARD_SCHEMES) == ["aepo", "at2po", "cover_em", "em", "f1", "math"]

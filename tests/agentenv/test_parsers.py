@@ -23,7 +23,10 @@ xml, js = XMLTagParser(), JSONToolCallParser()
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("<think>hm</think>\n<search> capital of France </search>", Action(call=ToolCall("search", {"query": "capital of France"}))),
+        (
+            "<think>hm</think>\n<search> capital of France </search>",
+            Action(call=ToolCall("search", {"query": "capital of France"})),
+        ),
         ("<think>maybe <answer>x</answer></think><search>q</search>", Action(call=ToolCall("search", {"query": "q"}))),
         ("<answer> first </answer> then <answer> \\boxed{Paris} </answer>", Action(answer="\\boxed{Paris}")),
         ('<calc>{"a": 2, "b": "3"}</calc>', Action(call=ToolCall("calc", {"a": 2, "b": "3"}))),
@@ -39,10 +42,16 @@ def test_xml_parses_calls_and_answers(text, expected):
     [
         ("<search>capital of", "The <search> tag was opened but never closed: write <search>…</search>."),
         ("<search>   </search>", "The <search> tag is empty: put the query between <search> and </search>."),
-        ("<browse>http://x</browse>", "There is no tool called <browse>. Call a tool with <search>…</search>, "
-                                      "<calc>…</calc>, or give the final answer with <answer>…</answer>."),
-        ("I think it is Paris.", "No tool call or answer was found in your turn. Call a tool with <search>…</search>, "
-                                 "<calc>…</calc>, or give the final answer with <answer>…</answer>."),
+        (
+            "<browse>http://x</browse>",
+            "There is no tool called <browse>. Call a tool with <search>…</search>, "
+            "<calc>…</calc>, or give the final answer with <answer>…</answer>.",
+        ),
+        (
+            "I think it is Paris.",
+            "No tool call or answer was found in your turn. Call a tool with <search>…</search>, "
+            "<calc>…</calc>, or give the final answer with <answer>…</answer>.",
+        ),
         ("<answer>Paris", "The <answer> tag was opened but never closed: write <answer>…</answer>."),
     ],
 )
@@ -61,11 +70,23 @@ def test_xml_stop_strings_and_description():
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ('<tool_call>{"name": "search", "arguments": {"query": "q"}}</tool_call>', Action(call=ToolCall("search", {"query": "q"}))),
-        ('<tool_call>{"name": "calc", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>', Action(call=ToolCall("calc", {"a": 1, "b": 2}))),
+        (
+            '<tool_call>{"name": "search", "arguments": {"query": "q"}}</tool_call>',
+            Action(call=ToolCall("search", {"query": "q"})),
+        ),
+        (
+            '<tool_call>{"name": "calc", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>',
+            Action(call=ToolCall("calc", {"a": 1, "b": 2})),
+        ),
         ('<tool_call>{"name": "nope"}</tool_call>', Action(call=ToolCall("nope", {}))),
-        ('<answer>\\boxed{4}</answer><tool_call>{"name": "calc", "arguments": {}}</tool_call>', Action(answer="\\boxed{4}")),
-        ('<tool_call>{"name": "search", "arguments": {"query": "q"}}</tool_call><answer>x</answer>', Action(call=ToolCall("search", {"query": "q"}))),
+        (
+            '<answer>\\boxed{4}</answer><tool_call>{"name": "calc", "arguments": {}}</tool_call>',
+            Action(answer="\\boxed{4}"),
+        ),
+        (
+            '<tool_call>{"name": "search", "arguments": {"query": "q"}}</tool_call><answer>x</answer>',
+            Action(call=ToolCall("search", {"query": "q"})),
+        ),
     ],
 )
 def test_json_parses_calls_and_answers(text, expected):
@@ -75,10 +96,19 @@ def test_json_parses_calls_and_answers(text, expected):
 @pytest.mark.parametrize(
     "text, error_start",
     [
-        ('<tool_call>{"name": "search", "arguments": {"query": }}</tool_call>', "The tool call is not valid JSON (Expecting value at character 42)."),
+        (
+            '<tool_call>{"name": "search", "arguments": {"query": }}</tool_call>',
+            "The tool call is not valid JSON (Expecting value at character 42).",
+        ),
         ('<tool_call>["search"]</tool_call>', 'A tool call must be a JSON object with a "name" string.'),
-        ('<tool_call>{"name": "calc", "arguments": [1, 2]}</tool_call>', '"arguments" must be a JSON object of named arguments.'),
-        ('<tool_call>{"name": "calc", "arguments": "{oops"}</tool_call>', '"arguments" is a string that is not valid JSON'),
+        (
+            '<tool_call>{"name": "calc", "arguments": [1, 2]}</tool_call>',
+            '"arguments" must be a JSON object of named arguments.',
+        ),
+        (
+            '<tool_call>{"name": "calc", "arguments": "{oops"}</tool_call>',
+            '"arguments" is a string that is not valid JSON',
+        ),
         ('<tool_call>{"name": "search"', "The <tool_call> tag was opened but never closed"),
         ("plain text", "No tool call or answer was found in your turn."),
     ],

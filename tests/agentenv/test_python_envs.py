@@ -4,10 +4,10 @@ import json
 import subprocess
 
 import pytest
-from sandboxes import SandboxError
 
 import agentenv
 from agentenv.python_tool import PythonSession
+from sandboxes import SandboxError
 
 
 @pytest.fixture
@@ -24,8 +24,9 @@ def test_python_math_prompt_and_tool(math_env):
     assert obs.endswith("Problem: What is 1 divided by 2?\n")
     assert "- <python> code </python>: Execute Python code in a persistent session" in obs
     assert math_env.stop_strings == ["</python>"]
-    assert math_env.step("<python>import numpy as np\nx = np.arange(5)\nprint('sum', x.sum())\nx.mean()</python>")[0] == (
-        "sum 10\nnp.float64(2.0)")
+    assert math_env.step("<python>import numpy as np\nx = np.arange(5)\nprint('sum', x.sum())\nx.mean()</python>")[
+        0
+    ] == ("sum 10\nnp.float64(2.0)")
     assert math_env.step("<python>x.max()</python>")[0] == "np.int64(4)"  # the session persists
     assert math_env.step("<python>```python\nx.min()\n```</python>")[0] == "np.int64(0)"  # fences stripped
     err = math_env.step("<python>1/0</python>")[0]

@@ -20,8 +20,13 @@ def test_reset_poses_a_question_with_the_tool_syntax(env):
     assert obs.endswith(f"Question: {QUESTION_0}\n")
     assert "- <search> query </search>: Search for passages relevant to a query." in obs
     assert "at most 6 times" in obs and "<answer> \\boxed{Beijing} </answer>" in obs
-    assert info == {"id": "5a8c7595554299585d9e36b6", "question": QUESTION_0, "answers": ["Chief of Protocol"],
-                    "turn": 0, "tool_calls": 0}
+    assert info == {
+        "id": "5a8c7595554299585d9e36b6",
+        "question": QUESTION_0,
+        "answers": ["Chief of Protocol"],
+        "turn": 0,
+        "tool_calls": 0,
+    }
     assert env.stop_strings == ["</search>"]
 
 
@@ -34,14 +39,25 @@ def test_seeded_reset_is_reproducible(env):
 
 def test_search_step_then_answer(env):
     env.reset(options={"index": 0})
-    obs, reward, terminated, truncated, info = env.step(f"<think>Find the actress.</think>\n<search>{QUESTION_0}</search>")
-    assert obs.startswith("Page 1: Kiss and Tell (1945 film)\nKiss and Tell is a 1945 American comedy film starring then 17-year-old Shirley Temple")
+    obs, reward, terminated, truncated, info = env.step(
+        f"<think>Find the actress.</think>\n<search>{QUESTION_0}</search>"
+    )
+    assert obs.startswith(
+        "Page 1: Kiss and Tell (1945 film)\nKiss and Tell is a 1945 American comedy film starring then 17-year-old Shirley Temple"
+    )
     assert obs.count("Page ") == 3
     assert (reward, terminated, truncated) == (0.0, False, False)
     assert (info["turn"], info["tool_calls"], info["tool"], info["error"]) == (1, 1, "search", None)
     obs, reward, terminated, truncated, info = env.step("<answer>She was \\boxed{Chief of Protocol}</answer>")
     assert (obs, reward, terminated, truncated) == ("", 1.0, True, False)
-    assert info["grade"] == {"answer": "Chief of Protocol", "format_ok": True, "em": 1.0, "f1": 1.0, "cover_em": 1.0, "reward": 1.0}
+    assert info["grade"] == {
+        "answer": "Chief of Protocol",
+        "format_ok": True,
+        "em": 1.0,
+        "f1": 1.0,
+        "cover_em": 1.0,
+        "reward": 1.0,
+    }
     with pytest.raises(RuntimeError, match="the episode is over"):
         env.step("<answer>\\boxed{x}</answer>")
 
@@ -75,8 +91,10 @@ def test_tool_call_limit_then_turn_limit():
     for _ in range(2):
         assert env.step("<search>Shirley Temple</search>")[0].startswith("Page 1:")
     obs, reward, terminated, truncated, info = env.step("<search>Shirley Temple</search>")
-    assert obs == ("You have reached the limit of 2 tool calls; this call was not run. "
-                   "Give your final answer now, inside <answer> and </answer>.")
+    assert obs == (
+        "You have reached the limit of 2 tool calls; this call was not run. "
+        "Give your final answer now, inside <answer> and </answer>."
+    )
     assert (terminated, truncated, info["tool_calls"]) == (False, False, 2)
     obs, reward, terminated, truncated, info = env.step("<search>again</search>")
     assert (reward, terminated, truncated) == (0.0, False, True)  # 4 turns: truncated, graded as unanswered
@@ -110,7 +128,7 @@ def test_example_shows_a_worked_episode_in_the_graded_format():
     plain = agentenv.make("multihop-qa").reset(options={"index": 0})[0]
     assert "Example:" not in plain  # the papers' prompt: no demonstration
     obs = agentenv.make("multihop-qa", example=True).reset(options={"index": 0})[0]
-    example = obs[obs.index("Example:\n"):obs.index(f"Question: {QUESTION_0}")]
+    example = obs[obs.index("Example:\n") : obs.index(f"Question: {QUESTION_0}")]
     assert example.startswith("Example:\nQuestion: In which country was the director of the film Amélie born?\n")
     assert example.count("<search>") == 2 and example.count("<result>\nPage 1: ") == 2
     assert example.endswith("<answer> \\boxed{France} </answer>\n")
@@ -140,7 +158,7 @@ def test_custom_tool_plugs_into_an_environment():
         """
         if set(expression) - set("0123456789+-*/ ()."):
             raise ToolError("only digits and + - * / are allowed")
-        return str(eval(expression))  # noqa: S307 (checked above)
+        return str(eval(expression))
 
     env = agentenv.make("multihop-qa", tools=[calculator])
     obs, _ = env.reset(options={"index": 0})
@@ -159,9 +177,11 @@ def test_json_tool_call_format():
     obs = env.step('<tool_call>{"name": "search", "arguments": {"query": "Kiss and Tell 1945"}}</tool_call>')[0]
     assert obs.startswith("Page 1: Kiss and Tell (1945 film)")
     assert env.step('<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>')[0] == (
-        "Error: invalid arguments for `search`: query: Field required; q: Extra inputs are not permitted")
+        "Error: invalid arguments for `search`: query: Field required; q: Extra inputs are not permitted"
+    )
     assert env.step('<tool_call>{"name": "browse", "arguments": {}}</tool_call>')[0] == (
-        "There is no tool called `browse`; available tools: search.")
+        "There is no tool called `browse`; available tools: search."
+    )
     check_env(env)
 
 
@@ -180,8 +200,10 @@ def test_user_corpus_and_data_overrides(tmp_path):
     data = tmp_path / "qa.jsonl"
     data.write_text('{"question": "Who drums in Rush?", "answers": ["Neil Peart"]}\n')
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text('{"title": "Rush", "text": "Neil Peart was the drummer of Rush."}\n'
-                      '{"title": "Queen", "text": "Roger Taylor drums in Queen."}\n')
+    corpus.write_text(
+        '{"title": "Rush", "text": "Neil Peart was the drummer of Rush."}\n'
+        '{"title": "Queen", "text": "Roger Taylor drums in Queen."}\n'
+    )
     env = agentenv.make("singlehop-qa:nq", data=str(data), corpus=str(corpus), topk=1)
     env.reset(seed=0)
     assert env.step("<search>drummer of Rush</search>")[0] == "Page 1: Rush\nNeil Peart was the drummer of Rush."
@@ -199,11 +221,27 @@ REGISTERED = sorted(agentenv.registry)
 
 def test_registered_ids():
     assert REGISTERED == [
-        "multihop-qa", "multihop-qa:2wiki", "multihop-qa:bamboogle", "multihop-qa:hotpotqa", "multihop-qa:musique",
-        "python-math", "python-math:gsm8k", "python-math:math500",
-        "singlehop-qa", "singlehop-qa:nq", "singlehop-qa:popqa", "singlehop-qa:triviaqa", "tool-qa",
-        "web-research", "web-research:2wiki", "web-research:bamboogle", "web-research:hotpotqa",
-        "web-research:musique", "web-research:nq", "web-research:popqa", "web-research:triviaqa",
+        "multihop-qa",
+        "multihop-qa:2wiki",
+        "multihop-qa:bamboogle",
+        "multihop-qa:hotpotqa",
+        "multihop-qa:musique",
+        "python-math",
+        "python-math:gsm8k",
+        "python-math:math500",
+        "singlehop-qa",
+        "singlehop-qa:nq",
+        "singlehop-qa:popqa",
+        "singlehop-qa:triviaqa",
+        "tool-qa",
+        "web-research",
+        "web-research:2wiki",
+        "web-research:bamboogle",
+        "web-research:hotpotqa",
+        "web-research:musique",
+        "web-research:nq",
+        "web-research:popqa",
+        "web-research:triviaqa",
     ]
 
 
@@ -239,15 +277,21 @@ async def test_async_steps_do_not_block_each_other():
     envs = [agentenv.make("multihop-qa", tools=[wait_for_other]) for _ in range(2)]
     for e in envs:
         await e.areset(seed=0)
-    first, second = await asyncio.wait_for(asyncio.gather(
-        envs[0].astep("<wait_for_other>first</wait_for_other>"),
-        envs[1].astep("<wait_for_other>second</wait_for_other>"),
-    ), timeout=5)
+    first, second = await asyncio.wait_for(
+        asyncio.gather(
+            envs[0].astep("<wait_for_other>first</wait_for_other>"),
+            envs[1].astep("<wait_for_other>second</wait_for_other>"),
+        ),
+        timeout=5,
+    )
     assert (first[0], second[0]) == ("first", "second")
     with pytest.raises(RuntimeError, match=r"use the async form instead"):
         envs[0].step("<search>x</search>")
 
 
 def test_unknown_override_is_named():
-    with pytest.raises(TypeError, match=r"make\('multihop-qa'\): ToolEnv.__init__\(\) got an unexpected keyword argument 'max_tool_cals'"):
+    with pytest.raises(
+        TypeError,
+        match=r"make\('multihop-qa'\): ToolEnv.__init__\(\) got an unexpected keyword argument 'max_tool_cals'",
+    ):
         agentenv.make("multihop-qa", max_tool_cals=3)

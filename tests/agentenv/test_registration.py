@@ -65,9 +65,17 @@ def test_versions_and_namespaces(clean_registry):
     assert agentenv.make("myorg/countdown").start == 4  # the highest version
     assert agentenv.make("myorg/countdown-v0").start == 2
     spec = agentenv.spec("myorg/countdown-v1")
-    assert (spec.namespace, spec.name, spec.version, spec.gymnasium_id) == ("myorg", "countdown", 1, "agentenv/myorg.countdown-v1")
+    assert (spec.namespace, spec.name, spec.version, spec.gymnasium_id) == (
+        "myorg",
+        "countdown",
+        1,
+        "agentenv/myorg.countdown-v1",
+    )
     assert gymnasium.make("agentenv/myorg.countdown-v1").unwrapped.start == 4
-    with pytest.raises(UnknownEnvError, match=r"No environment registered as 'myorg/countdown-v7'\. Did you mean: myorg/countdown-v1, myorg/countdown-v0\?"):
+    with pytest.raises(
+        UnknownEnvError,
+        match=r"No environment registered as 'myorg/countdown-v7'\. Did you mean: myorg/countdown-v1, myorg/countdown-v0\?",
+    ):
         agentenv.make("myorg/countdown-v7")
 
 
@@ -81,7 +89,8 @@ def test_unknown_ids_list_close_matches():
 def test_entry_point_plugins_are_discovered(tmp_path, monkeypatch, clean_registry):
     pkg = tmp_path / "countdown_plugin"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent('''
+    (pkg / "__init__.py").write_text(
+        textwrap.dedent('''
         import agentenv
         from agentenv import Env
 
@@ -95,7 +104,8 @@ def test_entry_point_plugins_are_discovered(tmp_path, monkeypatch, clean_registr
 
         def register_all():
             agentenv.register("plugin/echo-loud", Echo)
-    '''))
+    ''')
+    )
     dist = tmp_path / "countdown_plugin-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: countdown-plugin\nVersion: 1.0\n")

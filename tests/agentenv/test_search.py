@@ -20,7 +20,9 @@ def test_bm25_ranks_and_is_deterministic(tmp_path, monkeypatch):
     assert [p.title for p in hits] == ["Paris", "Berlin"]
     assert hits[0].score > hits[1].score > 0
     assert index.search_sync("capital of France", topk=2) == hits
-    assert index.search_sync("drummer", topk=3) == [Passage("Rush (band)", CORPUS[2].text, None, hits_score(index, "drummer"))]
+    assert index.search_sync("drummer", topk=3) == [
+        Passage("Rush (band)", CORPUS[2].text, None, hits_score(index, "drummer"))
+    ]
     assert index.search_sync("zebra", topk=3) == []  # nothing scores: no results, not random ones
     assert index.search_sync("the of", topk=3) == []  # only stop words
     assert len(index.search_sync("capital", topk=50)) == 2
@@ -56,7 +58,9 @@ async def test_search_tool():
 
 
 def test_load_corpus_formats(tmp_path):
-    (tmp_path / "a.jsonl").write_text('{"title": "T", "text": "body"}\n{"id": "1", "contents": "\\"Quoted\\"\\nText here"}\n')
+    (tmp_path / "a.jsonl").write_text(
+        '{"title": "T", "text": "body"}\n{"id": "1", "contents": "\\"Quoted\\"\\nText here"}\n'
+    )
     assert load_corpus(tmp_path / "a.jsonl") == [Paragraph("T", "body"), Paragraph("Quoted", "Text here")]
     (tmp_path / "b.json").write_text(json.dumps([{"title": "T", "text": "x"}]))
     assert load_corpus(tmp_path / "b.json") == [Paragraph("T", "x")]
@@ -69,7 +73,11 @@ def test_unseen_official_hotpotqa_file_end_to_end(tmp_path):
     """Done-means: an official-format HotpotQA file the project has never seen (a JSON list)."""
     # Official-format records (HotpotQA and 2Wiki share it), written as one JSON list like the
     # official dev file, at a path no environment has loaded.
-    rows = [json.loads(line) for name in ("hotpotqa-official", "2wiki") for line in builtin_path(name).read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for name in ("hotpotqa-official", "2wiki")
+        for line in builtin_path(name).read_text().splitlines()
+    ]
     path = tmp_path / "hotpot_dev_distractor_unseen.json"
     path.write_text(json.dumps(rows))
     env = agentenv.make("multihop-qa", data=str(path))

@@ -46,7 +46,9 @@ def test_public_attributes_are_forwarded_to_the_wrapped_env():
     assert env.tasks is env.env.tasks and len(env.tasks) == 500
     assert env.max_tool_calls == 2 and env.spec.id == "agentenv/multihop-qa"
     assert hasattr(env, "tasks") and not hasattr(env, "no_such_attribute")
-    with pytest.raises(AttributeError, match=r"'TokenEnv' object has no attribute 'no_such_attribute', nor has its env \(QAEnv\)"):
+    with pytest.raises(
+        AttributeError, match=r"'TokenEnv' object has no attribute 'no_such_attribute', nor has its env \(QAEnv\)"
+    ):
         _ = env.no_such_attribute
     # what TokenEnv defines is its own
     assert env.tokenizer is BYTES and env.stop_strings == ["</search>"] and env.stop_strings is not env.env.stop_strings
@@ -76,7 +78,9 @@ def test_wrapper_attr_lookups_prefer_the_wrapper():
     assert env.get_wrapper_attr("tokenizer") is BYTES and env.get_wrapper_attr("tasks") is env.env.tasks
     assert env.get_wrapper_attr("reset").__self__ is env
     assert env.has_wrapper_attr("system_prompt") and env.has_wrapper_attr("tasks") and not env.has_wrapper_attr("nope")
-    assert env.set_wrapper_attr("max_tool_calls", 3) and env.env.max_tool_calls == 3 and "max_tool_calls" not in vars(env)
+    assert (
+        env.set_wrapper_attr("max_tool_calls", 3) and env.env.max_tool_calls == 3 and "max_tool_calls" not in vars(env)
+    )
     assert env.set_wrapper_attr("system_prompt", "Be brief.") and env.system_prompt == "Be brief."
     assert not hasattr(env.env, "system_prompt")
     assert not env.set_wrapper_attr("nope", 1, force=False) and not hasattr(env, "nope")

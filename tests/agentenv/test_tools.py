@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from agentenv import Tool, ToolError, tool
+from agentenv import ToolError, tool
 
 
 @tool

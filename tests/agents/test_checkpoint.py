@@ -20,8 +20,15 @@ from agents.training.checkpoint import (
 
 def tiny_model(seed: int, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -41,8 +48,15 @@ def test_round_trip_restores_weights_optimiser_schedule_position_and_rng(tmp_pat
     source = tiny_model(0)
     optimizer, scheduler = trained(source)
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    path = save_checkpoint(tmp_path / checkpoint_name(2), model=source, optimizer=optimizer, scheduler=scheduler,
-                           step=2, data_position={"next_row": 16}, config={"lr": 0.01})
+    path = save_checkpoint(
+        tmp_path / checkpoint_name(2),
+        model=source,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        step=2,
+        data_position={"next_row": 16},
+        config={"lr": 0.01},
+    )
     expected_draws = (random.random(), float(np.random.rand()), torch.rand(4))
     assert path.name == "step_000002"
     assert sorted(p.name for p in path.iterdir()) == ["model", "trainer_state.json", "trainer_state.pt"]
@@ -88,8 +102,9 @@ def test_latest_checkpoint_takes_the_highest_complete_step(tmp_path):
     model = tiny_model(0)
     optimizer, scheduler = trained(model)
     for step in (2, 10, 9):
-        save_checkpoint(tmp_path / checkpoint_name(step), model=model, optimizer=optimizer, scheduler=scheduler,
-                        step=step)
+        save_checkpoint(
+            tmp_path / checkpoint_name(step), model=model, optimizer=optimizer, scheduler=scheduler, step=step
+        )
     (tmp_path / checkpoint_name(11)).mkdir()  # no trainer_state.json: not a checkpoint
     (tmp_path / ".step_000012.abc").mkdir()  # a temporary folder of an interrupted save
     assert latest_checkpoint(tmp_path) == tmp_path / "step_000010"
@@ -99,8 +114,14 @@ def test_bad_data_position_fails_before_anything_is_written(tmp_path):
     model = tiny_model(0)
     optimizer, scheduler = trained(model)
     with pytest.raises(ValueError, match="data_position and config must be JSON-serialisable"):
-        save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, scheduler=scheduler, step=1,
-                        data_position={"rows": {1, 2}})
+        save_checkpoint(
+            tmp_path / "c",
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            step=1,
+            data_position={"rows": {1, 2}},
+        )
     assert list(tmp_path.iterdir()) == []
 
 

@@ -25,10 +25,16 @@ def test_subcommands_are_listed_and_one_is_required(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--env", "multihop-qa", "--samples", "2"], "--samples 2 with greedy decoding repeats one answer; add --temperature 1.0"),
+        (
+            ["--env", "multihop-qa", "--samples", "2"],
+            "--samples 2 with greedy decoding repeats one answer; add --temperature 1.0",
+        ),
         (["--env", "multihop-qa", "--limit", "0"], "--limit must be >= 1, got 0"),
         (["--env", "multihop-qa", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),
-        (["--env", "multihop-qa", "--env-arg", "example"], "--env-arg takes KEY=VALUE (e.g. require_boxed=false), got 'example'"),
+        (
+            ["--env", "multihop-qa", "--env-arg", "example"],
+            "--env-arg takes KEY=VALUE (e.g. require_boxed=false), got 'example'",
+        ),
         (["--env", " , "], "--env needs at least one environment id"),
         (["--env", "multihop-qa,nope-qa"], "No environment registered as 'nope-qa'"),
         (["--env", "multihop-qa", "--engine", "openai"], "--engine openai needs --base-url"),
@@ -57,10 +63,33 @@ def test_agents_eval_runs_the_embedded_model_offline_and_saves_exact_trajectorie
     results, saved = tmp_path / "results.json", tmp_path / "trajectories.jsonl"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "agents", "eval", "--env", "multihop-qa", "--model", "smollm2-135m", "--limit", "2",
-         "--max-new-tokens", "12", "--max-response-tokens", "40", "--concurrency", "2", "--no-progress",
-         "--json", str(results), "--save-trajectories", str(saved)],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "agents",
+            "eval",
+            "--env",
+            "multihop-qa",
+            "--model",
+            "smollm2-135m",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--max-response-tokens",
+            "40",
+            "--concurrency",
+            "2",
+            "--no-progress",
+            "--json",
+            str(results),
+            "--save-trajectories",
+            str(saved),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -71,7 +100,12 @@ def test_agents_eval_runs_the_embedded_model_offline_and_saves_exact_trajectorie
     assert f"results written to {results}" in out and f"2 trajectories written to {saved}" in out
 
     report = json.loads(results.read_text())
-    assert (report["model"], report["engine"], report["envs"], report["limit"]) == ("smollm2-135m", "hf", ["multihop-qa"], 2)
+    assert (report["model"], report["engine"], report["envs"], report["limit"]) == (
+        "smollm2-135m",
+        "hf",
+        ["multihop-qa"],
+        2,
+    )
     assert report["results"]["multihop-qa"]["questions"] == 2 and report["sampling"]["temperature"] == 0
     assert [q["index"] for q in report["questions"]] == [0, 1]
 
@@ -110,9 +144,18 @@ def test_agents_eval_talks_to_an_openai_compatible_server(tmp_path, capsys):
     async def completions(request):
         body = await request.json()
         requests.append(body)
-        return web.json_response({"choices": [{
-            "token_ids": answer, "finish_reason": "stop", "stop_reason": None,
-            "logprobs": {"token_logprobs": [-0.25] * len(answer), "top_logprobs": None}}]})
+        return web.json_response(
+            {
+                "choices": [
+                    {
+                        "token_ids": answer,
+                        "finish_reason": "stop",
+                        "stop_reason": None,
+                        "logprobs": {"token_logprobs": [-0.25] * len(answer), "top_logprobs": None},
+                    }
+                ]
+            }
+        )
 
     loop = asyncio.new_event_loop()
     app = web.Application()
@@ -126,9 +169,28 @@ def test_agents_eval_talks_to_an_openai_compatible_server(tmp_path, capsys):
     thread.start()
     try:
         saved = tmp_path / "t.jsonl"
-        code = main(["eval", "--env", "multihop-qa", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}",
-                     "--model", "smollm2-135m", "--limit", "2", "--no-progress", "--save-trajectories", str(saved),
-                     "--env-arg", "example=true", "--env-arg", "require_boxed=false"])
+        code = main(
+            [
+                "eval",
+                "--env",
+                "multihop-qa",
+                "--engine",
+                "openai",
+                "--base-url",
+                f"http://127.0.0.1:{port}",
+                "--model",
+                "smollm2-135m",
+                "--limit",
+                "2",
+                "--no-progress",
+                "--save-trajectories",
+                str(saved),
+                "--env-arg",
+                "example=true",
+                "--env-arg",
+                "require_boxed=false",
+            ]
+        )
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
@@ -141,5 +203,5 @@ def test_agents_eval_talks_to_an_openai_compatible_server(tmp_path, capsys):
     assert "Example:\nQuestion: In which country" in prompt and "for example <answer> Beijing </answer>" in prompt
     assert all(r["stop"] == ["</search>"] and r["temperature"] == 0 and r["max_tokens"] == 512 for r in requests)
     records = [json.loads(line) for line in saved.read_text().splitlines()]
-    assert sorted(r["ids"][-len(answer):] == answer for r in records) == [True, True]
-    assert all(r["logprobs"][-len(answer):] == [-0.25] * len(answer) for r in records)
+    assert sorted(r["ids"][-len(answer) :] == answer for r in records) == [True, True]
+    assert all(r["logprobs"][-len(answer) :] == [-0.25] * len(answer) for r in records)

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from agents.rollout.tree import RolloutTree
 from agents.training.credit import (
     ADVANTAGES,
     BACKUPS,
@@ -15,15 +16,20 @@ from agents.training.credit import (
     tree_grpo_credit,
     turnwise_credit,
 )
-from agents.rollout.tree import RolloutTree
 
 EPS = 1e-6
 
 
 def turn(tree, parent, entropy, reward=None, tokens=1):
     """A turn whose node entropy is exactly ``entropy`` (every token has log-prob -entropy)."""
-    return tree.add_turn(parent, obs_ids=[0] if parent is not tree.root else [], action_ids=[1] * tokens,
-                         logprobs=[-entropy] * tokens, terminal=reward is not None, reward=reward)
+    return tree.add_turn(
+        parent,
+        obs_ids=[0] if parent is not tree.root else [],
+        action_ids=[1] * tokens,
+        logprobs=[-entropy] * tokens,
+        terminal=reward is not None,
+        reward=reward,
+    )
 
 
 def softmax(*xs):
@@ -32,6 +38,7 @@ def softmax(*xs):
 
 
 # ---- GRPO --------------------------------------------------------------------------------------
+
 
 def test_grpo_uses_the_unbiased_std_by_default():
     std = math.sqrt(1 / 3)  # rewards 1,0,0,1: mean 0.5, Σ(r-mean)^2 = 1, /(n-1) = 1/3
@@ -55,8 +62,11 @@ def test_grpo_group_of_one_and_all_equal_rewards():
 
 def test_grpo_credit_pools_all_leaves_of_the_prompt():
     trees = [RolloutTree([1]), RolloutTree([1])]
-    leaves = [turn(trees[0], trees[0].root, 0.5, reward=1.0), turn(trees[0], trees[0].root, 0.5, reward=0.0),
-              turn(trees[1], trees[1].root, 0.5, reward=0.0)]
+    leaves = [
+        turn(trees[0], trees[0].root, 0.5, reward=1.0),
+        turn(trees[0], trees[0].root, 0.5, reward=0.0),
+        turn(trees[1], trees[1].root, 0.5, reward=0.0),
+    ]
     grpo_credit(trees)
     assert [leaf.advantage for leaf in leaves] == pytest.approx(grpo_advantages([1.0, 0.0, 0.0]), abs=0)
     with pytest.raises(TypeError, match="as a sequence"):
@@ -67,13 +77,16 @@ def test_grpo_credit_pools_all_leaves_of_the_prompt():
 
 # ---- Tree-GRPO ---------------------------------------------------------------------------------
 
+
 def test_tree_grpo_sums_intra_tree_and_prompt_zscores():
     result = tree_grpo_advantages([[1.0, 0.0], [1.0]])
     tree_std = math.sqrt(0.5)  # tree 1: mean 0.5, unbiased std sqrt(0.5)
     prompt_mean, prompt_std = 2 / 3, math.sqrt(1 / 3)  # all leaves 1,0,1
     expected = [
-        [0.5 / (tree_std + EPS) + (1 - prompt_mean) / (prompt_std + EPS),
-         -0.5 / (tree_std + EPS) + (0 - prompt_mean) / (prompt_std + EPS)],
+        [
+            0.5 / (tree_std + EPS) + (1 - prompt_mean) / (prompt_std + EPS),
+            -0.5 / (tree_std + EPS) + (0 - prompt_mean) / (prompt_std + EPS),
+        ],
         [1.0 / (1 + EPS) + (1 - prompt_mean) / (prompt_std + EPS)],  # a tree of one leaf: mean 0, std 1
     ]
     assert result[0] == pytest.approx(expected[0], abs=1e-12)
@@ -99,6 +112,7 @@ def test_tree_grpo_credit_fills_leaves_of_each_tree():
 
 
 # ---- AT²PO turn-wise credit --------------------------------------------------------------------
+
 
 def worked_example():
     """docs/algorithms.md "Turn-wise worked example", extended: root -> a, b; a -> a1 (r̂ = +1, H = 0.4), a2 (r̂ = -1, H = 0.6); b -> b1 (0)."""
@@ -194,12 +208,15 @@ def test_entropy_linear_with_zero_entropy_children_is_uniform():
     assert a.value == 0.5 and tree.root.value == 0.5
 
 
-@pytest.mark.parametrize("advantage, formula", [
-    ("node_value", lambda v, p, r: v),
-    ("value_minus_parent", lambda v, p, r: v - p),
-    ("value_minus_root", lambda v, p, r: v - r),
-    ("sum", lambda v, p, r: (v - p) + (v - r)),
-])
+@pytest.mark.parametrize(
+    "advantage, formula",
+    [
+        ("node_value", lambda v, p, r: v),
+        ("value_minus_parent", lambda v, p, r: v - p),
+        ("value_minus_root", lambda v, p, r: v - r),
+        ("sum", lambda v, p, r: (v - p) + (v - r)),
+    ],
+)
 def test_advantage_options_by_hand(advantage, formula):
     tree, n = deep_tree()
     turnwise_credit(tree, backup="child_mean", advantage=advantage, normalize_leaves=False)

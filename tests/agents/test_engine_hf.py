@@ -28,7 +28,9 @@ def log_softmax(values):
 
 def sample(params, logits=LOGITS, seed=0):
     rows = logits.expand(len(params), -1)
-    return sample_next_tokens(rows, params, [torch.Generator().manual_seed(seed * 1000 + row) for row in range(len(params))])
+    return sample_next_tokens(
+        rows, params, [torch.Generator().manual_seed(seed * 1000 + row) for row in range(len(params))]
+    )
 
 
 # ---- the sampler, on a 4-token vocabulary ---------------------------------------------------
@@ -59,7 +61,9 @@ def test_top_k_and_top_p_renormalise_over_what_they_keep():
     nucleus = sample([SamplingParams(top_p=0.7, logprobs_topk=2, return_entropy=True)])
     assert nucleus.top_logprobs[0][0][1] == pytest.approx(-0.313262, abs=1e-6)
     # Entropy stays that of the full temperature-scaled distribution.
-    assert nucleus.entropies.item() == pytest.approx(-sum(math.exp(v) * v for v in log_softmax([2, 1, 0, -1])), abs=1e-6)
+    assert nucleus.entropies.item() == pytest.approx(
+        -sum(math.exp(v) * v for v in log_softmax([2, 1, 0, -1])), abs=1e-6
+    )
 
 
 def test_rows_keep_their_own_parameters():
@@ -94,7 +98,10 @@ def model():
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     questions = ["What is 2+2?", "Name a fruit.", "Say hello in French.", "What colour is the sky?"]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False) for q in questions]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
+        for q in questions
+    ]
 
 
 @pytest.fixture
@@ -240,8 +247,9 @@ def test_prefix_cache_drops_covered_entries_and_the_least_recently_used():
 async def test_next_turn_reuses_the_kv_of_the_last_and_gets_the_same_tokens(model, tokenizer, prompts):
     cached = HFEngine(model=model, tokenizer=tokenizer)
     uncached = HFEngine(model=model, tokenizer=tokenizer, prefix_cache_tokens=0)
-    observation = tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd in German?<|im_end|>\n<|im_start|>assistant\n",
-                                   add_special_tokens=False)
+    observation = tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nAnd in German?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     try:
         first = await cached.generate(prompts[2], greedy(8))
         assert cached.stats.prefix_cache_hit_tokens == 0
@@ -321,8 +329,10 @@ async def test_engine_attention_is_stock_sdpa_without_the_kv_copy(tokenizer):
     mask = torch.ones(3, 20, dtype=torch.long)
     mask[0, :7] = 0  # left padding: the masked path is the one that changed
     with torch.inference_mode():
-        assert torch.equal(switched(input_ids=ids, attention_mask=mask).logits[mask.bool()],
-                           stock(input_ids=ids, attention_mask=mask).logits[mask.bool()])
+        assert torch.equal(
+            switched(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+            stock(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+        )
     # With gradients (the trainer's passes) it is transformers' own sdpa.
     loss = switched(input_ids=ids, attention_mask=mask).logits[mask.bool()].logsumexp(-1).sum()
     loss.backward()

@@ -55,7 +55,9 @@ async def test_stop_ids_eos_and_length():
 
 
 async def test_entropies_and_top_logprobs_only_when_scripted():
-    turn = ScriptedTurn(token_ids=[3, 4], logprobs=[-0.1, -0.2], entropies=0.7, top_logprobs=[[(3, -0.1), (8, -2.0)], [(4, -0.2)]])
+    turn = ScriptedTurn(
+        token_ids=[3, 4], logprobs=[-0.1, -0.2], entropies=0.7, top_logprobs=[[(3, -0.1), (8, -2.0)], [(4, -0.2)]]
+    )
     engine = ScriptedEngine(lambda prompt: turn)
     done = await engine.generate([1], SamplingParams(return_entropy=True, logprobs_topk=1))
     assert done.entropies == [0.7, 0.7] and done.top_logprobs == [[(3, -0.1)], [(4, -0.2)]]

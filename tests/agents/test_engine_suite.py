@@ -90,7 +90,9 @@ class CompletionsServer:
                 # vLLM lists the sampled token beside the top-k.
                 "top_logprobs": [
                     {f"token_id:{t}": lp for t, lp in [*(top or []), (token, logprob)]}
-                    for token, logprob, top in zip(done.token_ids, done.logprobs, done.top_logprobs or [None] * len(done.token_ids))
+                    for token, logprob, top in zip(
+                        done.token_ids, done.logprobs, done.top_logprobs or [None] * len(done.token_ids)
+                    )
                 ],
             },
             "finish_reason": "length" if done.finish_reason == "length" else "stop",
@@ -99,7 +101,9 @@ class CompletionsServer:
             "prompt_token_ids": None,
         }
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(done.token_ids)}
-        return web.json_response({"id": "cmpl-0", "object": "text_completion", "model": body["model"], "choices": [choice], "usage": usage})
+        return web.json_response(
+            {"id": "cmpl-0", "object": "text_completion", "model": body["model"], "choices": [choice], "usage": usage}
+        )
 
     def close(self):
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result()
@@ -188,7 +192,7 @@ async def test_sampler_logprobs_equal_a_fresh_forward_pass(engine, prompts, trai
         top_values, top_ids = full.topk(5, dim=-1)
         got_values = torch.tensor([[lp for _, lp in position] for position in completion.top_logprobs])
         assert (got_values - top_values).abs().max() <= 1e-3
-        assert [[t for t, _ in position][0] for position in completion.top_logprobs] == top_ids[:, 0].tolist()
+        assert [position[0][0] for position in completion.top_logprobs] == top_ids[:, 0].tolist()
 
 
 @pytest.mark.slow
@@ -200,12 +204,19 @@ async def test_stops_end_generation_at_the_completing_token(engine, prompts, gre
 
     done = await engine.generate(prompts[0], SamplingParams(**greedy, stop=("Paris", "Berlin")))
     assert (done.token_ids, done.finish_reason, done.stop_reason, done.stop_overshoot) == (
-        reference[: paris + 1], "stop", "Paris", ""
+        reference[: paris + 1],
+        "stop",
+        "Paris",
+        "",
     )
     done = await engine.generate(prompts[0], SamplingParams(**greedy, stop=("Par",)))
     assert (done.token_ids, done.stop_reason, done.stop_overshoot) == (reference[: paris + 1], "Par", "is")
     done = await engine.generate(prompts[0], SamplingParams(**greedy, stop_token_ids=(is_id,)))
-    assert (done.token_ids, done.finish_reason, done.stop_reason) == (reference[: reference.index(is_id) + 1], "stop", is_id)
+    assert (done.token_ids, done.finish_reason, done.stop_reason) == (
+        reference[: reference.index(is_id) + 1],
+        "stop",
+        is_id,
+    )
     done = await engine.generate(prompts[0], SamplingParams(**greedy))
     assert (done.token_ids[-1], done.finish_reason, done.stop_reason) == (2, "eos", None)
     done = await engine.generate(prompts[0], SamplingParams(temperature=0, max_new_tokens=3))
@@ -249,7 +260,10 @@ async def test_full_vocabulary_entropy(engine, prompts, trainer_model):
 def test_smollm2_splits_the_search_closing_tag(tokenizer):
     """The stop tag is three tokens, so stopping on it never overshoots unless '>' merges with
     what follows: '>.' is one token, which ends the action with overshoot '.'."""
-    pieces = lambda text: tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False).input_ids)
+
+    def pieces(text):
+        return tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False).input_ids)
+
     assert pieces("</search>") == ["</", "search", ">"]
     assert pieces("q</search>\n\n") == ["q", "</", "search", ">", "ĊĊ"]
     assert pieces("</search>.") == ["</", "search", ">."]
@@ -300,7 +314,9 @@ async def test_sleep_is_refused_clearly_on_cpu(engine):
 
 
 async def test_openai_engine_sends_vllm_fields(tokenizer):
-    scripted = ScriptedEngine(lambda prompt: [5, 6, 2], tokenizer=tokenizer, eos_token_ids=[2], vocab_size=len(tokenizer))
+    scripted = ScriptedEngine(
+        lambda prompt: [5, 6, 2], tokenizer=tokenizer, eos_token_ids=[2], vocab_size=len(tokenizer)
+    )
     server = CompletionsServer(scripted)
     try:
         engine = OpenAIEngine(server.url + "/v1/", "served-name", tokenizer=tokenizer)

@@ -83,8 +83,10 @@ async def test_em_f1_errors_and_pooled_average_over_two_real_envs(tok):
 
     def plan(question):
         if question == hotpot[2].question:  # searches, then the gold answer plus one word
-            return ["<think>Search first.</think>\n<search>Big Stone Gap director</search>",
-                    answer(gold[question] + " extra")]
+            return [
+                "<think>Search first.</think>\n<search>Big Stone Gap director</search>",
+                answer(gold[question] + " extra"),
+            ]
         if question == wiki[1].question:
             return [RuntimeError("engine lost")]
         if question == wiki[2].question:
@@ -92,15 +94,26 @@ async def test_em_f1_errors_and_pooled_average_over_two_real_envs(tok):
         return [answer(gold[question])]
 
     lines = []
-    report = await evaluate(plan_engine(tok, plan), tok, ["multihop-qa", "multihop-qa:2wiki"], limit=3,
-                            on_trajectory=lambda t: lines.append(json.dumps(t.to_dict(tok))), progress=False)
+    report = await evaluate(
+        plan_engine(tok, plan),
+        tok,
+        ["multihop-qa", "multihop-qa:2wiki"],
+        limit=3,
+        on_trajectory=lambda t: lines.append(json.dumps(t.to_dict(tok))),
+        progress=False,
+    )
 
     rows = dict(report.rows())
     assert list(rows) == ["multihop-qa", "multihop-qa:2wiki", POOLED]
     h, w, pooled = rows["multihop-qa"], rows["multihop-qa:2wiki"], rows[POOLED]
     assert (h["questions"], h["episodes"], h["em"], h["errors"]) == (3, 3, pytest.approx(2 / 3), 0)
     assert h["f1"] == pytest.approx((2 + f1_plus_one_word(gold[hotpot[2].question])) / 3)
-    assert (w["em"], w["f1"], w["errors"], w["format_ok"]) == (pytest.approx(1 / 3), pytest.approx(1 / 3), 1, pytest.approx(2 / 3))
+    assert (w["em"], w["f1"], w["errors"], w["format_ok"]) == (
+        pytest.approx(1 / 3),
+        pytest.approx(1 / 3),
+        1,
+        pytest.approx(2 / 3),
+    )
     assert pooled["questions"] == 6 and pooled["em"] == pytest.approx(3 / 6) and pooled["errors"] == 1
     assert h["pass@1"] == h["em"] and "pass@2" not in h
     assert h["turns"] == pytest.approx(4 / 3) and h["tool_calls"] == pytest.approx(1 / 3)
@@ -108,10 +121,14 @@ async def test_em_f1_errors_and_pooled_average_over_two_real_envs(tok):
     by_question = {(q.env_id, q.index): q for r in report.envs.values() for q in r.questions}
     assert by_question[("multihop-qa:2wiki", 1)].samples[0].status == "error"
     assert by_question[("multihop-qa:2wiki", 1)].samples[0].error == "RuntimeError: engine lost"
-    assert by_question[("multihop-qa", 0)].id == hotpot[0].id and by_question[("multihop-qa", 0)].answers == ["Chief of Protocol"]
+    assert by_question[("multihop-qa", 0)].id == hotpot[0].id and by_question[("multihop-qa", 0)].answers == [
+        "Chief of Protocol"
+    ]
 
     # Trajectories: in episode order in the report, one JSON line each as they finished.
-    assert [t.key for t in report.trajectories] == [(e, i, 0) for e in ("multihop-qa", "multihop-qa:2wiki") for i in range(3)]
+    assert [t.key for t in report.trajectories] == [
+        (e, i, 0) for e in ("multihop-qa", "multihop-qa:2wiki") for i in range(3)
+    ]
     records = {tuple(r["key"]): r for r in map(json.loads, lines)}
     assert len(records) == 6
     searched = records[("multihop-qa", 2, 0)]
@@ -121,8 +138,23 @@ async def test_em_f1_errors_and_pooled_average_over_two_real_envs(tok):
     assert records[("multihop-qa:2wiki", 1, 0)]["error"] == "RuntimeError: engine lost"
 
     table = report.table().splitlines()
-    assert table[0].split() == ["env", "questions", "EM", "%", "F1", "%", "format", "ok", "%", "errors", "turns",
-                                "tool", "calls", "action", "tok"]
+    assert table[0].split() == [
+        "env",
+        "questions",
+        "EM",
+        "%",
+        "F1",
+        "%",
+        "format",
+        "ok",
+        "%",
+        "errors",
+        "turns",
+        "tool",
+        "calls",
+        "action",
+        "tok",
+    ]
     assert table[2].split()[:3] == ["multihop-qa", "3", "66.67"]
     assert table[4].split()[:5] == ["average", "(pooled)", "6", "50.00", f"{100 * pooled['f1']:.2f}"]
 
@@ -141,9 +173,10 @@ async def test_pass_at_k_from_sampled_answers(tok):
         return [answer(gold[question])] * correct[question] + [answer("wrong")] * 3
 
     rollout = RolloutConfig(sampling=SamplingParams(temperature=1.0))
-    report = await evaluate(plan_engine(tok, plan), tok, ["multihop-qa"], limit=4, samples=3, rollout=rollout,
-                            progress=False)
-    (name, m), = report.rows()
+    report = await evaluate(
+        plan_engine(tok, plan), tok, ["multihop-qa"], limit=4, samples=3, rollout=rollout, progress=False
+    )
+    ((name, m),) = report.rows()
     # c = 0, 1, 2, 3 of n = 3 (question 3 answers right all three times: min(3, 3)).
     assert m["questions"] == 4 and m["episodes"] == 12
     assert m["pass@1"] == pytest.approx((0 + 1 / 3 + 2 / 3 + 1) / 4) == pytest.approx(m["em"])
@@ -198,7 +231,9 @@ async def test_transcript_shows_each_turn_with_its_source_and_the_grade(tok):
     assert any(line.startswith("--- turn 1: model (") and "stopped at '</search>'" in line for line in lines)
     assert any(line.startswith("--- turn 1: environment (") for line in lines)
     assert "Page 1: " in text
-    assert lines[-1] == "--- terminated: reward 1, answer 'Chief of Protocol', gold ['Chief of Protocol'], EM 1, F1 1.00"
+    assert (
+        lines[-1] == "--- terminated: reward 1, answer 'Chief of Protocol', gold ['Chief of Protocol'], EM 1, F1 1.00"
+    )
 
 
 async def test_heldout_scores_a_budget_cut_episode_with_the_training_budget_reward(tok):
@@ -209,14 +244,28 @@ async def test_heldout_scores_a_budget_cut_episode_with_the_training_budget_rewa
     rambling = "<think>" + "and then " * 40  # no answer, no tool call: runs into the budget
 
     def plan(question):
-        return [answer(gold[question]) if question == hotpot[0].question else
-                answer("zzz") if question == hotpot[1].question else rambling]
+        return [
+            answer(gold[question])
+            if question == hotpot[0].question
+            else answer("zzz")
+            if question == hotpot[1].question
+            else rambling
+        ]
 
     rollout = RolloutConfig(sampling=SamplingParams(temperature=0, max_new_tokens=64), max_response_tokens=100)
     scores = {}
     for budget_reward in (None, -1.0):
-        held = await evaluate_heldout(plan_engine(tok, plan), tok, "multihop-qa", questions=3, rollout=rollout, step=0,
-                                      env_kwargs={"reward": "at2po"}, budget_reward=budget_reward, progress=False)
+        held = await evaluate_heldout(
+            plan_engine(tok, plan),
+            tok,
+            "multihop-qa",
+            questions=3,
+            rollout=rollout,
+            step=0,
+            env_kwargs={"reward": "at2po"},
+            budget_reward=budget_reward,
+            progress=False,
+        )
         scores[budget_reward] = held.scores
     # AT²PO's reward: 1 right, 0 wrong, and the cut episode 0 (the env's: unfinished) or -1 (training's).
     assert scores[None]["reward"].mean == pytest.approx(1 / 3)
@@ -225,8 +274,9 @@ async def test_heldout_scores_a_budget_cut_episode_with_the_training_budget_rewa
 
 
 def test_sampler_logprob_gap_compares_action_tokens_and_counts_nan_as_infinite():
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     from agents.evaluation import sampler_logprob_gap
 
@@ -246,7 +296,13 @@ def test_sampler_logprob_gap_compares_action_tokens_and_counts_nan_as_infinite()
     gap, count = sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=exact)])
     assert count == 2 and gap < 1e-6  # log Z subtracted rather than log_softmax: one float32 ulp at most
     # At temperature 2 the same logits give other log-probs: the gap is against the scaled distribution.
-    halved = [None, torch.log_softmax(logits[0] / 2, -1)[0, 2].item(), torch.log_softmax(logits[0] / 2, -1)[1, 0].item()]
-    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=halved)], temperature=2.0)[0] < 1e-6
+    halved = [
+        None,
+        torch.log_softmax(logits[0] / 2, -1)[0, 2].item(),
+        torch.log_softmax(logits[0] / 2, -1)[1, 0].item(),
+    ]
+    assert (
+        sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=halved)], temperature=2.0)[0] < 1e-6
+    )
     assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=off)])[0] == pytest.approx(0.25)
     assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=broken)])[0] == math.inf

@@ -12,7 +12,6 @@ import pytest
 
 from agentenv import TokenEnv, ToolEnv
 from agentenv.datasets import Example
-from agents.training.credit import grpo_advantages, tree_grpo_advantages
 from agents.engines.scripted import ScriptedEngine, ScriptedTurn
 from agents.learners import (
     AEPO,
@@ -26,8 +25,8 @@ from agents.learners import (
     TreeGRPOCredit,
     TurnwiseCredit,
 )
-from agents.training.losses import ppo_clip_loss
 from agents.rollout import Episode
+from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.strategies import (
     Chain,
     EntropyBalancedBranching,
@@ -37,7 +36,8 @@ from agents.strategies import (
     TreeConfig,
     rollout_trees,
 )
-from agents.rollout.tree import RolloutTree, TrainingPath
+from agents.training.credit import grpo_advantages, tree_grpo_advantages
+from agents.training.losses import ppo_clip_loss
 
 
 class ByteTokenizer:
@@ -97,7 +97,12 @@ def test_the_five_learners_are_the_papers_compositions():
     assert (tree_grpo.loss, tree_grpo.kl_coef) == ("ppo_clip", 0.0)
     assert (arpo.strategy, arpo.credit, arpo.loss) == (EntropyBranching(n=16, N=8), GRPOCredit(), "ppo_clip")
     assert {name: cls().name for name, cls in LEARNERS.items()} == {
-        "at2po": "at2po", "aepo": "aepo", "grpo": "grpo", "tree-grpo": "tree-grpo", "arpo": "arpo"}
+        "at2po": "at2po",
+        "aepo": "aepo",
+        "grpo": "grpo",
+        "tree-grpo": "tree-grpo",
+        "arpo": "arpo",
+    }
 
 
 def test_trainer_config_carries_the_learners_loss_and_kl():
@@ -110,8 +115,9 @@ def test_trainer_config_carries_the_learners_loss_and_kl():
 
 
 def test_configure_sets_fields_by_name_and_names_the_fields_of_a_part_that_lacks_one():
-    learner = AT2PO().configure(strategy={"M": 4, "K": 2}, credit={"backup": "leaf_mean"},
-                                loss={"eps_high": 0.01}, kl_coef=0.002)
+    learner = AT2PO().configure(
+        strategy={"M": 4, "K": 2}, credit={"backup": "leaf_mean"}, loss={"eps_high": 0.01}, kl_coef=0.002
+    )
     assert learner.strategy == EntropyTree(M=4, L=2, K=2) and learner.credit.backup == "leaf_mean"
     assert (learner.loss_kwargs, learner.kl_coef, learner.name) == ({"eps_high": 0.01}, 0.002, "at2po")
     assert AT2PO().strategy.M == 10  # the original is unchanged
@@ -134,8 +140,14 @@ def test_learner_parts_are_checked():
 
 def test_describe_is_json_ready_and_names_every_part():
     described = json.loads(json.dumps(AT2PO(loss=ppo_clip_loss).describe()))
-    assert described["strategy"] == {"class": "agents.rollout.strategies.entropy_tree.EntropyTree", "M": 10, "L": 2, "K": 6,
-                                     "alpha": 0.05, "root_candidate": True}
+    assert described["strategy"] == {
+        "class": "agents.rollout.strategies.entropy_tree.EntropyTree",
+        "M": 10,
+        "L": 2,
+        "K": 6,
+        "alpha": 0.05,
+        "root_candidate": True,
+    }
     assert described["loss"] == "agents.training.losses.ppo_clip_loss"
     assert Learner(Chain(2), credit=lambda trees: []).describe()["credit"]["function"].endswith("<lambda>")
 
@@ -169,11 +181,13 @@ def test_grpo_and_tree_grpo_credit_broadcast_the_leaf_advantage_over_the_path():
     paths = GRPOCredit()(trees)
     expected = grpo_advantages([1.0, 0.0, 1.0, 1.0])
     assert [path.advantages[2] for path in paths] == pytest.approx(expected)
-    assert all(path.advantages[2] == path.advantages[3] == path.advantages[5] and path.advantages[4] == 0
-               for path in paths)
+    assert all(
+        path.advantages[2] == path.advantages[3] == path.advantages[5] and path.advantages[4] == 0 for path in paths
+    )
     paths = TreeGRPOCredit()(trees)
     assert [path.advantages[-1] for path in paths] == pytest.approx(
-        [a for tree in tree_grpo_advantages([[1.0, 0.0], [1.0, 1.0]]) for a in tree])
+        [a for tree in tree_grpo_advantages([[1.0, 0.0], [1.0, 1.0]]) for a in tree]
+    )
 
 
 def test_assign_credit_refuses_a_credit_that_returns_no_paths():
@@ -187,13 +201,18 @@ def test_assign_credit_refuses_a_credit_that_returns_no_paths():
 
 async def test_at2po_strategy_and_credit_on_a_scripted_rollout():
     learner = AT2PO().configure(strategy={"M": 2, "L": 1, "K": 2})
-    [prompt] = await rollout_trees(ScriptedEngine(alternating_answers(), tokenizer=TOK), [episode()],
-                                   learner.strategy, TreeConfig(seed=0))
+    [prompt] = await rollout_trees(
+        ScriptedEngine(alternating_answers(), tokenizer=TOK), [episode()], learner.strategy, TreeConfig(seed=0)
+    )
     paths = learner.assign_credit(prompt.trees)
     assert len(paths) == 4  # M + L·K leaves
     assert sorted(path.reward for path in paths) == [0.0, 0.0, 1.0, 1.0]
     assert sorted((leaf.info["grade"]["em"], leaf.info["grade"]["answer"]) for leaf in prompt.leaves) == [
-        (0.0, "7"), (0.0, "7"), (1.0, "42"), (1.0, "42")]  # the env's grade is kept on the leaf
+        (0.0, "7"),
+        (0.0, "7"),
+        (1.0, "42"),
+        (1.0, "42"),
+    ]  # the env's grade is kept on the leaf
     for path in paths:  # the answer turn carries the leaf's z-score; right answers are positive
         z = path.advantages[-1]
         assert z == pytest.approx(1 / (1 + 2e-6) if path.reward == 1.0 else -1 / (1 + 2e-6))
@@ -210,11 +229,13 @@ async def test_bring_your_own_credit_and_loss_into_a_papers_learner():
                 leaf.advantage = leaf.reward
         return [path for tree in trees for path in tree.paths(advantage="leaf")]
 
-    learner = AT2PO(credit=reward_is_the_advantage, loss=ppo_clip_loss, loss_kwargs={"eps_high": 0.28},
-                    name="at2po-raw-reward").configure(strategy={"M": 2, "L": 1, "K": 1})
+    learner = AT2PO(
+        credit=reward_is_the_advantage, loss=ppo_clip_loss, loss_kwargs={"eps_high": 0.28}, name="at2po-raw-reward"
+    ).configure(strategy={"M": 2, "L": 1, "K": 1})
     assert isinstance(learner.strategy, EntropyTree) and learner.loss is ppo_clip_loss
-    [prompt] = await rollout_trees(ScriptedEngine(alternating_answers(), tokenizer=TOK), [episode()],
-                                   learner.strategy, TreeConfig(seed=0))
+    [prompt] = await rollout_trees(
+        ScriptedEngine(alternating_answers(), tokenizer=TOK), [episode()], learner.strategy, TreeConfig(seed=0)
+    )
     paths = learner.assign_credit(prompt.trees)
     assert seen == [1] and len(paths) == 3
     assert all(isinstance(path, TrainingPath) and set(path.advantages) == {0.0, path.reward} for path in paths)

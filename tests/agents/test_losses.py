@@ -20,8 +20,9 @@ OLD = -2.0  # the sampler's log-prob of every action token in these cases
 
 def case(ratios, advantages, mask):
     """One-row tensors where token t has ratio ``ratios[t]`` (off-mask tokens hold garbage)."""
-    logprobs = torch.tensor([[OLD + math.log(r) if m else -INF for r, m in zip(ratios, mask)]],
-                            dtype=torch.float64, requires_grad=True)
+    logprobs = torch.tensor(
+        [[OLD + math.log(r) if m else -INF for r, m in zip(ratios, mask)]], dtype=torch.float64, requires_grad=True
+    )
     old = torch.tensor([[OLD if m else NAN for m in mask]], dtype=torch.float64)
     adv = torch.tensor([[a if m else NAN for a, m in zip(advantages, mask)]], dtype=torch.float64)
     return logprobs, old, adv, torch.tensor([mask])
@@ -88,8 +89,9 @@ def test_ppo_kl_k3_to_reference():
     assert loss.item() == pytest.approx(0.1 * sum(k3) / 2, abs=1e-12)
     assert metrics["kl_ref"] == pytest.approx(sum(k3) / 2, abs=1e-12)
     # d/dlog π of exp(d) − d − 1 is 1 − exp(d)
-    assert grad_of(loss, logprobs) == pytest.approx([0, 0.1 * (1 - math.exp(-0.5)) / 2,
-                                                     0.1 * (1 - math.exp(0.3)) / 2], abs=1e-12)
+    assert grad_of(loss, logprobs) == pytest.approx(
+        [0, 0.1 * (1 - math.exp(-0.5)) / 2, 0.1 * (1 - math.exp(0.3)) / 2], abs=1e-12
+    )
 
 
 def test_ppo_entropy_bonus():
@@ -116,8 +118,9 @@ def test_ppo_batch_padding_never_makes_nan():
 
 def test_gspo_uses_one_sequence_ratio_for_every_token():
     # row 0: log r = 0.1, 0.3 -> s = e^0.2; row 1: log r = -0.2, 0.0 -> s = e^-0.1
-    logprobs = torch.tensor([[-9.0, OLD + 0.1, OLD + 0.3], [OLD - 0.2, OLD, -9.0]],
-                            dtype=torch.float64, requires_grad=True)
+    logprobs = torch.tensor(
+        [[-9.0, OLD + 0.1, OLD + 0.3], [OLD - 0.2, OLD, -9.0]], dtype=torch.float64, requires_grad=True
+    )
     old = torch.full((2, 3), OLD, dtype=torch.float64)
     adv = torch.tensor([[0.0, 1.0, 1.0], [-1.0, -1.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[0, 1, 1], [1, 1, 0]])
@@ -215,7 +218,7 @@ def test_entropy_aware_advantage_by_hand():
     entropy = torch.tensor([[100.0, 0.5, 1.0, 1.5, 2.0]], dtype=torch.float64)  # token 0 is masked
     mask = torch.tensor([[0, 1, 1, 1, 1]])
     adv = torch.tensor([[7.0, 1.0, 1.0, -2.0, 1.0]], dtype=torch.float64)
-    std = math.sqrt((0.75 ** 2 + 0.25 ** 2) * 2 / 3)  # unbiased std over the action tokens, mean 1.25
+    std = math.sqrt((0.75**2 + 0.25**2) * 2 / 3)  # unbiased std over the action tokens, mean 1.25
     z = [(h - 1.25) / std for h in (0.5, 1.0, 1.5, 2.0)]
     expected = [7.0] + [a * (1 + 0.2 * zt) for a, zt in zip((1.0, 1.0, -2.0, 1.0), z)]
     assert entropy_aware_advantages(adv, entropy, mask)[0].tolist() == pytest.approx(expected, abs=1e-12)

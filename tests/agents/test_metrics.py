@@ -49,8 +49,16 @@ def test_resume_drops_records_after_the_checkpoint_and_a_fresh_log_refuses_an_ol
 
 
 def test_plot_has_one_panel_per_metric_group_present(tmp_path):
-    history = [{"step": s, "reward/mean": 0.1 * s, "reward/std": 0.05, "policy/clip_frac_low": 0.01,
-                "policy/clip_frac_high": 0.02} for s in (1, 2, 3)]
+    history = [
+        {
+            "step": s,
+            "reward/mean": 0.1 * s,
+            "reward/std": 0.05,
+            "policy/clip_frac_low": 0.01,
+            "policy/clip_frac_high": 0.02,
+        }
+        for s in (1, 2, 3)
+    ]
     path = plot_curves(history, tmp_path / "plots" / "curves.png")
     # Two panels (reward, clip fraction) side by side: 2 × 4.2 in × 3.0 in at 100 dpi.
     assert Image.open(path).size == (840, 300)

@@ -121,8 +121,9 @@ class ScriptEngine(Engine):
             logprobs = [-0.5 - 0.01 * k for k in range(len(ids))]
             entropies = [1.0 + 0.01 * k for k in range(len(ids))] if params.return_entropy else None
             finish = "stop" if ids and ids[-1] == 300 else "length" if len(ids) == params.max_new_tokens else "eos"
-            return Completion(ids, logprobs, finish, stop_reason="</lookup>" if finish == "stop" else None,
-                              entropies=entropies)
+            return Completion(
+                ids, logprobs, finish, stop_reason="</lookup>" if finish == "stop" else None, entropies=entropies
+            )
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -146,8 +147,9 @@ async def test_one_episode_is_prompt_then_exact_action_and_observation_ids():
     assert trajectory.ids == prompt + action1 + obs1 + action2
     assert trajectory.ids == env.sequence()[0] and trajectory.mask == env.sequence()[1]
     assert action1[-1] == 300 and 300 not in TOK.encode(TOK.decode(action1))  # kept as sampled
-    assert trajectory.logprobs == [None] * len(prompt) + [-0.5 - 0.01 * k for k in range(len(action1))] \
-        + [None] * len(obs1) + [-0.5 - 0.01 * k for k in range(len(action2))]
+    assert trajectory.logprobs == [None] * len(prompt) + [-0.5 - 0.01 * k for k in range(len(action1))] + [None] * len(
+        obs1
+    ) + [-0.5 - 0.01 * k for k in range(len(action2))]
     assert trajectory.reward == 1.0 and trajectory.key == "k" and trajectory.index == 0
     assert trajectory.info["question"] == "What is x3?" and trajectory.info["grade"]["em"] == 1.0
 
@@ -209,8 +211,9 @@ def _used_before_each_turn(trajectory: Trajectory) -> list[int]:
 
 
 async def test_a_prompt_over_the_limit_is_an_error_naming_the_limit():
-    trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 0}),
-                                   RolloutConfig(max_prompt_tokens=10))
+    trajectory = await run_episode(
+        ScriptEngine(), Episode(make_env(), options={"index": 0}), RolloutConfig(max_prompt_tokens=10)
+    )
     assert trajectory.status == "error" and trajectory.turns == []
     assert "more than max_prompt_tokens=10" in trajectory.error and "tokens" in trajectory.error
 
@@ -299,8 +302,11 @@ async def test_seeded_sampling_gives_each_episode_and_turn_its_own_reproducible_
     engine = ScriptEngine()
     await run_episodes(engine, [Episode(make_env(), options={"index": 0}) for _ in range(2)], config)
     seeds = sorted(params.seed for _, params in engine.requests)
-    expected = sorted(int(np.random.SeedSequence([7, episode, turn]).generate_state(1)[0])
-                      for episode in range(2) for turn in range(2))
+    expected = sorted(
+        int(np.random.SeedSequence([7, episode, turn]).generate_state(1)[0])
+        for episode in range(2)
+        for turn in range(2)
+    )
     assert seeds == expected and len(set(seeds)) == 4
 
 
@@ -347,8 +353,9 @@ async def test_to_dict_is_one_json_line_with_ids_mask_logprobs_reward_and_text()
 
 
 async def test_a_trajectory_becomes_a_chain_of_a_rollout_tree_with_the_same_training_ids():
-    trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 0}),
-                                   RolloutConfig(keep_states=True))
+    trajectory = await run_episode(
+        ScriptEngine(), Episode(make_env(), options={"index": 0}), RolloutConfig(keep_states=True)
+    )
     tree = RolloutTree(trajectory.prompt_ids)
     leaf = trajectory.add_to(tree)
     assert leaf.terminal and leaf.reward == 1.0 and leaf.depth == 2
@@ -356,7 +363,9 @@ async def test_a_trajectory_becomes_a_chain_of_a_rollout_tree_with_the_same_trai
     leaf.advantage = 0.5
     (path,) = tree.paths(advantage="leaf")
     assert path.ids == trajectory.ids and path.mask == trajectory.mask
-    assert [lp for lp, m in zip(path.old_logprobs, path.mask) if m] == [lp for lp in trajectory.logprobs if lp is not None]
+    assert [lp for lp, m in zip(path.old_logprobs, path.mask) if m] == [
+        lp for lp in trajectory.logprobs if lp is not None
+    ]
 
     with pytest.raises(ValueError, match="prompt differs"):
         trajectory.add_to(RolloutTree([1, 2, 3]))
@@ -380,9 +389,11 @@ def test_episodes_for_forks_the_env_once_per_sample():
 
 async def test_every_episode_of_a_concurrent_run_matches_its_own_env_sequence():
     envs = [make_env() for _ in range(12)]
-    trajectories = await run_episodes(ScriptEngine(delay=0.001),
-                                      [Episode(e, options={"index": i}) for i, e in enumerate(envs)],
-                                      RolloutConfig(concurrency=5))
+    trajectories = await run_episodes(
+        ScriptEngine(delay=0.001),
+        [Episode(e, options={"index": i}) for i, e in enumerate(envs)],
+        RolloutConfig(concurrency=5),
+    )
     for trajectory, env in zip(trajectories, envs):
         assert (trajectory.ids, trajectory.mask) == env.sequence()
         assert f"What is x{trajectory.index}?" in TOK.decode(trajectory.prompt_ids)
@@ -410,26 +421,37 @@ async def test_streaming_refuses_something_that_is_not_an_episode():
 
 def test_the_papers_token_limits_are_the_defaults():
     config = RolloutConfig()
-    assert (config.max_prompt_tokens, config.max_response_tokens) == (DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS)
+    assert (config.max_prompt_tokens, config.max_response_tokens) == (
+        DEFAULT_MAX_PROMPT_TOKENS,
+        DEFAULT_MAX_RESPONSE_TOKENS,
+    )
     assert (DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS) == (2000, 6192)
 
 
 async def test_take_turn_resumes_an_episode_from_a_kept_state_without_touching_the_original():
     from agents.rollout import take_turn
 
-    trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 2}),
-                                   RolloutConfig(keep_states=True))
+    trajectory = await run_episode(
+        ScriptEngine(), Episode(make_env(), options={"index": 2}), RolloutConfig(keep_states=True)
+    )
     second = trajectory.turns[1]
     context = second.state.sequence()[0]
     assert context == trajectory.ids[: second.action_span[0]]
 
     wrong = ScriptEngine(lambda prompt, turn: "<answer> \\boxed{7} </answer>")
-    turn, status = await take_turn(wrong, second.state.fork(), context, RolloutConfig(sampling=GREEDY),
-                                   prompt_length=len(trajectory.prompt_ids), seed=11, max_new_tokens=40)
+    turn, status = await take_turn(
+        wrong,
+        second.state.fork(),
+        context,
+        RolloutConfig(sampling=GREEDY),
+        prompt_length=len(trajectory.prompt_ids),
+        seed=11,
+        max_new_tokens=40,
+    )
     assert status == "terminated" and turn.reward == 0.0 and turn.info["grade"]["answer"] == "7"
     assert turn.action_ids == ids_of("<answer> \\boxed{7} </answer>") and len(turn.action_ids) < 40
     assert turn.action_span == (len(context), len(context) + len(turn.action_ids)) and turn.obs_ids == []
-    (prompt, params), = wrong.requests
+    ((prompt, params),) = wrong.requests
     assert prompt == context and (params.seed, params.max_new_tokens) == (11, 40)
     assert trajectory.reward == 1.0 and second.state.sequence()[0] == context  # both untouched
 
@@ -447,7 +469,9 @@ async def test_take_turn_reports_a_used_up_budget_and_refuses_a_turn_beyond_it()
     with pytest.raises(ValueError, match="used its max_response_tokens"):
         await take_turn(ScriptEngine(), env, prompt + action + turn.obs_ids, config, prompt_length=len(prompt))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        await take_turn(ScriptEngine(), make_env(), prompt, RolloutConfig(), prompt_length=len(prompt), max_new_tokens=0)
+        await take_turn(
+            ScriptEngine(), make_env(), prompt, RolloutConfig(), prompt_length=len(prompt), max_new_tokens=0
+        )
 
 
 def test_the_package_exports_the_loop_lazily():
@@ -475,5 +499,7 @@ async def test_the_state_forked_for_a_failing_turn_is_closed():
             child.close = lambda: closed.append("fork")
             return child
 
-    trajectory = await run_episode(ScriptEngine(), Episode(TokenEnv(FailingStep(), TOK)), RolloutConfig(keep_states=True))
+    trajectory = await run_episode(
+        ScriptEngine(), Episode(TokenEnv(FailingStep(), TOK)), RolloutConfig(keep_states=True)
+    )
     assert trajectory.error == "OSError: tool crashed" and closed == ["fork"]

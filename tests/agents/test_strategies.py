@@ -13,8 +13,10 @@ import pytest
 import agentenv
 from agentenv import TokenEnv, ToolEnv
 from agentenv.datasets import Example
+from agents.engines.base import SamplingParams
 from agents.engines.scripted import ScriptedEngine, ScriptedTurn
 from agents.rollout import Episode, RolloutConfig, TurnRecord
+from agents.rollout.tree import RolloutTree
 from agents.strategies import (
     SEGMENT_ENTROPY,
     Branch,
@@ -33,8 +35,6 @@ from agents.strategies import (
     rollout_trees,
     segment_entropy,
 )
-from agents.engines.base import SamplingParams
-from agents.rollout.tree import RolloutTree
 
 EOS = 2
 
@@ -152,7 +152,9 @@ async def test_random_tree_expands_nodes_as_new_children_and_keeps_k_leaves():
     assert [len(tree.leaves()) for tree in prompt.trees] == [3, 3]  # 1 chain + N expansions, K = 3 kept
     assert len(prompt.events) == 4 and {event.kind for event in prompt.events} == {"branch"}
     calls = Counter(tuple(ids) for ids, _ in engine.calls)
-    assert sum((contexts(tree) for tree in prompt.trees), Counter()) == calls  # every turn from its node's exact context
+    assert (
+        sum((contexts(tree) for tree in prompt.trees), Counter()) == calls
+    )  # every turn from its node's exact context
     for tree in prompt.trees:
         for node in tree.nodes():  # siblings saw the same observation: expansion continued after it
             assert all(sibling.obs_ids == node.obs_ids for sibling in node.siblings)
@@ -293,12 +295,34 @@ def hand_group(*draws, started=0):
 def branch_at(group, action_logprob_tops, notes=None, turns=1, kind="chain"):
     """A branch whose latest turn is a new first turn with the given per-token top log-probs."""
     tree = group.trees[0]
-    node = tree.add_turn(tree.root, action_ids=[5] * len(action_logprob_tops), logprobs=[-0.1] * len(action_logprob_tops),
-                         env="state-before")
-    branch = Branch(number=0, tree=0, kind=kind, parent=node, obs_ids=[9], env="state-after", ids=[1, 2, 3],
-                    turns=turns, last=node, notes=dict(notes or {}))
-    record = TurnRecord(action_ids=node.action_ids, logprobs=node.logprobs, obs_ids=[9], action_span=(3, 4),
-                        obs_span=(4, 5), reward=0.0, finish_reason="stop", top_logprobs=action_logprob_tops)
+    node = tree.add_turn(
+        tree.root,
+        action_ids=[5] * len(action_logprob_tops),
+        logprobs=[-0.1] * len(action_logprob_tops),
+        env="state-before",
+    )
+    branch = Branch(
+        number=0,
+        tree=0,
+        kind=kind,
+        parent=node,
+        obs_ids=[9],
+        env="state-after",
+        ids=[1, 2, 3],
+        turns=turns,
+        last=node,
+        notes=dict(notes or {}),
+    )
+    record = TurnRecord(
+        action_ids=node.action_ids,
+        logprobs=node.logprobs,
+        obs_ids=[9],
+        action_span=(3, 4),
+        obs_span=(4, 5),
+        reward=0.0,
+        finish_reason="stop",
+        top_logprobs=action_logprob_tops,
+    )
     return branch, node, record
 
 
@@ -313,7 +337,12 @@ def test_arpo_branches_with_probability_from_the_path_s_entropy_change():
     [point] = strategy.after_turn(group, branch, node, record, ended=False)  # p = 0.7 > 0.69
     assert node.info[SEGMENT_ENTROPY] == pytest.approx(1.0) and node.info["copies"] == 1
     assert (point.parent, point.state, tuple(point.obs_ids), point.kind, point.source) == (
-        node, "state-after", (9,), "branch", node)  # a copy of the current prefix, tool result included
+        node,
+        "state-after",
+        (9,),
+        "branch",
+        node,
+    )  # a copy of the current prefix, tool result included
     assert point.notes == {"h_initial": 0.0}
     assert strategy.after_turn(group, branch, node, record, ended=False) == []  # 0.71 > 0.7
 

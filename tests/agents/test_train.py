@@ -16,12 +16,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import agentenv
 from agents.config import TrainConfig, merge
 from agents.learners import AEPO, Learner
-from agents.training.metrics import read_jsonl
 from agents.rollout.strategies import Chain
 from agents.train import TaskOrder, rollout_seed, train
+from agents.training.metrics import read_jsonl
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 class Letters(agentenv.Env):
@@ -58,14 +60,26 @@ def tiny_model(tmp_path_factory) -> str:
     backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|pad|>",
-                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     folder = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -74,11 +88,23 @@ def tiny_model(tmp_path_factory) -> str:
 
 def letters_config(model: str, **changes) -> TrainConfig:
     """GRPO on letters: 2 prompts × 6 chains of 6 tokens per step, a learning rate for a tiny model."""
-    values = merge(TrainConfig(algo="grpo").to_dict(), {
-        "env": "train-tests/letters", "model": model, "steps": 2, "prompts_per_step": 2, "holdout": 4,
-        "eval_questions": 4, "checkpoint_every": 1, "strategy": changes.pop("strategy", {"n": 6}),
-        "trainer": {"lr": 3e-2, "mini_batches": 1, "micro_batch_size": 12, "tensorboard": False},
-        "sampling": {"max_new_tokens": 6}, "rollout": {"max_response_tokens": 6}, "loss": {"kl_coef": 0.0}})
+    values = merge(
+        TrainConfig(algo="grpo").to_dict(),
+        {
+            "env": "train-tests/letters",
+            "model": model,
+            "steps": 2,
+            "prompts_per_step": 2,
+            "holdout": 4,
+            "eval_questions": 4,
+            "checkpoint_every": 1,
+            "strategy": changes.pop("strategy", {"n": 6}),
+            "trainer": {"lr": 3e-2, "mini_batches": 1, "micro_batch_size": 12, "tensorboard": False},
+            "sampling": {"max_new_tokens": 6},
+            "rollout": {"max_response_tokens": 6},
+            "loss": {"kl_coef": 0.0},
+        },
+    )
     return TrainConfig.from_dict(merge(values, changes))
 
 
@@ -126,8 +152,12 @@ def test_rollout_seeds_differ_per_step_and_repeat_per_run():
 
 async def test_training_raises_the_reward_and_writes_the_run_folder(tiny_model, tmp_path):
     notes = []
-    result = await train(letters_config(tiny_model, steps=6, checkpoint_every=3, eval_every=3), tmp_path / "run",
-                         progress=False, log=notes.append)
+    result = await train(
+        letters_config(tiny_model, steps=6, checkpoint_every=3, eval_every=3),
+        tmp_path / "run",
+        progress=False,
+        log=notes.append,
+    )
 
     rewards = [record["reward/mean"] for record in result.history]
     heldout = [h.scores["reward"].mean for h in result.heldout]
@@ -153,13 +183,20 @@ async def test_training_raises_the_reward_and_writes_the_run_folder(tiny_model, 
 
 
 async def test_resume_continues_with_the_same_tasks_seeds_and_weights(tiny_model, tmp_path):
-    straight = await train(letters_config(tiny_model, steps=3, eval_questions=0), tmp_path / "a", progress=False,
-                           log=lambda note: None)
-    await train(letters_config(tiny_model, steps=2, eval_questions=0), tmp_path / "b", progress=False,
-                log=lambda note: None)
+    straight = await train(
+        letters_config(tiny_model, steps=3, eval_questions=0), tmp_path / "a", progress=False, log=lambda note: None
+    )
+    await train(
+        letters_config(tiny_model, steps=2, eval_questions=0), tmp_path / "b", progress=False, log=lambda note: None
+    )
     notes = []
-    resumed = await train(letters_config(tiny_model, steps=3, eval_questions=0), tmp_path / "b", resume=True,
-                          progress=False, log=notes.append)
+    resumed = await train(
+        letters_config(tiny_model, steps=3, eval_questions=0),
+        tmp_path / "b",
+        resume=True,
+        progress=False,
+        log=notes.append,
+    )
 
     assert notes[0].startswith(f"resumed {tmp_path / 'b'} at step 2")
     assert resumed.steps == 3 and [r["step"] for r in resumed.history] == [1, 2, 3]
@@ -202,8 +239,13 @@ async def test_a_learner_of_your_own_trains_through_the_same_loop(tiny_model, tm
         return loss, {"reinforce": loss.item()}
 
     mine = Learner(strategy=Chain(4), credit=sign_credit, loss=plain_pg_loss, name="sign-reinforce")
-    result = await train(letters_config(tiny_model, algo="sign-reinforce", steps=2, eval_questions=2, strategy={},
-                                        eval_before=False), tmp_path, learner=mine, progress=False, log=lambda note: None)
+    result = await train(
+        letters_config(tiny_model, algo="sign-reinforce", steps=2, eval_questions=2, strategy={}, eval_before=False),
+        tmp_path,
+        learner=mine,
+        progress=False,
+        log=lambda note: None,
+    )
     assert calls == [4, 4, 4, 4]  # 2 steps × 2 prompts, 4 leaves each
     assert [h.step for h in result.heldout] == [2]  # after training only
     assert all("policy/reinforce" in record for record in result.history)
@@ -213,10 +255,16 @@ async def test_a_learner_of_your_own_trains_through_the_same_loop(tiny_model, tm
 
 async def test_aepo_trains_with_the_entropy_aware_advantage_on(tiny_model, tmp_path):
     """AEPO's loss gets the trainer's token entropies: switching the entropy-aware advantage off changes the loss."""
+
     def aepo(flag, folder):
         learner = AEPO(strategy=Chain(4), loss_kwargs={"clip_balanced": True, "entropy_aware_advantage": flag})
-        return train(letters_config(tiny_model, algo="aepo", steps=1, eval_questions=0, strategy={}), tmp_path / folder,
-                     learner=learner, progress=False, log=lambda note: None)
+        return train(
+            letters_config(tiny_model, algo="aepo", steps=1, eval_questions=0, strategy={}),
+            tmp_path / folder,
+            learner=learner,
+            progress=False,
+            log=lambda note: None,
+        )
 
     on, off = await aepo(True, "on"), await aepo(False, "off")
     assert on.history[0]["reward/mean"] == off.history[0]["reward/mean"]  # the same samples

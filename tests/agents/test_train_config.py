@@ -16,8 +16,8 @@ from agents.config import (
     resolve,
 )
 from agents.learners import AT2PO, GRPOCredit, Learner
-from agents.training.losses import gspo_loss
 from agents.rollout.strategies import Budget, Chain, EntropyTree
+from agents.training.losses import gspo_loss
 
 
 def config_with(*layers) -> TrainConfig:
@@ -44,13 +44,27 @@ def test_presets_layer_over_the_defaults_per_algorithm():
     assert (demo.steps, demo.prompts_per_step, demo.budget_reward) == (3, 2, -1.0)
     assert (parts.trainer.lr, parts.trainer.mini_batches, parts.tree.rollout.max_response_tokens) == (5e-5, 1, 256)
     assert parts.trainer.old_logprobs == "sampler" and parts.tree.rollout.sampling.temperature == 0.6
-    assert demo.env_kwargs == {"reward": "at2po", "max_tool_calls": 2, "topk": 1, "result_chars": 300,
-                               "example": True, "require_boxed": False}
-    strategies = {algo: build(config_with(preset("cpu-demo", algo), {"algo": algo})).learner.strategy
-                  for algo in PRESETS["cpu-demo"]["strategy"]}
-    leaves = {"at2po": strategies["at2po"].M + strategies["at2po"].L * strategies["at2po"].K,
-              "aepo": strategies["aepo"].k, "grpo": strategies["grpo"].n,
-              "tree-grpo": strategies["tree-grpo"].M * strategies["tree-grpo"].K, "arpo": strategies["arpo"].n}
+    assert demo.env_kwargs == {
+        "reward": "at2po",
+        "max_tool_calls": 2,
+        "topk": 1,
+        "result_chars": 300,
+        "example": True,
+        "require_boxed": False,
+    }
+    strategies = {
+        algo: build(config_with(preset("cpu-demo", algo), {"algo": algo})).learner.strategy
+        for algo in PRESETS["cpu-demo"]["strategy"]
+    }
+    leaves = {
+        "at2po": strategies["at2po"].M + strategies["at2po"].L * strategies["at2po"].K,
+        "aepo": strategies["aepo"].k,
+        "grpo": strategies["grpo"].n,
+        # each tree: one chain plus N per round, K of them kept
+        "tree-grpo": strategies["tree-grpo"].M
+        * min(strategies["tree-grpo"].K, 1 + strategies["tree-grpo"].L * strategies["tree-grpo"].N),
+        "arpo": strategies["arpo"].n,
+    }
     assert leaves == dict.fromkeys(strategies, 6)  # one rollout budget for every learner
     paper = config_with(preset("paper", "aepo"), {"algo": "aepo"})
     assert paper.env_kwargs == {"reward": "at2po"} and paper.budget_reward == -1.0
@@ -60,10 +74,23 @@ def test_presets_layer_over_the_defaults_per_algorithm():
 
 
 def test_overrides_reach_every_part_by_name():
-    config = config_with(parse_overrides([
-        "strategy.K=3", "credit.backup=leaf_mean", "loss.eps_high=0.01", "loss.kl_coef=0.002",
-        "loss.entropy_coef=1e-3", "trainer.lr=1e-5", "sampling.max_new_tokens=64", "rollout.budget.tokens=4000",
-        "rollout.turn_timeout=30", "env_kwargs.reward=f1", "steps=7"]))
+    config = config_with(
+        parse_overrides(
+            [
+                "strategy.K=3",
+                "credit.backup=leaf_mean",
+                "loss.eps_high=0.01",
+                "loss.kl_coef=0.002",
+                "loss.entropy_coef=1e-3",
+                "trainer.lr=1e-5",
+                "sampling.max_new_tokens=64",
+                "rollout.budget.tokens=4000",
+                "rollout.turn_timeout=30",
+                "env_kwargs.reward=f1",
+                "steps=7",
+            ]
+        )
+    )
     parts = build(config)
     assert parts.learner.strategy.K == 3 and parts.learner.credit.backup == "leaf_mean"
     assert parts.learner.loss_kwargs == {"eps_high": 0.01}
@@ -74,22 +101,32 @@ def test_overrides_reach_every_part_by_name():
 
 def test_parse_overrides_reads_values_as_yaml_with_floats_in_any_notation():
     assert parse_overrides(["trainer.lr=1e-5", "a=true", "b=null", "c=[1, 2]", "d=text", "e=3", "f.g.h=0.5"]) == {
-        "trainer": {"lr": 1e-5}, "a": True, "b": None, "c": [1, 2], "d": "text", "e": 3, "f": {"g": {"h": 0.5}}}
+        "trainer": {"lr": 1e-5},
+        "a": True,
+        "b": None,
+        "c": [1, 2],
+        "d": "text",
+        "e": 3,
+        "f": {"g": {"h": 0.5}},
+    }
     with pytest.raises(ValueError, match="--set takes KEY=VALUE"):
         parse_overrides(["trainer.lr"])
     with pytest.raises(ValueError, match="--set takes KEY=VALUE"):
         parse_overrides(["trainer..lr=1"])
 
 
-@pytest.mark.parametrize("layer, message", [
-    ({"strategy": {"n": 3}}, "EntropyTree has no field n; its fields are M, L, K, alpha, root_candidate"),
-    ({"trainer": {"learning_rate": 1.0}}, "trainer has no setting 'learning_rate'; the settings are lr, "),
-    ({"trainer": {"kl_coef": 0.1}}, "trainer.kl_coef is set by the run"),
-    ({"sampling": {"seed": 1}}, "sampling.seed is set by the run"),
-    ({"sampling": {"temperature": 0.0}}, "sampling.temperature is 0"),
-    ({"rollout": {"budget": {"token": 5}}}, "rollout.budget has no setting 'token'"),
-    ({"algo": "ppo"}, "unknown algo 'ppo'; choose one of at2po, aepo, grpo, tree-grpo, arpo"),
-])
+@pytest.mark.parametrize(
+    "layer, message",
+    [
+        ({"strategy": {"n": 3}}, "EntropyTree has no field n; its fields are M, L, K, alpha, root_candidate"),
+        ({"trainer": {"learning_rate": 1.0}}, "trainer has no setting 'learning_rate'; the settings are lr, "),
+        ({"trainer": {"kl_coef": 0.1}}, "trainer.kl_coef is set by the run"),
+        ({"sampling": {"seed": 1}}, "sampling.seed is set by the run"),
+        ({"sampling": {"temperature": 0.0}}, "sampling.temperature is 0"),
+        ({"rollout": {"budget": {"token": 5}}}, "rollout.budget has no setting 'token'"),
+        ({"algo": "ppo"}, "unknown algo 'ppo'; choose one of at2po, aepo, grpo, tree-grpo, arpo"),
+    ],
+)
 def test_bad_settings_are_named_with_what_to_do(layer, message):
     with pytest.raises(ValueError, match=message):
         build(config_with(layer))
@@ -111,9 +148,17 @@ def test_the_effective_config_lists_every_value_and_rebuilds_the_same_run(tmp_pa
     effective = effective_config(config, build(config))
     assert effective.strategy["k"] == 6 and effective.strategy["beta"] == 0.5
     assert effective.credit == {"eps": 1e-6, "unbiased": True}
-    assert effective.loss == {"eps_low": 0.1, "eps_high": 0.2, "dual_clip": 3.0, "clip_balanced": True,
-                              "entropy_aware_advantage": True, "entropy_advantage_coef": 0.2, "agg": "token-mean",
-                              "kl_coef": 0.0, "entropy_coef": 0.0}
+    assert effective.loss == {
+        "eps_low": 0.1,
+        "eps_high": 0.2,
+        "dual_clip": 3.0,
+        "clip_balanced": True,
+        "entropy_aware_advantage": True,
+        "entropy_advantage_coef": 0.2,
+        "agg": "token-mean",
+        "kl_coef": 0.0,
+        "entropy_coef": 0.0,
+    }
     assert effective.trainer["lr"] == 5e-5 and "loss" not in effective.trainer
     assert effective.rollout["budget"] == {"leaves": None, "tool_calls": None, "tokens": None}
     path = tmp_path / "config.json"
@@ -153,19 +198,32 @@ def test_a_learner_of_your_own_takes_the_config_sections_too():
     assert parts.learner.strategy == Chain(5) and parts.trainer.loss is gspo_loss
     effective = effective_config(TrainConfig(), build(TrainConfig(), learner=mine))
     assert effective.algo == "mine"
-    assert effective.loss == {"eps_low": 3e-4, "eps_high": 4e-4, "agg": "seq-mean-token-mean", "kl_coef": 0.0,
-                              "entropy_coef": 0.0}
+    assert effective.loss == {
+        "eps_low": 3e-4,
+        "eps_high": 4e-4,
+        "agg": "seq-mean-token-mean",
+        "kl_coef": 0.0,
+        "entropy_coef": 0.0,
+    }
     assert build(TrainConfig(), learner=AT2PO(name="x")).learner.name == "x"
 
 
 def test_resolve_layers_defaults_preset_file_flags_and_set_in_that_order(tmp_path):
     (tmp_path / "run.yaml").write_text("steps: 9\nprompts_per_step: 5\ntrainer:\n  lr: 3.0e-5\n  micro_batch_size: 2\n")
-    config = resolve(preset_name="cpu-demo", file=tmp_path / "run.yaml", values={"algo": "grpo", "prompts_per_step": 3},
-                     assignments=["trainer.lr=4e-5"])
+    config = resolve(
+        preset_name="cpu-demo",
+        file=tmp_path / "run.yaml",
+        values={"algo": "grpo", "prompts_per_step": 3},
+        assignments=["trainer.lr=4e-5"],
+    )
     assert config.algo == "grpo" and config.strategy == {"n": 6}  # the preset of the algorithm the flags name
     assert (config.steps, config.prompts_per_step) == (9, 3)  # file over preset, flags over file
-    assert config.trainer == {"mini_batches": 1, "micro_batch_size": 2, "lr": 4e-5,  # --set over everything
-                              "old_logprobs": "sampler"}
+    assert config.trainer == {
+        "mini_batches": 1,
+        "micro_batch_size": 2,
+        "lr": 4e-5,  # --set over everything
+        "old_logprobs": "sampler",
+    }
     resumed = resolve(base=config.to_dict(), values={"steps": 12})
     assert resumed.changed(config) == ["steps"]
     assert resolve().to_dict() == TrainConfig().to_dict()
@@ -174,10 +232,12 @@ def test_resolve_layers_defaults_preset_file_flags_and_set_in_that_order(tmp_pat
 def test_agents_train_prints_the_effective_config_and_names_bad_arguments(capsys):
     from agents.cli import main
 
-    assert main(["train", "--algo", "tree-grpo", "--preset", "cpu-demo", "--set", "loss.eps_high=0.28",
-                 "--print-config"]) == 0
+    assert (
+        main(["train", "--algo", "tree-grpo", "--preset", "cpu-demo", "--set", "loss.eps_high=0.28", "--print-config"])
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
-    assert printed["strategy"] == {"M": 2, "N": 1, "L": 1, "K": 3} and printed["loss"]["eps_high"] == 0.28
+    assert printed["strategy"] == {"M": 2, "N": 2, "L": 1, "K": 3} and printed["loss"]["eps_high"] == 0.28
     assert printed["credit"] == {"eps": 1e-6}
     for argv, message in [
         (["train", "--resume"], "--resume needs --out"),

@@ -15,9 +15,25 @@ pytestmark = pytest.mark.slow
 
 TRAIN = ["train", "--algo", "at2po", "--env", "multihop-qa", "--model", "smollm2-135m"]
 # The cpu-demo preset made smaller still: 1 prompt, a tree of 2 chains + 1 branch, 16-token turns.
-SMALL = ["--preset", "cpu-demo", "--prompts-per-step", "1", "--eval-questions", "1", "--set", "strategy.M=2",
-         "--set", "strategy.L=1", "--set", "strategy.K=1", "--set", "sampling.max_new_tokens=16",
-         "--set", "rollout.max_response_tokens=64", "--no-progress"]
+SMALL = [
+    "--preset",
+    "cpu-demo",
+    "--prompts-per-step",
+    "1",
+    "--eval-questions",
+    "1",
+    "--set",
+    "strategy.M=2",
+    "--set",
+    "strategy.L=1",
+    "--set",
+    "strategy.K=1",
+    "--set",
+    "sampling.max_new_tokens=16",
+    "--set",
+    "rollout.max_response_tokens=64",
+    "--no-progress",
+]
 
 
 def test_agents_train_writes_a_run_resumes_it_exactly_and_agents_eval_loads_the_checkpoint(tmp_path, capsys):
@@ -45,15 +61,39 @@ def test_agents_train_writes_a_run_resumes_it_exactly_and_agents_eval_loads_the_
     for name in ("reward/mean", "tokens/generated", "tokens/trained", "tree/turns"):
         assert a[name] == b[name], name  # the same tasks and seeds give the same samples
     assert b["policy/loss"] == pytest.approx(a["policy/loss"], rel=1e-4, abs=1e-7)
-    state = [json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
-             for run in (straight, resumed)]
+    state = [
+        json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+        for run in (straight, resumed)
+    ]
     assert state[0]["data_position"] == state[1]["data_position"] == {"epoch": 0, "offset": 2}
-    weights = [load_file(run / "checkpoints" / "step_000002" / "model" / "model.safetensors") for run in (straight, resumed)]
+    weights = [
+        load_file(run / "checkpoints" / "step_000002" / "model" / "model.safetensors") for run in (straight, resumed)
+    ]
     assert max(float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0]) < 1e-6
     after = [read_jsonl(run / "heldout" / "metrics.jsonl")[-1] for run in (straight, resumed)]
     assert after[0]["reward"] == after[1]["reward"] and after[0]["step"] == after[1]["step"] == 2
 
-    assert main(["eval", "--env", "multihop-qa", "--model", str(checkpoint / "model"), "--limit", "1",
-                 "--max-new-tokens", "16", "--max-response-tokens", "64", "--no-progress", "--transcripts", "0",
-                 "--json", str(tmp_path / "eval.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--env",
+                "multihop-qa",
+                "--model",
+                str(checkpoint / "model"),
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "16",
+                "--max-response-tokens",
+                "64",
+                "--no-progress",
+                "--transcripts",
+                "0",
+                "--json",
+                str(tmp_path / "eval.json"),
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "eval.json").read_text())["results"]["multihop-qa"]["questions"] == 1

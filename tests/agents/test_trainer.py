@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agents.training.losses import aepo_loss
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
+from agents.training.losses import aepo_loss
 from agents.training.trainer import Trainer, TrainerConfig
 
 VOCAB = 50
@@ -21,9 +21,17 @@ VOCAB = 50
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer Llama with tied embeddings (like SmolLM2), identical for the same seed."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -73,8 +81,9 @@ def with_sampler_logprobs(paths, model, shift=lambda index: 0.0) -> list[Trainin
         for t, m in enumerate(path.mask):
             old.append(float(exact[t]) + shift(index) if m else math.nan)
             index += m
-        out.append(TrainingPath(path.ids, path.mask, path.advantages, old, path.turn_ids, path.weights,
-                                path.reward, path.leaf))
+        out.append(
+            TrainingPath(path.ids, path.mask, path.advantages, old, path.turn_ids, path.weights, path.reward, path.leaf)
+        )
     return out
 
 
@@ -94,8 +103,8 @@ def test_logprobs_equal_a_direct_forward_pass(packing):
     assert scores.shape == (4, max(len(p.ids) for p in paths))
     for row, path in enumerate(paths):
         expected, _ = direct_scores(model, path)
-        torch.testing.assert_close(scores[row, :len(path.ids)], expected, atol=1e-5, rtol=1e-5)
-        assert (scores[row, len(path.ids):] == 0).all()
+        torch.testing.assert_close(scores[row, : len(path.ids)], expected, atol=1e-5, rtol=1e-5)
+        assert (scores[row, len(path.ids) :] == 0).all()
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -135,8 +144,12 @@ async def test_gradient_accumulation_over_micro_batches_equals_one_big_batch(los
     paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
     results = []
     for micro_batch_size in (4, 1):
-        trainer = Trainer(tiny_model(), config(loss=loss, old_logprobs="sampler", micro_batch_size=micro_batch_size,
-                                               packing=packing, max_grad_norm=1e9))
+        trainer = Trainer(
+            tiny_model(),
+            config(
+                loss=loss, old_logprobs="sampler", micro_batch_size=micro_batch_size, packing=packing, max_grad_norm=1e9
+            ),
+        )
         metrics = await trainer.step(paths)
         results.append((metrics, gradients(trainer)))
     (one_metrics, one_grads), (accumulated_metrics, accumulated_grads) = results
@@ -222,8 +235,19 @@ async def test_kl_to_a_frozen_copy_of_the_initial_policy():
 
 async def test_dedup_shared_turns_scales_advantages_by_the_path_weights():
     paths = make_paths()
-    weighted = [TrainingPath(p.ids, p.mask, [a * w for a, w in zip(p.advantages, p.weights)], p.old_logprobs,
-                             p.turn_ids, p.weights, p.reward, p.leaf) for p in paths]
+    weighted = [
+        TrainingPath(
+            p.ids,
+            p.mask,
+            [a * w for a, w in zip(p.advantages, p.weights)],
+            p.old_logprobs,
+            p.turn_ids,
+            p.weights,
+            p.reward,
+            p.leaf,
+        )
+        for p in paths
+    ]
     assert weighted[0].advantages != paths[0].advantages  # the shared first turn has weight 1/2
     dedup = Trainer(tiny_model(), config(dedup_shared_turns=True, max_grad_norm=1e9))
     manual = Trainer(tiny_model(), config(max_grad_norm=1e9))
@@ -242,10 +266,10 @@ async def test_lora_trains_only_the_adapter_weights_and_syncs_merged_weights():
         async def update_weights(self, state_dict):
             received.update({name: t.clone() for name, t in state_dict.items()})
 
-    trainer = Trainer(model, config(lr=1e-2, lora_rank=4, lora_target_modules=["q_proj", "v_proj"]),
-                      engine=Receiver())
-    assert trainer.trainable_parameters and all("lora_" in n for n, p in trainer.model.named_parameters()
-                                                 if p.requires_grad)
+    trainer = Trainer(model, config(lr=1e-2, lora_rank=4, lora_target_modules=["q_proj", "v_proj"]), engine=Receiver())
+    assert trainer.trainable_parameters and all(
+        "lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad
+    )
     lora_b_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     await trainer.step(make_paths())
     for name, p in trainer.model.named_parameters():
@@ -259,8 +283,12 @@ async def test_lora_trains_only_the_adapter_weights_and_syncs_merged_weights():
     assert sorted(received) == [f"model.layers.{i}.self_attn.{m}.weight" for i in (0, 1) for m in ("q_proj", "v_proj")]
     plain = tiny_model()
     plain.load_state_dict(received, strict=False)
-    torch.testing.assert_close(Trainer(plain, config()).compute_logprobs(make_paths()),
-                               trainer.compute_logprobs(make_paths()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        Trainer(plain, config()).compute_logprobs(make_paths()),
+        trainer.compute_logprobs(make_paths()),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 async def test_lora_kl_reference_is_the_base_model_with_adapters_off():
@@ -306,8 +334,9 @@ async def test_step_merges_the_callers_rollout_numbers(tmp_path):
     assert metrics["reward/mean"] == 0.25 and metrics["reward/std"] == pytest.approx(math.sqrt(0.6875))
     assert metrics["reward/em"] == 0.25
     assert metrics["throughput/rollout_tokens_per_s"] == 25.0
-    assert metrics["time/step_s"] == pytest.approx(4.0 + metrics["time/old_logprobs_s"] + metrics["time/update_s"]
-                                                   + metrics["time/sync_s"])
+    assert metrics["time/step_s"] == pytest.approx(
+        4.0 + metrics["time/old_logprobs_s"] + metrics["time/update_s"] + metrics["time/sync_s"]
+    )
     assert metrics["tokens/trained"] == sum(len(p.ids) for p in make_paths()) == 58
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 1 and records[0]["step"] == 1 and records[0]["reward/em"] == 0.25

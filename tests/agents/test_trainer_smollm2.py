@@ -28,11 +28,13 @@ async def sampled_paths(engine, tokenizer, advantages=(1.0, -1.0)):
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     completions = await engine.generate_many(
-        [prompt_ids] * 2, [SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed) for seed in (1, 2)])
+        [prompt_ids] * 2, [SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed) for seed in (1, 2)]
+    )
     tree = RolloutTree(prompt_ids)
     for completion, advantage in zip(completions, advantages):
-        leaf = tree.add_turn(tree.root, action_ids=completion.token_ids, logprobs=completion.logprobs,
-                             terminal=True, reward=advantage)
+        leaf = tree.add_turn(
+            tree.root, action_ids=completion.token_ids, logprobs=completion.logprobs, terminal=True, reward=advantage
+        )
         leaf.advantage = advantage
     return tree.paths()
 
@@ -45,8 +47,12 @@ def action_logprob_sums(trainer, paths):
 async def test_shared_hf_engine_samples_match_the_trainer_and_one_update_moves_them_apart(tokenizer):
     model = load_model("smollm2-135m")
     engine = HFEngine(model, tokenizer, seed=0)
-    trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_size=2, progress=False, tensorboard=False),
-                      tokenizer=tokenizer, engine=engine)
+    trainer = Trainer(
+        model,
+        TrainerConfig(lr=1e-5, micro_batch_size=2, progress=False, tensorboard=False),
+        tokenizer=tokenizer,
+        engine=engine,
+    )
     try:
         paths = await sampled_paths(engine, tokenizer)
         before = action_logprob_sums(trainer, paths)
@@ -71,9 +77,12 @@ async def test_shared_hf_engine_samples_match_the_trainer_and_one_update_moves_t
 
 async def test_separate_engine_receives_the_weights_after_the_step(tokenizer):
     engine = HFEngine("smollm2-135m", seed=0)
-    trainer = Trainer(load_model("smollm2-135m"),
-                      TrainerConfig(lr=1e-5, old_logprobs="sampler", progress=False, tensorboard=False),
-                      tokenizer=tokenizer, engine=engine)
+    trainer = Trainer(
+        load_model("smollm2-135m"),
+        TrainerConfig(lr=1e-5, old_logprobs="sampler", progress=False, tensorboard=False),
+        tokenizer=tokenizer,
+        engine=engine,
+    )
     try:
         assert not trainer.shares_weights_with_engine
         paths = await sampled_paths(engine, tokenizer)
@@ -82,7 +91,9 @@ async def test_separate_engine_receives_the_weights_after_the_step(tokenizer):
         trained = trainer.model.state_dict()
         served = engine.model.state_dict()
         assert all(torch.equal(served[name], trained[name]) for name in trained)
-        assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"],
-                               load_model("smollm2-135m").state_dict()["model.layers.0.mlp.up_proj.weight"])
+        assert not torch.equal(
+            trained["model.layers.0.mlp.up_proj.weight"],
+            load_model("smollm2-135m").state_dict()["model.layers.0.mlp.up_proj.weight"],
+        )
     finally:
         await engine.close()

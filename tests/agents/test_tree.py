@@ -16,8 +16,16 @@ def small_tree() -> RolloutTree:
     tree = RolloutTree([1, 2, 3], env="env-root")
     a = tree.add_turn(tree.root, action_ids=[7, 8], logprobs=[-0.1, -0.5], env="env-a")
     tree.add_turn(tree.root, action_ids=[9], logprobs=[-0.2], terminal=True, reward=0.0)
-    tree.add_turn(a, obs_ids=[4], action_ids=[10], logprobs=[-0.4], terminal=True, reward=1.0,
-                  token_entropies=[1.5], info={"finish": "answer"})
+    tree.add_turn(
+        a,
+        obs_ids=[4],
+        action_ids=[10],
+        logprobs=[-0.4],
+        terminal=True,
+        reward=1.0,
+        token_entropies=[1.5],
+        info={"finish": "answer"},
+    )
     a2 = tree.add_turn(a, obs_ids=[4, 5], action_ids=[11, 12, 13], logprobs=[-0.3, -0.6, -0.9])
     a2.finish(reward=-1.0)
     return tree
@@ -135,8 +143,13 @@ def test_add_turn_rejects_bad_input_with_clear_errors():
 
 def test_add_turn_accepts_tensors_and_numpy_and_rounds_tiny_positive_logprobs():
     tree = RolloutTree(torch.tensor([5, 6]))
-    node = tree.add_turn(tree.root, action_ids=np.array([3, 4]), logprobs=torch.tensor([-0.5, 1e-7]),
-                         terminal=True, reward=np.float32(1.0))
+    node = tree.add_turn(
+        tree.root,
+        action_ids=np.array([3, 4]),
+        logprobs=torch.tensor([-0.5, 1e-7]),
+        terminal=True,
+        reward=np.float32(1.0),
+    )
     assert tree.prompt_ids == [5, 6] and node.action_ids == [3, 4]
     assert node.logprobs == [-0.5, 0.0] and node.reward == 1.0
     assert all(type(x) is int for x in node.action_ids)
@@ -220,13 +233,15 @@ def test_load_and_save_reject_bad_data(tmp_path):
 def test_render_draws_shape_and_numbers():
     tree = small_tree()
     tree.node(1).value, tree.node(1).advantage = -0.1, -0.1
-    assert tree.render() == "\n".join([
-        "root: prompt 3 tok, 4 turns, 3 leaves",
-        "├─ #1 d1 obs 0 act 2 H=0.300 V=-0.100 A=-0.100",
-        "│  ├─ #3 d2 obs 1 act 1 H=0.400 r=1.000 leaf",
-        "│  └─ #4 d2 obs 2 act 3 H=0.600 r=-1.000 leaf",
-        "└─ #2 d1 obs 0 act 1 H=0.200 r=0.000 leaf",
-    ])
+    assert tree.render() == "\n".join(
+        [
+            "root: prompt 3 tok, 4 turns, 3 leaves",
+            "├─ #1 d1 obs 0 act 2 H=0.300 V=-0.100 A=-0.100",
+            "│  ├─ #3 d2 obs 1 act 1 H=0.400 r=1.000 leaf",
+            "│  └─ #4 d2 obs 2 act 3 H=0.600 r=-1.000 leaf",
+            "└─ #2 d1 obs 0 act 1 H=0.200 r=0.000 leaf",
+        ]
+    )
     decoded = tree.render(decode=lambda ids: "tok" + "-".join(map(str, ids)), width=6)
     assert decoded.splitlines()[1].endswith("A=-0.100 'tok7-8'")
 

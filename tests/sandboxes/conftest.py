@@ -19,7 +19,7 @@ def _stat(pid: int) -> tuple[int, str, int] | None:
             data = f.read()
     except OSError:
         return None
-    fields = data[data.rindex(b")") + 2:].split()
+    fields = data[data.rindex(b")") + 2 :].split()
     return int(fields[1]), fields[0].decode(), int(fields[19])
 
 
@@ -42,8 +42,7 @@ def still_there(processes: set[tuple[int, int]], wait: float = 5.0) -> set[tuple
     """Those of ``processes`` that still exist (zombies included) after at most ``wait`` s."""
     deadline = time.monotonic() + wait
     while True:
-        left = {(pid, start) for pid, start in processes
-                if (st := _stat(pid)) is not None and st[2] == start}
+        left = {(pid, start) for pid, start in processes if (st := _stat(pid)) is not None and st[2] == start}
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.02)
@@ -73,5 +72,6 @@ def box():
 @pytest.fixture
 def procs():
     """The process-table helpers above, for test modules (which cannot import conftest)."""
-    return SimpleNamespace(tree=process_tree, still_there=still_there, family=family_processes,
-                           stat=_stat, command=command)
+    return SimpleNamespace(
+        tree=process_tree, still_there=still_there, family=family_processes, stat=_stat, command=command
+    )

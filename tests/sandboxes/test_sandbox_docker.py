@@ -19,31 +19,51 @@ import uuid
 import pytest
 
 from sandboxes import DockerSandbox, Limits, SandboxError
-from sandboxes.docker_sandbox import container_config, connect
+from sandboxes.docker_sandbox import connect, container_config
 from sandboxes.local_sandbox import WORKER_SOURCE
 
 
 def test_container_config_carries_every_limit():
-    limits = Limits(memory_bytes=1 << 30, max_processes=50, file_size_bytes=1 << 20,
-                    open_files=100, output_bytes=4096, scratch_bytes=8 << 20)
+    limits = Limits(
+        memory_bytes=1 << 30,
+        max_processes=50,
+        file_size_bytes=1 << 20,
+        open_files=100,
+        output_bytes=4096,
+        scratch_bytes=8 << 20,
+    )
     config = container_config(limits, "img:1", "python3", ("numpy",))
     command = config.pop("command")
     ulimits = {u["Name"]: (u["Soft"], u["Hard"]) for u in config.pop("ulimits")}
     environment = config.pop("environment")
     assert config == {
-        "image": "img:1", "stdin_open": True, "tty": False, "detach": True, "init": True,
-        "network_mode": "none", "read_only": True,
+        "image": "img:1",
+        "stdin_open": True,
+        "tty": False,
+        "detach": True,
+        "init": True,
+        "network_mode": "none",
+        "read_only": True,
         "tmpfs": {"/scratch": "rw,size=8388608,mode=1777", "/tmp": "rw,size=8388608,mode=1777"},
-        "mem_limit": 1 << 30, "memswap_limit": 1 << 30, "pids_limit": 50,
-        "user": "65534:65534", "cap_drop": ["ALL"], "security_opt": ["no-new-privileges"],
-        "working_dir": "/scratch", "labels": {"agentenv.sandbox": "1"}}
+        "mem_limit": 1 << 30,
+        "memswap_limit": 1 << 30,
+        "pids_limit": 50,
+        "user": "65534:65534",
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "working_dir": "/scratch",
+        "labels": {"agentenv.sandbox": "1"},
+    }
     assert ulimits == {"nofile": (100, 100), "fsize": (1 << 20, 1 << 20), "core": (0, 0)}
     assert environment["HOME"] == environment["TMPDIR"] == "/scratch"
     assert command[:4] == ["python3", "-I", "-B", "-c"] and command[4] == WORKER_SOURCE
     assert command[5] == "stdio"
     assert json.loads(command[6]) == {
         "limits": {"memory": 1 << 30, "processes": 50, "open_files": 100, "file_size": 1 << 20},
-        "output_bytes": 4096, "preimport": ["numpy"], "scratch": "/scratch"}
+        "output_bytes": 4096,
+        "preimport": ["numpy"],
+        "scratch": "/scratch",
+    }
 
 
 def test_without_an_engine_the_error_says_what_to_do(monkeypatch):
@@ -74,9 +94,14 @@ class _Container:
         settings["scratch"] = self.scratch  # no /scratch tmpfs here
         command[0], command[-1] = sys.executable, json.dumps(settings)
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             env={**self.config["environment"], "HOME": self.scratch, "TMPDIR": self.scratch},
-            cwd=self.scratch, start_new_session=True)
+            cwd=self.scratch,
+            start_new_session=True,
+        )
         for stream, pipe in ((1, self.process.stdout), (2, self.process.stderr)):
             threading.Thread(target=self._frames, args=(stream, pipe), daemon=True).start()
         threading.Thread(target=self._stdin, daemon=True).start()
@@ -159,7 +184,8 @@ def test_timeout_restarts_the_container_and_reports_lost_state(engine):
 def test_exit_and_signal_are_read_from_the_container_status(engine):
     with DockerSandbox(client=engine, preimport=()) as box:
         assert box.run("import os\nos._exit(4)").notes == (
-            "the Python process exited with status 4; the Python session was lost",)
+            "the Python process exited with status 4; the Python session was lost",
+        )
         r = box.run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
         assert r.killed_by == "signal" and "SIGSEGV" in r.render()
 

@@ -94,7 +94,7 @@ def test_forks_survive_their_parent_running_or_closing_right_away():
     box.close()
 
 
-SUPERVISOR = textwrap.dedent('''
+SUPERVISOR = textwrap.dedent("""
     import ctypes, json, os, signal, subprocess, sys, time
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us
     host = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE)
@@ -125,9 +125,9 @@ SUPERVISOR = textwrap.dedent('''
             break
         time.sleep(0.05)
     print(json.dumps({"recorded": len(recorded), "left": left}))
-''')
+""")
 
-HOST = textwrap.dedent('''
+HOST = textwrap.dedent("""
     import json, os, sys, threading, time, warnings
     warnings.simplefilter("ignore")
     sys.path.insert(0, {root!r})
@@ -154,7 +154,7 @@ HOST = textwrap.dedent('''
             mine.append((pid, table[pid][1]))
     print(json.dumps(mine), flush=True)
     time.sleep(600)
-''')
+""")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -163,9 +163,26 @@ def test_a_crash_of_the_caller_leaves_nothing_behind(mode):
         pytest.skip("bubblewrap is not installed (make installs it)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     host = HOST.format(root=root, mode=mode)
-    out = subprocess.run([sys.executable, "-c", SUPERVISOR, host], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", SUPERVISOR, host], capture_output=True, text=True, timeout=120)
     report = json.loads(out.stdout)
     # (bwrap,) anchor, two interpreters, and the sleep of the running call
     assert report["recorded"] >= 4 + (mode == "bubblewrap"), out.stderr
     assert report["left"] == []
+
+
+def test_a_process_counts_as_dying_from_its_kill_until_it_is_reaped():
+    # The host waits for a death notice only for an interpreter that is dying (see died_while_idle).
+    import signal
+
+    from sandboxes.local_sandbox import _dying
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not _dying(child.pid)
+        child.send_signal(signal.SIGSTOP)  # stopped: a SIGKILL can stay pending, never a zombie yet
+        child.kill()
+        assert _dying(child.pid)  # pending, exiting or a zombie: every stage counts
+    finally:
+        child.kill()
+        child.wait()
+    assert _dying(child.pid)  # reaped: gone

@@ -8,7 +8,6 @@ import signal
 import socket
 import sys
 import threading
-
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,8 @@ from sandboxes import Limits, LocalSandbox, isolation
 FAST = ("math",)
 pytestmark = pytest.mark.skipif(
     not (isolation.shutil.which("bwrap") and isolation.bubblewrap_works(isolation.shutil.which("bwrap"))),
-    reason="bubblewrap is not usable here (make installs it); see test_sandbox_lifetime for the "
-           "process-mode checks")
+    reason="bubblewrap is not usable here (make installs it); see test_sandbox_lifetime for the process-mode checks",
+)
 
 
 @pytest.fixture
@@ -32,13 +31,11 @@ def bystander():
     other.close()
 
 
-def test_infinite_loop_is_killed_at_the_timeout_and_the_next_call_says_state_was_lost(box,
-                                                                                       bystander):
+def test_infinite_loop_is_killed_at_the_timeout_and_the_next_call_says_state_was_lost(box, bystander):
     box.run("x = 1")
     r = box.run("while True:\n    pass", timeout=1)
     assert (r.timed_out, r.killed_by) == (True, "timeout")
-    assert r.render() == ("[killed: the call exceeded its wall-clock timeout of 1 s; "
-                          "the Python session was lost]")
+    assert r.render() == ("[killed: the call exceeded its wall-clock timeout of 1 s; the Python session was lost]")
     after = box.run("'x' in globals()")
     assert (after.value, after.state_lost) == ("False", True)
     assert after.render().startswith("False\n[the Python session was restarted before this call")
@@ -46,20 +43,25 @@ def test_infinite_loop_is_killed_at_the_timeout_and_the_next_call_says_state_was
 
 
 def test_timeout_kills_the_whole_process_tree(box, procs):
-    r = box.run("import subprocess\n"
-                "p = subprocess.Popen(['sleep', '300'])\n"
-                "q = subprocess.Popen(['sh', '-c', 'setsid sleep 301 & sleep 302'])\n"
-                "import time; time.sleep(60)", timeout=1.5)
+    r = box.run(
+        "import subprocess\n"
+        "p = subprocess.Popen(['sleep', '300'])\n"
+        "q = subprocess.Popen(['sh', '-c', 'setsid sleep 301 & sleep 302'])\n"
+        "import time; time.sleep(60)",
+        timeout=1.5,
+    )
     assert r.killed_by == "timeout"
     box.run("0")
     assert not [p for p in procs.family(box) if procs.command(p[0]) == "sleep"]
 
 
 def test_background_processes_do_not_outlive_the_call(box, procs):
-    r = box.run("import subprocess, os\n"
-                "subprocess.Popen(['sleep', '300'])\n"
-                "subprocess.Popen(['sh', '-c', 'setsid sleep 303 &'])\n"  # escapes its parent
-                "'started'")
+    r = box.run(
+        "import subprocess, os\n"
+        "subprocess.Popen(['sleep', '300'])\n"
+        "subprocess.Popen(['sh', '-c', 'setsid sleep 303 &'])\n"  # escapes its parent
+        "'started'"
+    )
     assert r.value == "'started'"
     assert not [p for p in procs.family(box) if procs.command(p[0]) == "sleep"]
 
@@ -102,8 +104,9 @@ def test_fork_bomb_is_bounded_and_cleaned_up(bystander, procs):
 
 
 def test_subprocess_fork_bomb_shell(box, bystander, procs):
-    r = box.run("import subprocess\nsubprocess.run(['sh', '-c', 'f() { f | f & }; f'], timeout=2)\n"
-                "'returned'", timeout=4)
+    r = box.run(
+        "import subprocess\nsubprocess.run(['sh', '-c', 'f() { f | f & }; f'], timeout=2)\n'returned'", timeout=4
+    )
     assert r.value == "'returned'" or r.killed_by == "timeout"
     box.run("0")
     assert len(procs.family(box)) == 3  # bwrap, the anchor, the interpreter
@@ -121,8 +124,10 @@ def test_file_size_limit():
     with LocalSandbox(Limits(file_size_bytes=1 << 20), preimport=FAST) as box:
         r = box.run("open('big', 'wb').write(b'0' * (2 << 20))")
         assert r.error_type == "OSError" and "File too large" in r.error
-        r = box.run("import subprocess\nsubprocess.run(['head', '-c', '3000000', '/dev/zero'], "
-                    "stdout=open('big2', 'wb')).returncode")
+        r = box.run(
+            "import subprocess\nsubprocess.run(['head', '-c', '3000000', '/dev/zero'], "
+            "stdout=open('big2', 'wb')).returncode"
+        )
         assert r.value == "-25"  # the child got SIGXFSZ
         assert box.run("import os; os.path.getsize('big2')").value == str(1 << 20)
 
@@ -137,22 +142,19 @@ def test_cpu_limit_kills_with_its_own_reason():
     with LocalSandbox(Limits(cpu_seconds=1), preimport=FAST) as box:
         r = box.run("while True:\n    pass", timeout=20)
         assert r.killed_by == "cpu" and not r.timed_out
-        assert r.notes == ("killed: the call used more than 1 CPU seconds; the Python session "
-                           "was lost",)
+        assert r.notes == ("killed: the call used more than 1 CPU seconds; the Python session was lost",)
         assert box.run("1").state_lost
 
 
 def test_cpu_budget_is_per_call_not_per_session():
     with LocalSandbox(Limits(cpu_seconds=1), preimport=FAST) as box:
         for _ in range(2):  # 2 x 0.6 s of CPU: more than 1 s in total, less in each call
-            r = box.run("import time\nt = time.process_time()\n"
-                        "while time.process_time() - t < 0.6:\n    pass")
+            r = box.run("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6:\n    pass")
             assert r.ok
 
 
 def test_writes_outside_scratch_fail(box):
-    for path in ("/usr/evil", "/etc/evil", f"{os.path.dirname(os.__file__)}/evil.py",
-                 "/evil", "/proc/evil"):
+    for path in ("/usr/evil", "/etc/evil", f"{os.path.dirname(os.__file__)}/evil.py", "/evil", "/proc/evil"):
         r = box.run(f"open({path!r}, 'w')")
         assert r.error_type in ("OSError", "PermissionError", "FileNotFoundError"), (path, r)
 
@@ -162,8 +164,10 @@ def test_host_files_and_folders_are_invisible(box, tmp_path):
     marker.write_text("s3cret")
     project_file = os.path.join(os.getcwd(), "pyproject.toml")
     assert os.path.exists(project_file)
-    r = box.run(f"import os\n[os.path.exists(p) for p in ({str(marker)!r}, {project_file!r}, "
-                f"{str(tmp_path)!r}, '/root/.ssh', '/etc/passwd', '/etc/shadow')]")
+    r = box.run(
+        f"import os\n[os.path.exists(p) for p in ({str(marker)!r}, {project_file!r}, "
+        f"{str(tmp_path)!r}, '/root/.ssh', '/etc/passwd', '/etc/shadow')]"
+    )
     assert r.value == "[False, False, False, False, False, False]"
     r = box.run("sorted(os.listdir('/')), sorted(set(os.listdir('/tmp')) - set(os.listdir('/scratch')))")
     top, only_in_tmp = eval(r.value)
@@ -174,8 +178,11 @@ def test_host_files_and_folders_are_invisible(box, tmp_path):
     # Only the system, the sandbox's own mounts, and the (otherwise empty) folders that lead
     # to the Python installation: /root and /work here, /check on CI.
     python_roots = {Path(p).parts[1] for p in (sys.prefix, sys.base_prefix, sys.executable)}
-    assert set(top) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc",
-                        "dev", "scratch", "tmp", "opt"} | python_roots
+    assert (
+        set(top)
+        <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "dev", "scratch", "tmp", "opt"}
+        | python_roots
+    )
 
 
 def test_host_environment_variables_are_invisible(box, monkeypatch):
@@ -183,9 +190,18 @@ def test_host_environment_variables_are_invisible(box, monkeypatch):
     leaky = LocalSandbox(preimport=FAST)  # started after the variable was set
     r = leaky.run("import os\nsorted(os.environ)")
     assert "HOST_API_KEY" not in r.value
-    assert set(eval(r.value)) <= {"PATH", "LANG", "HOME", "TMPDIR", "PWD", "SANDBOX_SCRATCH",
-                                  "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                                  "MPLBACKEND"}
+    assert set(eval(r.value)) <= {
+        "PATH",
+        "LANG",
+        "HOME",
+        "TMPDIR",
+        "PWD",
+        "SANDBOX_SCRATCH",
+        "OPENBLAS_NUM_THREADS",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "MPLBACKEND",
+    }
     r = leaky.run("open('/proc/1/environ', 'rb').read()")
     assert b"do-not-leak" not in (r.value or "").encode() and "do-not-leak" not in r.render()
     leaky.close()
@@ -218,9 +234,11 @@ def _accept(server):
 
 def test_signalling_the_parent_or_the_host_fails(box, bystander):
     box.run("kept = 1")
-    r = box.run("import os, signal\nppid = os.getppid()\n"
-                "for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGSTOP):\n"
-                "    os.kill(ppid, s)\nppid")
+    r = box.run(
+        "import os, signal\nppid = os.getppid()\n"
+        "for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGSTOP):\n"
+        "    os.kill(ppid, s)\nppid"
+    )
     assert (r.error, r.value) == (None, "1")  # PID 1 of the sandbox ignores them all
     r = box.run(f"os.kill({os.getpid()}, signal.SIGKILL)")  # the host's pid means nothing here
     assert r.error_type == "ProcessLookupError"
@@ -234,8 +252,7 @@ def test_kill_everything_from_a_fork_reaches_only_its_own_tree(box, bystander):
     # siblings, never the host or other sandboxes; the victims restart and say so.
     box.run("x = 1")
     child = box.fork()
-    assert child.run("import os, signal\nos.kill(-1, signal.SIGKILL)\n'survived'").value == \
-        "'survived'"
+    assert child.run("import os, signal\nos.kill(-1, signal.SIGKILL)\n'survived'").value == "'survived'"
     after = box.run("'x' in globals()")
     assert (after.value, after.state_lost) == ("False", True)
     child.close()
@@ -263,8 +280,7 @@ def test_deep_recursion(box):
     assert "[Previous line repeated" in r.error and len(r.error) < 2000
     box.run("kept = 'still'")
     # Nested containers recurse in C: with the limit lifted this overflows the C stack.
-    r = box.run("import sys\nsys.setrecursionlimit(10**7)\nt = ()\nfor _ in range(10**6):\n"
-                "    t = (t,)\nhash(t)")
+    r = box.run("import sys\nsys.setrecursionlimit(10**7)\nt = ()\nfor _ in range(10**6):\n    t = (t,)\nhash(t)")
     assert r.killed_by == "signal" and "SIGSEGV" in r.render()
     assert box.run("'kept' in globals()").state_lost
 
@@ -272,16 +288,16 @@ def test_deep_recursion(box):
 def test_os_exit_inside_the_sandbox(box):
     box.run("kept = 1")
     r = box.run("import os\nos._exit(3)")
-    assert (r.killed_by, r.notes) == (
-        "exit", ("the Python process exited with status 3; the Python session was lost",))
+    assert (r.killed_by, r.notes) == ("exit", ("the Python process exited with status 3; the Python session was lost",))
     assert box.run("'kept' in globals()").value == "False"
 
 
 def test_forging_protocol_messages_only_hurts_the_attacker(box, bystander):
     box.run("kept = 1")
     # Flood the interpreter's own channel (fd 3) with a message that never ends.
-    r = box.run("import socket\nchannel = socket.socket(fileno=3)\n"
-                "for _ in range(200):\n    channel.send(b'M' + b'x' * 30000)")
+    r = box.run(
+        "import socket\nchannel = socket.socket(fileno=3)\nfor _ in range(200):\n    channel.send(b'M' + b'x' * 30000)"
+    )
     assert r.killed_by == "protocol"
     after = box.run("'kept' in globals()")
     assert (after.value, after.state_lost) == ("False", True)

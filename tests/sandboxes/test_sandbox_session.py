@@ -30,8 +30,9 @@ def test_none_and_statements_have_no_value(box):
 
 
 def test_output_of_c_code_and_child_processes_is_captured(box):
-    r = box.run("import os, subprocess\nprint('py', flush=True)\nos.write(1, b'fd\\n')\n"
-                "subprocess.run(['echo', 'child'])")
+    r = box.run(
+        "import os, subprocess\nprint('py', flush=True)\nos.write(1, b'fd\\n')\nsubprocess.run(['echo', 'child'])"
+    )
     assert r.stdout == "py\nfd\nchild\n"
 
 
@@ -44,7 +45,8 @@ def test_error_traceback_is_trimmed_to_user_code(box):
         '  File "<cell 2>", line 1, in <module>\n    inner()\n'
         '  File "<cell 1>", line 2, in inner\n    return 1 / 0\n'
         "            ~~^~~\n"
-        "ZeroDivisionError: division by zero\n")
+        "ZeroDivisionError: division by zero\n"
+    )
     assert "_worker" not in r.render() and "sandboxes" not in r.render()
     assert box.run("1 + 1").value == "2"  # an exception keeps the session
 
@@ -52,8 +54,7 @@ def test_error_traceback_is_trimmed_to_user_code(box):
 def test_library_frames_are_dropped(box):
     r = box.run("import json\njson.loads('{')")
     assert r.error_type == "JSONDecodeError"
-    assert r.error.splitlines()[1:3] == ['  File "<cell 1>", line 2, in <module>',
-                                         "    json.loads('{')"]
+    assert r.error.splitlines()[1:3] == ['  File "<cell 1>", line 2, in <module>', "    json.loads('{')"]
     assert "json/decoder.py" not in r.error
 
 
@@ -86,10 +87,12 @@ def test_render_of_silent_call(box):
 
 
 def test_scratch_folder_is_the_working_home_and_temp_folder(box):
-    r = box.run("import os, tempfile\n"
-                "open('notes.txt', 'w').write('hi')\n"
-                "os.getcwd() == os.environ['HOME'] == tempfile.gettempdir(), "
-                "open(os.path.join(os.getcwd(), 'notes.txt')).read()")
+    r = box.run(
+        "import os, tempfile\n"
+        "open('notes.txt', 'w').write('hi')\n"
+        "os.getcwd() == os.environ['HOME'] == tempfile.gettempdir(), "
+        "open(os.path.join(os.getcwd(), 'notes.txt')).read()"
+    )
     assert r.value == "(True, 'hi')"
 
 
@@ -121,8 +124,9 @@ def test_many_forks_of_one_session(box):
 
 def test_fork_of_a_session_with_a_running_thread(box):
     # With other threads alive the interpreter double-forks (see _worker.Interpreter.fork).
-    box.run("import threading\nstop = threading.Event()\n"
-            "threading.Thread(target=stop.wait, daemon=True).start()\nv = 5")
+    box.run(
+        "import threading\nstop = threading.Event()\nthreading.Thread(target=stop.wait, daemon=True).start()\nv = 5"
+    )
     child = box.fork()
     assert box.run("v += 1; v").value == "6"  # the parent's cleanup must spare the fork
     assert child.run("v, threading.active_count()").value == "(5, 1)"
@@ -148,8 +152,9 @@ def test_numpy_and_sympy_are_warm():
     with LocalSandbox() as box:  # the default pre-import list
         r = box.run("import sys\n'numpy' in sys.modules and 'sympy' in sys.modules")
         assert r.value == "True"
-        r = box.run("import sympy as sp, numpy as np\nx = sp.symbols('x')\n"
-                    "sp.solve(x**2 - 4, x), int(np.arange(5).sum())")
+        r = box.run(
+            "import sympy as sp, numpy as np\nx = sp.symbols('x')\nsp.solve(x**2 - 4, x), int(np.arange(5).sum())"
+        )
         assert r.value == "([-2, 2], 10)"
 
 
@@ -179,8 +184,7 @@ async def test_arun_does_not_block_the_event_loop():
 async def test_forks_of_one_sandbox_run_concurrently(box):
     box.run("import time\nbase = 100")
     forks = [box.fork() for _ in range(4)]
-    results = await asyncio.gather(*(
-        f.arun(f"time.sleep(0.2)\nbase += {i}\nbase") for i, f in enumerate(forks)))
+    results = await asyncio.gather(*(f.arun(f"time.sleep(0.2)\nbase += {i}\nbase") for i, f in enumerate(forks)))
     assert [r.value for r in results] == ["100", "101", "102", "103"]
     assert box.run("base").value == "100"
     for f in forks:
@@ -203,8 +207,7 @@ async def test_cancelled_arun_kills_the_interpreter_and_reports_lost_state():
 
 def test_one_call_at_a_time(box):
     async def two_at_once():
-        return await asyncio.gather(box.arun("import time; time.sleep(0.5)"), box.arun("1"),
-                                    return_exceptions=True)
+        return await asyncio.gather(box.arun("import time; time.sleep(0.5)"), box.arun("1"), return_exceptions=True)
 
     first, second = asyncio.run(two_at_once())
     assert isinstance(first, Result) and first.ok
@@ -238,9 +241,11 @@ def test_closed_sandbox_refuses_calls():
 
 
 def test_missing_preimport_warns_and_the_sandbox_still_works():
-    with pytest.warns(RuntimeWarning, match="no_such_module_xyz"):
-        with LocalSandbox(preimport=("no_such_module_xyz",)) as box:
-            assert box.run("2 * 21").value == "42"
+    with (
+        pytest.warns(RuntimeWarning, match="no_such_module_xyz"),
+        LocalSandbox(preimport=("no_such_module_xyz",)) as box,
+    ):
+        assert box.run("2 * 21").value == "42"
 
 
 def test_process_isolation_mode_runs_the_same_session():

@@ -60,8 +60,14 @@ def test_process_table_sees_this_process():
 
 def test_trim_traceback_keeps_only_cells_in_chained_exceptions():
     namespace: dict = {}
-    exec(compile("def f():\n    try:\n        1/0\n    except Exception as e:\n"
-                 "        raise KeyError('k') from e\n", "<cell 1>", "exec"), namespace)
+    exec(
+        compile(
+            "def f():\n    try:\n        1/0\n    except Exception as e:\n        raise KeyError('k') from e\n",
+            "<cell 1>",
+            "exec",
+        ),
+        namespace,
+    )
     try:
         namespace["f"]()
     except KeyError as exc:
@@ -81,13 +87,23 @@ def test_capped_writer_keeps_the_head_and_counts_the_rest():
 
 
 def test_bubblewrap_command_line():
-    argv = isolation.bubblewrap_argv("/usr/bin/bwrap", "/usr/bin/python3",
-                                     Limits(scratch_bytes=1 << 20))
+    argv = isolation.bubblewrap_argv("/usr/bin/bwrap", "/usr/bin/python3", Limits(scratch_bytes=1 << 20))
     joined = " ".join(argv)
-    for flag in ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--as-pid-1", "--clearenv",
-                 "--new-session", "--ro-bind /usr /usr", "--proc /proc", "--dev /dev",
-                 "--size 1048576 --perms 1777 --tmpfs /scratch", "--symlink /scratch /tmp",
-                 "--setenv HOME /scratch", "--setenv OPENBLAS_NUM_THREADS 1"):
+    for flag in (
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--as-pid-1",
+        "--clearenv",
+        "--new-session",
+        "--ro-bind /usr /usr",
+        "--proc /proc",
+        "--dev /dev",
+        "--size 1048576 --perms 1777 --tmpfs /scratch",
+        "--symlink /scratch /tmp",
+        "--setenv HOME /scratch",
+        "--setenv OPENBLAS_NUM_THREADS 1",
+    ):
         assert flag in joined, flag
     assert argv[-2:] == ["--", "/usr/bin/python3"]
     assert ("--disable-userns" in argv) == (os.geteuid() != 0)
@@ -125,8 +141,10 @@ def test_startup_failure_is_reported_with_what_the_sandbox_printed(mode, tmp_pat
     if mode == "bubblewrap" and not isolation.shutil.which("bwrap"):
         pytest.skip("bubblewrap is not installed (make installs it)")
     broken = tmp_path / "python"  # answers the prefix query, then fails to start the worker
-    broken.write_text(f"#!/bin/sh\ncase \"$*\" in *\"import sys; print\"*) exec {sys.executable} "
-                      "\"$@\";; esac\necho 'broken interpreter' >&2\nexit 3\n")
+    broken.write_text(
+        f'#!/bin/sh\ncase "$*" in *"import sys; print"*) exec {sys.executable} '
+        "\"$@\";; esac\necho 'broken interpreter' >&2\nexit 3\n"
+    )
     broken.chmod(0o755)
     os.chmod(tmp_path, 0o755)
     box = LocalSandbox(isolation=mode, python=str(broken), preimport=())

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from agentenv.browse import Browser, BrowseError, UnsafeURLError, browse_tool, check_url, decode_text, split_pages
+from agentenv.browse import BrowseError, Browser, UnsafeURLError, browse_tool, check_url, decode_text, split_pages
 
 ARTICLE = """<!DOCTYPE html><html><head><title>Eiffel Tower</title></head><body>
 <nav><a href="/">Home</a> | <a href="/about">About</a></nav>
@@ -19,8 +19,11 @@ finished in New York City in 1930.</p>
 FRENCH = "Le café est très apprécié à Paris. Les élèves étudient à l'université près de la gare. " * 6
 RUSSIAN = "Москва — столица России, крупнейший по численности населения город страны. " * 6
 PARAGRAPH = "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. " * 6  # 408 characters
-LONG = "<html><head><title>Long</title></head><body><article>" + "".join(
-    f"<p>Section {i}. {PARAGRAPH}</p>" for i in range(40)) + "<p>The needle is here.</p></article></body></html>"
+LONG = (
+    "<html><head><title>Long</title></head><body><article>"
+    + "".join(f"<p>Section {i}. {PARAGRAPH}</p>" for i in range(40))
+    + "<p>The needle is here.</p></article></body></html>"
+)
 CAP = 200_000  # the browser's byte cap in these tests
 ENDLESS_CHUNKS = 10_000  # the endless stream gives up after this many 64 KiB chunks (far past the cap)
 
@@ -95,20 +98,26 @@ def pathological_app() -> web.Application:
         return web.Response(body=body, headers={"Content-Type": "text/html; charset=utf-8"})
 
     async def meta_charset(request):  # no charset in the header; the page's <meta> says windows-1251
-        body = (f'<html><head><meta charset="windows-1251"><title>Москва</title></head>'
-                f"<body><article><p>{RUSSIAN}</p></article></body></html>").encode("cp1251")
+        body = (
+            f'<html><head><meta charset="windows-1251"><title>Москва</title></head>'
+            f"<body><article><p>{RUSSIAN}</p></article></body></html>"
+        ).encode("cp1251")
         return web.Response(body=body, headers={"Content-Type": "text/html"})
 
     async def broken(request):
-        return html("<html><head><title>Broken</title><body><div><p>Unclosed paragraph about "
-                    "<b>lighthouses <i>and their keepers<p>Second &amp broken &nosuch; entity</div></span></table>"
-                    "<p><<>> stray </td> brackets")
+        return html(
+            "<html><head><title>Broken</title><body><div><p>Unclosed paragraph about "
+            "<b>lighthouses <i>and their keepers<p>Second &amp broken &nosuch; entity</div></span></table>"
+            "<p><<>> stray </td> brackets"
+        )
 
     async def unclosed_title(request):  # a browser shows the rest of the page as the title
         return html("<html><head><title>Start " + "of a very long title " * 20 + "</head><body><p>Never shown</p>")
 
     async def script_only(request):
-        return html("<html><head><script>var x = 1;</script></head><body><script>document.write('hi')</script></body></html>")
+        return html(
+            "<html><head><script>var x = 1;</script></head><body><script>document.write('hi')</script></body></html>"
+        )
 
     async def empty(request):
         return html("")
@@ -129,11 +138,29 @@ def pathological_app() -> web.Application:
 
     app = web.Application()
     for path, handler in {
-        "/article": article, "/long": long, "/huge": huge, "/endless": endless, "/drip": drip, "/silent": silent,
-        "/loop": redirect_loop, "/chain/{n}": chain, "/to-private": to_private, "/to-file": to_file,
-        "/binary": binary, "/png": png, "/pdf": pdf, "/pdf-as-html": pdf_as_html, "/nul-text": nul_text,
-        "/wrong-charset": wrong_charset, "/meta-charset": meta_charset, "/broken": broken,
-        "/script-only": script_only, "/unclosed-title": unclosed_title, "/empty": empty, "/plain": plain, "/error": server_error,
+        "/article": article,
+        "/long": long,
+        "/huge": huge,
+        "/endless": endless,
+        "/drip": drip,
+        "/silent": silent,
+        "/loop": redirect_loop,
+        "/chain/{n}": chain,
+        "/to-private": to_private,
+        "/to-file": to_file,
+        "/binary": binary,
+        "/png": png,
+        "/pdf": pdf,
+        "/pdf-as-html": pdf_as_html,
+        "/nul-text": nul_text,
+        "/wrong-charset": wrong_charset,
+        "/meta-charset": meta_charset,
+        "/broken": broken,
+        "/script-only": script_only,
+        "/unclosed-title": unclosed_title,
+        "/empty": empty,
+        "/plain": plain,
+        "/error": server_error,
         "/cut-short": cut_short,
     }.items():
         app.router.add_get(path, handler)
@@ -146,8 +173,14 @@ async def site(serve):
 
 
 def browser(**kwargs) -> Browser:
-    options = {"allow_private_urls": True, "connect_timeout": 1.0, "read_timeout": 1.0, "timeout": 2.0,
-               "max_bytes": CAP, "page_chars": 1000}
+    options = {
+        "allow_private_urls": True,
+        "connect_timeout": 1.0,
+        "read_timeout": 1.0,
+        "timeout": 2.0,
+        "max_bytes": CAP,
+        "page_chars": 1000,
+    }
     return Browser(**{**options, **kwargs})
 
 
@@ -176,7 +209,9 @@ async def test_long_pages_are_paged_and_searchable(site):
     assert await read(b, f"{site}/long", page=21) == "Error: page 21 does not exist: this document has 20 pages"
     assert await read(b, f"{site}/long", page=0) == "Error: page 0 does not exist: this document has 20 pages"
     found = await read(b, f"{site}/long", find="NEEDLE")
-    assert found.endswith('1 match for "NEEDLE" (20 pages):\n[page 20] …a epsilon zeta eta theta iota kappa lambda mu. Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. The needle is here.')
+    assert found.endswith(
+        '1 match for "NEEDLE" (20 pages):\n[page 20] …a epsilon zeta eta theta iota kappa lambda mu. Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. The needle is here.'
+    )
     many = await read(b, f"{site}/long", find="Section")
     assert '40 matches for "Section" (20 pages), the first 10 shown:\n[page 1] Section 0. Alpha' in many
     assert many.count("\n[page ") == 10
@@ -188,7 +223,9 @@ async def test_huge_and_endless_pages_are_cut_at_the_size_cap(site):
     huge = await read(browser(), f"{site}/huge")
     assert huge.startswith(f"Title: Huge\nURL: {site}/huge{note}Page 1 of 238; read on with page=2\n\n0\\. Alpha beta")
     endless = await read(browser(), f"{site}/endless")
-    assert endless.startswith(f"Title: {site}/endless\nURL: {site}/endless{note}Page 1 of 66; read on with page=2\n\nspam spam")
+    assert endless.startswith(
+        f"Title: {site}/endless\nURL: {site}/endless{note}Page 1 of 66; read on with page=2\n\nspam spam"
+    )
 
 
 async def test_slow_drip_is_cut_at_the_timeout(site):
@@ -207,24 +244,33 @@ async def test_redirects(site):
     obs = await read(browser(), f"{site}/chain/3")
     assert obs.startswith(f"Title: Eiffel Tower\nURL: {site}/article\n")  # the URL after redirects
     assert await read(browser(), f"{site}/loop") == (
-        f"Error: too many redirects: {site}/loop redirected more than 5 times (last to {site}/loop)")
+        f"Error: too many redirects: {site}/loop redirected more than 5 times (last to {site}/loop)"
+    )
     assert await read(browser(max_redirects=2), f"{site}/chain/3") == (
-        f"Error: too many redirects: {site}/chain/3 redirected more than 2 times (last to {site}/chain/0)")
+        f"Error: too many redirects: {site}/chain/3 redirected more than 2 times (last to {site}/chain/0)"
+    )
     assert await read(browser(), f"{site}/to-file") == (
-        "Error: only http:// and https:// URLs can be opened, not file: (file:///etc/passwd)")
+        "Error: only http:// and https:// URLs can be opened, not file: (file:///etc/passwd)"
+    )
 
 
 async def test_binary_and_pdf_are_refused(site):
     b = browser()
-    assert await read(b, f"{site}/binary") == (f"Error: {site}/binary is binary content (application/octet-stream), "
-                                               "not a web page; only HTML and plain-text pages can be read")
-    assert await read(b, f"{site}/png") == (f"Error: {site}/png is binary content (image/png), not a web page; "
-                                            "only HTML and plain-text pages can be read")
-    assert await read(b, f"{site}/nul-text") == (f"Error: {site}/nul-text is binary content (text/plain), not a web "
-                                                 "page; only HTML and plain-text pages can be read")
+    assert await read(b, f"{site}/binary") == (
+        f"Error: {site}/binary is binary content (application/octet-stream), "
+        "not a web page; only HTML and plain-text pages can be read"
+    )
+    assert await read(b, f"{site}/png") == (
+        f"Error: {site}/png is binary content (image/png), not a web page; only HTML and plain-text pages can be read"
+    )
+    assert await read(b, f"{site}/nul-text") == (
+        f"Error: {site}/nul-text is binary content (text/plain), not a web "
+        "page; only HTML and plain-text pages can be read"
+    )
     for path in ("/pdf", "/pdf-as-html"):
-        assert await read(b, f"{site}{path}") == (f"Error: {site}{path} is a PDF document, which this browser "
-                                                  "cannot read; look for an HTML version of it")
+        assert await read(b, f"{site}{path}") == (
+            f"Error: {site}{path} is a PDF document, which this browser cannot read; look for an HTML version of it"
+        )
 
 
 async def test_charsets(site):
@@ -236,8 +282,10 @@ async def test_charsets(site):
 
 async def test_broken_empty_and_script_only_html(site):
     broken = await read(browser(), f"{site}/broken")
-    assert broken == (f"Title: Broken\nURL: {site}/broken\nPage 1 of 1\n\nUnclosed paragraph about **lighthouses "
-                      "*and their keepers***\n\nSecond & broken &nosuch; entity\n\n\\<\\<>> stray brackets")
+    assert broken == (
+        f"Title: Broken\nURL: {site}/broken\nPage 1 of 1\n\nUnclosed paragraph about **lighthouses "
+        "*and their keepers***\n\nSecond & broken &nosuch; entity\n\n\\<\\<>> stray brackets"
+    )
     unclosed = await read(browser(), f"{site}/unclosed-title")
     assert unclosed.startswith("Title: Start of a very long title of a") and len(unclosed.split("\n")[0]) < 220
     assert unclosed.endswith("The page has no readable text.")
@@ -253,23 +301,51 @@ async def test_plain_text_http_errors_and_broken_connections(site, closed_port):
     cut = await read(browser(), f"{site}/cut-short")
     assert "Note: the connection broke off after 25 bytes" in cut and cut.endswith("The beginning of a story.")
     assert await read(browser(), f"http://127.0.0.1:{closed_port}/") == (
-        f"Error: could not connect to 127.0.0.1:{closed_port} (Connect call failed ('127.0.0.1', {closed_port}))")
+        f"Error: could not connect to 127.0.0.1:{closed_port} (Connect call failed ('127.0.0.1', {closed_port}))"
+    )
 
 
-@pytest.mark.parametrize(("url", "message"), [
-    ("file:///etc/passwd", "only http:// and https:// URLs can be opened, not file: (file:///etc/passwd)"),
-    ("ftp://example.com/x", "only http:// and https:// URLs can be opened, not ftp: (ftp://example.com/x)"),
-    ("javascript:alert(1)", "only http:// and https:// URLs can be opened, not javascript: (javascript:alert(1))"),
-    ("/relative/path", "only http:// and https:// URLs can be opened, not a relative address (/relative/path)"),
-    ("http://127.0.0.1:8000/", "http://127.0.0.1:8000/ points to the private or local address 127.0.0.1; only public web addresses can be opened"),
-    ("http://10.1.2.3/", "http://10.1.2.3/ points to the private or local address 10.1.2.3; only public web addresses can be opened"),
-    ("http://169.254.169.254/latest/meta-data", "http://169.254.169.254/latest/meta-data points to the private or local address 169.254.169.254; only public web addresses can be opened"),
-    ("http://[::1]:8000/", "http://[::1]:8000/ points to the private or local address ::1; only public web addresses can be opened"),
-    ("http://[::ffff:127.0.0.1]/", "http://[::ffff:127.0.0.1]/ points to the private or local address ::ffff:7f00:1; only public web addresses can be opened"),
-    ("http://0.0.0.0/", "http://0.0.0.0/ points to the private or local address 0.0.0.0; only public web addresses can be opened"),
-    ("http://2130706433/", "http://2130706433/ uses a numeric address form (2130706433) that is not a canonical IP address; write the address in dotted form"),
-    ("http://0x7f.1/", "http://0x7f.1/ uses a numeric address form (0x7f.1) that is not a canonical IP address; write the address in dotted form"),
-])
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("file:///etc/passwd", "only http:// and https:// URLs can be opened, not file: (file:///etc/passwd)"),
+        ("ftp://example.com/x", "only http:// and https:// URLs can be opened, not ftp: (ftp://example.com/x)"),
+        ("javascript:alert(1)", "only http:// and https:// URLs can be opened, not javascript: (javascript:alert(1))"),
+        ("/relative/path", "only http:// and https:// URLs can be opened, not a relative address (/relative/path)"),
+        (
+            "http://127.0.0.1:8000/",
+            "http://127.0.0.1:8000/ points to the private or local address 127.0.0.1; only public web addresses can be opened",
+        ),
+        (
+            "http://10.1.2.3/",
+            "http://10.1.2.3/ points to the private or local address 10.1.2.3; only public web addresses can be opened",
+        ),
+        (
+            "http://169.254.169.254/latest/meta-data",
+            "http://169.254.169.254/latest/meta-data points to the private or local address 169.254.169.254; only public web addresses can be opened",
+        ),
+        (
+            "http://[::1]:8000/",
+            "http://[::1]:8000/ points to the private or local address ::1; only public web addresses can be opened",
+        ),
+        (
+            "http://[::ffff:127.0.0.1]/",
+            "http://[::ffff:127.0.0.1]/ points to the private or local address ::ffff:7f00:1; only public web addresses can be opened",
+        ),
+        (
+            "http://0.0.0.0/",
+            "http://0.0.0.0/ points to the private or local address 0.0.0.0; only public web addresses can be opened",
+        ),
+        (
+            "http://2130706433/",
+            "http://2130706433/ uses a numeric address form (2130706433) that is not a canonical IP address; write the address in dotted form",
+        ),
+        (
+            "http://0x7f.1/",
+            "http://0x7f.1/ uses a numeric address form (0x7f.1) that is not a canonical IP address; write the address in dotted form",
+        ),
+    ],
+)
 async def test_unsafe_urls_are_refused_before_any_connection(url, message):
     with pytest.raises(UnsafeURLError) as e:
         check_url(url)
@@ -280,7 +356,8 @@ async def test_unsafe_urls_are_refused_before_any_connection(url, message):
 async def test_host_names_are_checked_when_resolved(site):
     port = site.rsplit(":", 1)[1]
     assert await read(browser(allow_private_urls=False), f"http://localhost:{port}/article") == (
-        "Error: localhost resolves to the private or local address 127.0.0.1; only public web addresses can be opened")
+        "Error: localhost resolves to the private or local address 127.0.0.1; only public web addresses can be opened"
+    )
 
 
 async def test_aliases_serve_a_trusted_site_without_opening_others(site, closed_port):
@@ -289,9 +366,11 @@ async def test_aliases_serve_a_trusted_site_without_opening_others(site, closed_
     assert obs.startswith("Title: Eiffel Tower\nURL: http://site.test/article\n")  # shown under the alias
     assert "[Chrysler Building](http://site.test/chrysler)" in obs
     assert await read(b, "http://site.test/to-private") == (
-        "Error: http://10.0.0.1/admin points to the private or local address 10.0.0.1; only public web addresses can be opened")
+        "Error: http://10.0.0.1/admin points to the private or local address 10.0.0.1; only public web addresses can be opened"
+    )
     assert (await read(b, f"http://127.0.0.1:{closed_port}/")).startswith(
-        f"Error: http://127.0.0.1:{closed_port}/ points to the private or local address 127.0.0.1")
+        f"Error: http://127.0.0.1:{closed_port}/ points to the private or local address 127.0.0.1"
+    )
 
 
 async def test_pages_are_cached_so_forks_read_the_same_document(serve):

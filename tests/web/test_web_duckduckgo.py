@@ -22,16 +22,22 @@ DATA = Path(__file__).parent / "data"
 RESULTS = (DATA / "duckduckgo_html_results.html").read_text()
 NO_RESULTS = (DATA / "duckduckgo_html_no_results.html").read_text()
 EXPECTED = [
-    Passage("Python (programming language) - Wikipedia",
-            "Python is a high-level, general-purpose programming language. Its design philosophy emphasizes code "
-            "readability with the use of significant indentation.",
-            "https://en.wikipedia.org/wiki/Python_(programming_language)"),
-    Passage("Welcome to Python.org",
-            "The official home of the Python Programming Language — downloads, documentation & news.",
-            "https://www.python.org/"),
-    Passage("The Python Tutorial — Python 3 documentation",
-            "Python is an easy to learn, powerful programming language. It has efficient high-level data structures.",
-            "https://docs.python.org/3/tutorial/index.html"),
+    Passage(
+        "Python (programming language) - Wikipedia",
+        "Python is a high-level, general-purpose programming language. Its design philosophy emphasizes code "
+        "readability with the use of significant indentation.",
+        "https://en.wikipedia.org/wiki/Python_(programming_language)",
+    ),
+    Passage(
+        "Welcome to Python.org",
+        "The official home of the Python Programming Language — downloads, documentation & news.",
+        "https://www.python.org/",
+    ),
+    Passage(
+        "The Python Tutorial — Python 3 documentation",
+        "Python is an easy to learn, powerful programming language. It has efficient high-level data structures.",
+        "https://docs.python.org/3/tutorial/index.html",
+    ),
 ]
 
 

@@ -16,8 +16,10 @@ from agentenv.web_search import (
     parse_retrieval_response,
 )
 
-DOCS = [{"id": "7", "contents": '"Neil Peart"\nNeil Peart was the drummer of Rush.'},
-        {"id": "9", "contents": '"Rush (band)"\nRush was a Canadian rock band.'}]
+DOCS = [
+    {"id": "7", "contents": '"Neil Peart"\nNeil Peart was the drummer of Rush.'},
+    {"id": "9", "contents": '"Rush (band)"\nRush was a Canadian rock band.'},
+]
 
 
 def search_r1_stand_in(requests: list) -> web.Application:
@@ -29,8 +31,11 @@ def search_r1_stand_in(requests: list) -> web.Application:
         results = []
         for _ in payload["queries"]:
             docs = DOCS[: payload.get("topk") or 3]
-            results.append([{"document": d, "score": 0.9 - i / 10} for i, d in enumerate(docs)]
-                           if payload.get("return_scores") else docs)
+            results.append(
+                [{"document": d, "score": 0.9 - i / 10} for i, d in enumerate(docs)]
+                if payload.get("return_scores")
+                else docs
+            )
         return web.json_response({"result": results})
 
     app = web.Application()
@@ -58,7 +63,9 @@ async def test_single_query_dialect_and_msgpack(serve):
     async def retrieve(request):  # a server that takes {"query": ...} in msgpack and answers a flat list
         payload = msgpack.unpackb(await request.read())
         seen.append((request.content_type, payload))
-        body = msgpack.packb({"results": [{"title": "Rush", "text": f"about {payload['query']}", "url": "https://x.org/r"}]})
+        body = msgpack.packb(
+            {"results": [{"title": "Rush", "text": f"about {payload['query']}", "url": "https://x.org/r"}]}
+        )
         return web.Response(body=body, content_type="application/x-msgpack")
 
     app = web.Application()
@@ -77,7 +84,9 @@ def test_response_parsing_is_tolerant_but_says_what_is_wrong():
     assert parse_retrieval_response({"result": [[], []]}, 2) == [[], []]
     with pytest.raises(SearchUnavailable, match="the retrieval server answered 1 result lists for 2 queries"):
         parse_retrieval_response({"result": [[]]}, 2)
-    with pytest.raises(SearchUnavailable, match=r"the retrieval server's answer has no result list: \"\{'detail': 'x'\}\""):
+    with pytest.raises(
+        SearchUnavailable, match=r"the retrieval server's answer has no result list: \"\{'detail': 'x'\}\""
+    ):
         parse_retrieval_response({"detail": "x"})
     with pytest.raises(SearchUnavailable, match="the retrieval server returned a document that is not an object: 42"):
         parse_retrieval_response({"result": [[42]]})
@@ -119,8 +128,9 @@ async def test_client_errors_are_not_retried(serve):
     url = await serve(flaky_app([400], requests))
     with pytest.raises(SearchUnavailable) as e:
         await RemoteSearch(url, backoff=0.01).search("q", 1)
-    assert str(e.value) == (f"the retrieval server at {url}/retrieve refused the request: HTTP 400 Bad Request: "
-                            "busy, try later")
+    assert str(e.value) == (
+        f"the retrieval server at {url}/retrieve refused the request: HTTP 400 Bad Request: busy, try later"
+    )
     assert len(requests) == 1
 
 
@@ -128,7 +138,9 @@ async def test_unreachable_and_hanging_servers_fail_within_the_timeout(serve, cl
     with pytest.raises(SearchUnavailable) as e:
         await asyncio.wait_for(RemoteSearch(f"http://127.0.0.1:{closed_port}", backoff=0.01).search("q", 1), 5)
     message = str(e.value)
-    assert message.startswith(f"the retrieval server at http://127.0.0.1:{closed_port}/retrieve failed after 4 attempts in ")
+    assert message.startswith(
+        f"the retrieval server at http://127.0.0.1:{closed_port}/retrieve failed after 4 attempts in "
+    )
     assert f"ClientConnectorError: Cannot connect to host 127.0.0.1:{closed_port}" in message
 
     async def hang(request):
@@ -139,11 +151,16 @@ async def test_unreachable_and_hanging_servers_fail_within_the_timeout(serve, cl
     url = await serve(app)
     with pytest.raises(SearchUnavailable) as e:
         await asyncio.wait_for(RemoteSearch(url, timeout=0.5).search("q", 1), 5)
-    assert str(e.value) == f"the retrieval server at {url}/retrieve failed after 1 attempt in 0.5 s: no answer within 0.5 s"
+    assert (
+        str(e.value)
+        == f"the retrieval server at {url}/retrieve failed after 1 attempt in 0.5 s: no answer within 0.5 s"
+    )
 
 
 def test_client_arguments_are_checked():
-    with pytest.raises(ValueError, match=r"a retrieval server URL must be http\(s\)://host\[:port\]\[/path\], got 'localhost:8000'"):
+    with pytest.raises(
+        ValueError, match=r"a retrieval server URL must be http\(s\)://host\[:port\]\[/path\], got 'localhost:8000'"
+    ):
         RemoteSearch("localhost:8000")
     with pytest.raises(ValueError, match="dialect must be 'queries' or 'query', got 'q'"):
         RemoteSearch("http://h", dialect="q")
@@ -178,5 +195,7 @@ def test_an_unreachable_backend_is_an_observation(closed_port):
     env = agentenv.make("multihop-qa", search=backend)
     env.reset(options={"index": 0})
     obs, reward, terminated, truncated, info = env.step("<search>anything</search>")
-    assert obs.startswith(f"Error: the retrieval server at http://127.0.0.1:{closed_port}/retrieve failed after 2 attempts")
+    assert obs.startswith(
+        f"Error: the retrieval server at http://127.0.0.1:{closed_port}/retrieve failed after 2 attempts"
+    )
     assert (reward, terminated, truncated, info["tool_calls"]) == (0.0, False, False, 1)

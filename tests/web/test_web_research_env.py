@@ -24,20 +24,24 @@ def test_defaults_bamboogle_offline_web_search_and_browse(env):
     obs, info = env.reset(options={"index": 0})
     assert info["question"] == QUESTION_0 and info["answers"] == ["james madison"]
     assert "- <search> query </search>: Search the web; each result shows a title, its URL and a snippet." in obs
-    assert '- <browse> url </browse>: Open a web page (http or https) and read its text.' in obs
+    assert "- <browse> url </browse>: Open a web page (http or https) and read its text." in obs
     assert env.browser.aliases and env.browser.allow_private_urls is False
 
 
 def test_search_then_browse_the_offline_web_end_to_end(env):
     env.reset(options={"index": 0})
     obs, reward, terminated, truncated, info = env.step("<search>Kiss and Tell 1945 film Corliss Archer</search>")
-    assert obs.startswith(f"Page 1: Kiss and Tell (1945 film)\nURL: {KISS_AND_TELL}\nKiss and Tell is a 1945 American "
-                          "comedy film starring then 17-year-old Shirley Temple as Corliss Archer.")
+    assert obs.startswith(
+        f"Page 1: Kiss and Tell (1945 film)\nURL: {KISS_AND_TELL}\nKiss and Tell is a 1945 American "
+        "comedy film starring then 17-year-old Shirley Temple as Corliss Archer."
+    )
     assert obs.count("\nURL: http://wiki.local/wiki/") == 10  # AEPO: top-10 results, snippets of ~300 characters
     obs, *_ = env.step(f"<think>Open it.</think><browse>{KISS_AND_TELL}</browse>")
     assert obs.startswith(f"Title: Kiss and Tell (1945 film) - Offline Wiki\nURL: {KISS_AND_TELL}\nPage 1 of 1\n\n")
     assert f"starring then 17-year-old [Shirley Temple]({LOCAL_WEB_URL}/wiki/Shirley_Temple) as Corliss Archer" in obs
-    obs, *_ = env.step(f'<browse>{{"url": "{LOCAL_WEB_URL}/wiki/Shirley_Temple", "find": "Chief of Protocol"}}</browse>')
+    obs, *_ = env.step(
+        f'<browse>{{"url": "{LOCAL_WEB_URL}/wiki/Shirley_Temple", "find": "Chief of Protocol"}}</browse>'
+    )
     assert obs.startswith(f"Title: Shirley Temple - Offline Wiki\nURL: {LOCAL_WEB_URL}/wiki/Shirley_Temple\n")
     assert '1 match for "Chief of Protocol" (1 page):\n[page 1] …' in obs
     obs, *_ = env.step(f'<browse>{{"url": "{LOCAL_WEB_URL}/wiki/Shirley_Temple", "page": 3}}</browse>')
@@ -50,12 +54,15 @@ def test_search_then_browse_the_offline_web_end_to_end(env):
 def test_the_model_cannot_reach_other_local_addresses(env, closed_port):
     env.reset(options={"index": 0})
     assert env.step("<browse>file:///etc/passwd</browse>")[0] == (
-        "Error: only http:// and https:// URLs can be opened, not file: (file:///etc/passwd)")
+        "Error: only http:// and https:// URLs can be opened, not file: (file:///etc/passwd)"
+    )
     assert env.step(f"<browse>http://127.0.0.1:{closed_port}/admin</browse>")[0] == (
         f"Error: http://127.0.0.1:{closed_port}/admin points to the private or local address 127.0.0.1; "
-        "only public web addresses can be opened")
+        "only public web addresses can be opened"
+    )
     assert env.step("<browse>http://169.254.169.254/latest/meta-data/</browse>")[0].startswith(
-        "Error: http://169.254.169.254/latest/meta-data/ points to the private or local address")
+        "Error: http://169.254.169.254/latest/meta-data/ points to the private or local address"
+    )
 
 
 def test_forks_browse_the_same_pages(env):
@@ -88,7 +95,9 @@ def test_rewards_f1_by_default_and_the_aepo_bonus():
 def test_json_tool_calls_and_check_env():
     env = agentenv.make("web-research:hotpotqa", parser="json")
     env.reset(options={"index": 0})
-    obs = env.step('<tool_call>{"name": "browse", "arguments": {"url": "' + KISS_AND_TELL + '", "page": 1}}</tool_call>')[0]
+    obs = env.step(
+        '<tool_call>{"name": "browse", "arguments": {"url": "' + KISS_AND_TELL + '", "page": 1}}</tool_call>'
+    )[0]
     assert obs.startswith("Title: Kiss and Tell (1945 film) - Offline Wiki\n")
     check_env(env)
 
@@ -97,8 +106,12 @@ def test_a_retrieval_server_as_the_search_backend(tmp_path, monkeypatch):
     from agentenv.datasets import Paragraph
 
     monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path))
-    service = RetrievalService([Paragraph("Citibank", "Citibank was founded in 1812."),
-                                Paragraph("James Madison", "James Madison was president from 1809 to 1817.")])
+    service = RetrievalService(
+        [
+            Paragraph("Citibank", "Citibank was founded in 1812."),
+            Paragraph("James Madison", "James Madison was president from 1809 to 1817."),
+        ]
+    )
     server = BackgroundServer(service.make_app)
     url = server.start()
     try:
@@ -106,7 +119,8 @@ def test_a_retrieval_server_as_the_search_backend(tmp_path, monkeypatch):
         assert env.site is None
         env.reset(options={"index": 0})
         assert env.step("<search>When was Citibank founded?</search>")[0] == (
-            "Page 1: Citibank\nCitibank was founded in 1812.")
+            "Page 1: Citibank\nCitibank was founded in 1812."
+        )
     finally:
         server.stop()
 

@@ -50,9 +50,13 @@ async def test_record_refetches_and_overwrites_replay_never_fetches(tmp_path):
     assert await replay.fetch("page", "https://a.org", lambda: compute_value("never")) == "new"
     with pytest.raises(CacheMiss) as e:
         await replay.fetch("page", "https://b.org", lambda: compute_value("never"))
-    assert str(e.value) == (f"no recorded result for page https://b.org in {path} (replay mode); "
-                            "record it first with cache mode 'record' or 'use'")
-    with pytest.raises(FileNotFoundError, match="cache mode 'replay' needs a recording, and .*none.sqlite does not exist"):
+    assert str(e.value) == (
+        f"no recorded result for page https://b.org in {path} (replay mode); "
+        "record it first with cache mode 'record' or 'use'"
+    )
+    with pytest.raises(
+        FileNotFoundError, match="cache mode 'replay' needs a recording, and .*none.sqlite does not exist"
+    ):
         ResultCache(tmp_path / "none.sqlite", mode="replay")
     with pytest.raises(ValueError, match="unknown cache mode 'rw'; choose one of use, record, replay, off"):
         ResultCache(path, mode="rw")
@@ -70,8 +74,9 @@ async def test_the_first_result_stored_wins_a_race(tmp_path):
         await asyncio.sleep(delay)
         return value
 
-    results = await asyncio.gather(cache.fetch("n", "k", lambda: slow("fast", 0.01)),
-                                   cache.fetch("n", "k", lambda: slow("slow", 0.05)))
+    results = await asyncio.gather(
+        cache.fetch("n", "k", lambda: slow("fast", 0.01)), cache.fetch("n", "k", lambda: slow("slow", 0.05))
+    )
     assert results == ["fast", "fast"]
     other_process = ResultCache(tmp_path / "c.sqlite")
     assert other_process.put("n", "k", "late") == "fast"  # a writer that lost the race gets the stored value

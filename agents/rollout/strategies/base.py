@@ -312,8 +312,9 @@ class Strategy(abc.ABC):
     def start(self, group: PromptTrees) -> list[BranchPoint]:
         """The chains to start once the prompt is known."""
 
-    def after_turn(self, group: PromptTrees, branch: Branch, node: Node, turn: TurnRecord,
-                   ended: bool) -> list[BranchPoint]:
+    def after_turn(
+        self, group: PromptTrees, branch: Branch, node: Node, turn: TurnRecord, ended: bool
+    ) -> list[BranchPoint]:
         """Branches to fork after ``branch`` recorded ``node`` (``ended``: its episode is over)."""
         return []
 
@@ -366,7 +367,6 @@ def _state_of(node: Node) -> TokenEnv:
             "keeps_turn_states = True so that the loop keeps one per turn"
         )
     return node.env
-
 
 
 def require_positive(strategy: object, *names: str) -> None:

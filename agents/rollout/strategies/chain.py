@@ -13,6 +13,8 @@ __all__ = ["Chain"]
 class Chain(Strategy):
     """``n`` independent chains from the prompt, never branched: one tree whose root has ``n`` children.
 
+    docs/algorithms.md "Chain" (eq. 6).
+
     Args:
         n: Trajectories per prompt (16 in the GRPO baselines of AT²PO, ARPO and AEPO).
     """
@@ -23,5 +25,4 @@ class Chain(Strategy):
         require_positive(self, "n")
 
     def start(self, group: PromptTrees) -> list[BranchPoint]:
-        return [fresh_chain(group, 0) for _ in range(self.n)]
-
+        return [fresh_chain(group, 0) for _ in range(self.n)]  # |leaves| = n  (docs/algorithms.md eq. 6)

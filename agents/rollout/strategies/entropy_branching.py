@@ -26,36 +26,49 @@ from agents.rollout.strategies.base import (
 )
 from agents.rollout.tree import Node
 
-__all__ = ["SEGMENT_ENTROPY", "EntropyBranching", "SegmentEntropyBranching", "branch_probability", "clamp01", "segment_entropy"]
+__all__ = [
+    "SEGMENT_ENTROPY",
+    "EntropyBranching",
+    "SegmentEntropyBranching",
+    "branch_probability",
+    "clamp01",
+    "segment_entropy",
+]
 
 #: Where ARPO and AEPO write a turn's segment entropy: ``node.info[SEGMENT_ENTROPY]``. The name
 #: says which estimate it is: top-k log-probs of the segment's first tokens, normalised by ln|V|.
 SEGMENT_ENTROPY = "segment_entropy_topk"
 
 
-def segment_entropy(top_logprobs: Sequence[Sequence[tuple[int, float]]], vocab_size: int, window: int = 20,
-                    reduce: Literal["sum", "mean"] = "sum") -> float:
+def segment_entropy(
+    top_logprobs: Sequence[Sequence[tuple[int, float]]],
+    vocab_size: int,
+    window: int = 20,
+    reduce: Literal["sum", "mean"] = "sum",
+) -> float:
     """ARPO's and AEPO's entropy of a segment, estimated from the sampler's top-k log-probs.
 
     For each of the segment's first ``window`` tokens, ``−Σ_j p_j·log p_j`` over its top-k
     log-probs ``log p_j`` (not renormalised, as in the official code); then the sum over those
     tokens (``"sum"``, the code's) or their mean (``"mean"``, which does not favour long
-    segments), divided by ``ln|V|``. An empty segment has entropy 0.
+    segments), divided by ``ln|V|``. An empty segment has entropy 0 (docs/algorithms.md eq. 12).
     """
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2 to normalise by ln|V|, got {vocab_size!r}")
     if reduce not in ("sum", "mean"):
         raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}")
+    # −Σ_j p_{t,j}·log p_{t,j} over the first w tokens (docs/algorithms.md eq. 12)
     per_token = [-math.fsum(math.exp(logprob) * logprob for _, logprob in top) for top in top_logprobs[:window]]
     if not per_token:
         return 0.0
+    # docs/algorithms.md eq. 12: the window's sum (reduce="sum"), or its mean (reduce="mean")
     total = math.fsum(per_token) if reduce == "sum" else math.fsum(per_token) / len(per_token)
-    return total / math.log(vocab_size)  # H / ln|V|
+    return total / math.log(vocab_size)  # H / ln|V|  (docs/algorithms.md eq. 12)
 
 
 def branch_probability(delta_h: float, base: float = 0.5, weight: float = 0.2) -> float:
-    """ARPO's branching probability ``clamp(base + weight·ΔH, 0, 1)``."""
-    return clamp01(base + weight * delta_h)
+    """ARPO's branching probability ``clamp(base + weight·ΔH, 0, 1)`` (docs/algorithms.md eq. 14)."""
+    return clamp01(base + weight * delta_h)  # docs/algorithms.md eq. 14
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +84,7 @@ class SegmentEntropyBranching(Strategy):
     per path and per rollout (never carried over from an earlier batch, the reference code's
     stale-baseline defect). When every path has ended with rollouts left, fresh chains from the
     prompt fill them: one at a time, each free to branch (the code's ``refill="one"``), or all at
-    once (``refill="all"``).
+    once (``refill="all"``). Formulas and defaults: docs/algorithms.md "Entropy-adaptive branching" (eqs. 12–14).
 
     ``measure="segment_after"`` follows the papers' wording instead: the segment sampled after
     each tool result is measured, and a branch resamples that segment from the same prefix (a
@@ -101,8 +114,11 @@ class SegmentEntropyBranching(Strategy):
 
     def __post_init__(self) -> None:
         require_positive(self, "window", "topk", "branch_width")
-        for name, allowed in (("measure", ("segment_before", "segment_after")), ("reduce", ("sum", "mean")),
-                              ("refill", ("one", "all"))):
+        for name, allowed in (
+            ("measure", ("segment_before", "segment_after")),
+            ("reduce", ("sum", "mean")),
+            ("refill", ("one", "all")),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{type(self).__name__}.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.vocab_size is not None:
@@ -134,22 +150,27 @@ class SegmentEntropyBranching(Strategy):
     async def prepare(self, group: PromptTrees, probe: Probe) -> None:
         vocab = self.vocab_size or probe.vocab_size
         if vocab is None:
-            raise ValueError(f"{type(self).__name__} normalises entropies by ln|V|: give vocab_size=, or use an "
-                             "engine with a vocab_size attribute")
+            raise ValueError(
+                f"{type(self).__name__} normalises entropies by ln|V|: give vocab_size=, or use an "
+                "engine with a vocab_size attribute"
+            )
         group.notes["vocab_size"] = vocab
 
     def entropy(self, group: PromptTrees, top_logprobs: Sequence[Sequence[tuple[int, float]]] | None) -> float:
         """:func:`segment_entropy` of one sample with this strategy's settings."""
         if top_logprobs is None:
-            raise ValueError(f"{type(self).__name__} needs the top-{self.topk} log-probs of every token; the engine "
-                             "returned none (use an engine that supports SamplingParams.logprobs_topk)")
+            raise ValueError(
+                f"{type(self).__name__} needs the top-{self.topk} log-probs of every token; the engine "
+                "returned none (use an engine that supports SamplingParams.logprobs_topk)"
+            )
         return segment_entropy(top_logprobs, group.notes["vocab_size"], self.window, self.reduce)
 
     def start(self, group: PromptTrees) -> list[BranchPoint]:
         return [fresh_chain(group, 0) for _ in range(min(self.initial_chains(group), self.rollouts(group)))]
 
-    def after_turn(self, group: PromptTrees, branch: Branch, node: Node, turn: TurnRecord,
-                   ended: bool) -> list[BranchPoint]:
+    def after_turn(
+        self, group: PromptTrees, branch: Branch, node: Node, turn: TurnRecord, ended: bool
+    ) -> list[BranchPoint]:
         h = self.entropy(group, turn.top_logprobs)
         node.info[SEGMENT_ENTROPY] = h
         branch.notes.setdefault("h_initial", h)  # the path's first segment, this rollout only
@@ -165,17 +186,20 @@ class SegmentEntropyBranching(Strategy):
 
             def point(notes: dict[str, Any]) -> BranchPoint:
                 return resample(branch.tree, node, notes)
-        return self.decide(group, branch, h - branch.notes["h_initial"], point)  # ΔH = H_t − H_initial
 
-    def decide(self, group: PromptTrees, branch: Branch, delta_h: float,
-               point: Callable[[dict[str, Any]], BranchPoint]) -> list[BranchPoint]:
+        # ΔH = H_t − H_initial  (docs/algorithms.md eq. 13)
+        return self.decide(group, branch, h - branch.notes["h_initial"], point)
+
+    def decide(
+        self, group: PromptTrees, branch: Branch, delta_h: float, point: Callable[[dict[str, Any]], BranchPoint]
+    ) -> list[BranchPoint]:
         """Draw each of ``branch_width`` copies with :meth:`probability` while rollouts remain."""
         probability = self.probability(group, branch, delta_h)
         copies = 0
         for _ in range(self.branch_width):
             if group.started + copies >= self.rollouts(group):
                 break
-            if group.rng.random() < probability:
+            if group.rng.random() < probability:  # each copy with probability p_branch (docs/algorithms.md eqs. 14, 17)
                 copies += 1
         self.on_decision(group, branch, copies)
         if branch.last is not None:
@@ -194,7 +218,7 @@ class EntropyBranching(SegmentEntropyBranching):
     """ARPO: ``N`` global chains, then entropy-driven copies up to ``n`` trajectories per prompt.
 
     The probability of each copy is :func:`branch_probability`:
-    ``clamp(base_probability + entropy_weight·ΔH, 0, 1)``. See
+    ``clamp(base_probability + entropy_weight·ΔH, 0, 1)`` (docs/algorithms.md eq. 14). See
     :class:`SegmentEntropyBranching` for the rest and the other hyper-parameters.
 
     Args:

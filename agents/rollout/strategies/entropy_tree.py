@@ -28,6 +28,7 @@ class EntropyTree(Strategy):
     breadth-first order; when there are fewer than ``K`` candidates the ranking repeats from the
     top, so the leaf count stays ``M + L·K``. ``root_candidate=False`` scores turns only (the
     paper's wording), and a round may then add fewer than ``K`` branches.
+    Formulas and defaults: docs/algorithms.md "Entropy-guided tree" (eqs. 9–11).
 
     Args:
         M: Initial chains.
@@ -58,20 +59,24 @@ class EntropyTree(Strategy):
         if done >= self.L:
             return []
         group.notes["rounds"] = done + 1
-        return [fresh_chain(group, 0, kind="branch", source=node) if node.is_root else resample(0, node)
-                for node in self.select(group.trees[0])]
+        return [
+            fresh_chain(group, 0, kind="branch", source=node) if node.is_root else resample(0, node)
+            for node in self.select(group.trees[0])
+        ]
 
     def scores(self, tree: RolloutTree) -> list[tuple[Node, float]]:
         """Every candidate with its score, in breadth-first order (children in creation order)."""
         scored = []
         if self.root_candidate:
-            scored.append((tree.root, 0.0 - self.alpha * max(0, len(tree.root.children) - 1)))  # H(root) = 0
+            # H(root) = 0  (docs/algorithms.md eq. 10)
+            scored.append((tree.root, 0.0 - self.alpha * max(0, len(tree.root.children) - 1)))
         queue = deque(tree.root.children)
         while queue:
             node = queue.popleft()
             queue.extend(node.children)
             if not node.terminal and node.env is not None:
-                scored.append((node, node.entropy - self.alpha * len(node.siblings)))  # H(n) − α·|siblings(n)|
+                # H(n) − α·|siblings(n)|  (docs/algorithms.md eq. 9)
+                scored.append((node, node.entropy - self.alpha * len(node.siblings)))
         return scored
 
     def select(self, tree: RolloutTree) -> list[Node]:
@@ -79,4 +84,5 @@ class EntropyTree(Strategy):
         ranked = [node for node, _ in sorted(self.scores(tree), key=lambda pair: -pair[1])]  # stable: ties stay BFS
         if not ranked:
             return []
+        # K per round, the ranking repeated when short: |leaves| = M + L·K  (docs/algorithms.md eq. 11)
         return [ranked[i % len(ranked)] for i in range(self.K)]

@@ -17,7 +17,8 @@ class RandomTree(Strategy):
     root and the turns that did not end their episode, and rolls a new chain out of each as a
     new child: from the node's full context after its observation, on a fork of the environment
     state after its action. Finally each tree keeps ``K`` of its leaves drawn at random (all of
-    them when it has no more than ``K``) and the rest is pruned. Defaults are the paper's.
+    them when it has no more than ``K``) and the rest is pruned. Defaults are the paper's
+    (docs/algorithms.md "Random tree", eqs. 7, 8).
 
     Args:
         M: Trees per prompt.
@@ -50,8 +51,10 @@ class RandomTree(Strategy):
         group.notes["rounds"] = done + 1
         points = []
         for index, tree in enumerate(group.trees):
+            # C = {root} ∪ {n : n has children and did not end its episode}  (docs/algorithms.md eq. 7)
             candidates = [tree.root] + [node for node in tree.nodes() if not node.terminal and node.children]
             for _ in range(self.N):
+                # uniform draw from C, with replacement (docs/algorithms.md eq. 7)
                 points.append(expand(index, candidates[int(group.rng.integers(len(candidates)))]))
         return points
 
@@ -59,5 +62,6 @@ class RandomTree(Strategy):
         for tree in group.trees:
             leaves = tree.leaves()
             if len(leaves) > self.K:
+                # K leaves drawn uniformly without replacement: min(K, 1 + L·N) per tree (docs/algorithms.md eq. 8)
                 kept = sorted(int(i) for i in group.rng.choice(len(leaves), size=self.K, replace=False))
                 tree.prune([leaves[i] for i in kept])
