@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from agents.models import load_model, load_tokenizer
 from agents.rollout.tree import TrainingPath
@@ -131,6 +132,16 @@ class Trainer:
                 f"trainable parameters are {', '.join(sorted(wrong))}; load the policy in float32 "
                 "(the trainer computes in bfloat16 on a GPU through autocast)"
             )
+        self._checkpointed_layers: list[torch.nn.Module] = []
+        if cfg.gradient_checkpointing:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise ValueError(
+                    f"{type(model).__name__} does not support gradient checkpointing; "
+                    "set TrainerConfig.gradient_checkpointing=False"
+                )
+            # Non-reentrant checkpointing: gradients reach LoRA adapters without inputs that require grad.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._checkpointed_layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         self.ref_model = ref_model
         if ref_model is None and cfg.kl_coef > 0 and not cfg.lora_rank:
             self.ref_model = copy.deepcopy(model)
@@ -231,7 +242,8 @@ class Trainer:
             )
         if cfg.mini_batches > n:
             raise ValueError(f"mini_batches={cfg.mini_batches} but the batch has only {n} sequences")
-        micro_batches = [rows.split(cfg.micro_batch_size) for rows in torch.arange(n).tensor_split(cfg.mini_batches)]
+        lengths = batch.attention_mask.sum(-1)
+        micro_batches = [self._micro_batches(rows, lengths) for rows in torch.arange(n).tensor_split(cfg.mini_batches)]
         bar = tqdm(
             total=cfg.epochs * sum(len(m) for m in micro_batches),
             desc=f"step {self.step_count + 1}",
@@ -269,9 +281,10 @@ class Trainer:
                 for rows in mini_batch:
                     width = int(batch.attention_mask[rows].sum(-1).max())  # trim the batch's padding
                     cut = (rows, slice(0, width))
-                    logprobs, entropy = self._forward(
-                        self.model, batch.ids[cut], batch.attention_mask[cut], entropy_grad=cfg.entropy_coef > 0
-                    )
+                    with self._checkpointing():
+                        logprobs, entropy = self._forward(
+                            self.model, batch.ids[cut], batch.attention_mask[cut], entropy_grad=cfg.entropy_coef > 0
+                        )
                     assert entropy is not None  # _forward computes the entropy unless asked not to (entropy=False)
                     if cfg.old_logprobs == "sampler" and epoch == update == 0:
                         mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask[cut])
@@ -348,12 +361,45 @@ class Trainer:
     def _score(self, model: torch.nn.Module, batch: PathBatch) -> torch.Tensor:
         """Log-probs of every token of ``batch`` under ``model`` ([batch, tokens]), micro-batched."""
         scores = torch.zeros(batch.ids.shape, dtype=torch.float32, device=self.device)
-        for rows in torch.arange(batch.ids.shape[0]).split(self.config.micro_batch_size):
+        for rows in self._micro_batches(torch.arange(batch.ids.shape[0]), batch.attention_mask.sum(-1)):
             width = int(batch.attention_mask[rows].sum(-1).max())
             scores[rows, :width] = self._forward(
                 model, batch.ids[rows, :width], batch.attention_mask[rows, :width], entropy=False
             )[0]
         return scores
+
+    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """``rows`` split in order into micro-batches of at most ``micro_batch_size`` sequences and
+        ``micro_batch_tokens`` padded tokens (sequences × the longest); a longer sequence goes alone."""
+        size, budget = self.config.micro_batch_size, self.config.micro_batch_tokens
+        groups: list[list[int]] = [[]]
+        longest = 0
+        for row in rows.tolist():
+            width = max(longest, int(lengths[row]))
+            full = len(groups[-1]) >= size or (budget is not None and width * (len(groups[-1]) + 1) > budget)
+            if groups[-1] and full:
+                groups.append([])
+                width = int(lengths[row])
+            groups[-1].append(row)
+            longest = width
+        return [torch.tensor(group, dtype=torch.long) for group in groups if group]
+
+    @contextlib.contextmanager
+    def _checkpointing(self):
+        """Gradient checkpointing for one forward pass that needs gradients, when configured.
+
+        transformers checkpoints a decoder layer only while that layer is in training mode; only
+        those layers' flags are set, so dropout and every other module stay in eval mode and the
+        pass scores the same policy as the no-grad ones.
+        """
+        layers = self._checkpointed_layers if self.config.gradient_checkpointing else []
+        for layer in layers:
+            layer.training = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.training = False
 
     def _forward(
         self,

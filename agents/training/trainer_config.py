@@ -33,7 +33,16 @@ class TrainerConfig:
     # AT²PO: 64 prompts × 22 leaves with mini-batches of 8 prompts = 8 updates per batch).
     mini_batches: int = 1  # optimiser updates per epoch; the batch is split in order
     epochs: int = 1  # passes over each rollout batch (verl ppo_epochs; every paper: 1)
-    micro_batch_size: int = 4  # sequences per forward/backward pass; gradients accumulate
+    micro_batch_size: int = 4  # at most this many sequences per forward/backward pass; gradients accumulate
+    # At most this many tokens per micro-batch, counted as sequences × the longest one (padding
+    # included), or one sequence alone when it is longer; None: sequences only. A budget in
+    # tokens bounds activation memory where a count does not (one 8k-token path costs as much as
+    # sixteen of 512). The update is the same whatever the split (docs/algorithms.md eq. 58).
+    micro_batch_tokens: int | None = None
+    # Recompute each decoder layer's activations in the backward pass instead of keeping them
+    # (transformers' gradient checkpointing): one layer's activations held instead of all of
+    # them, for about one more forward pass of compute. The same gradients.
+    gradient_checkpointing: bool = False
     packing: bool = False  # pack a micro-batch into one row (position ids restart) instead of padding
 
     # Loss: a name in LOSSES or a callable with the agents.training.losses signature, and its
@@ -93,6 +102,14 @@ class TrainerConfig:
         for name, value in non_negative.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"TrainerConfig.{name} must be a finite number >= 0, got {value!r}")
+        if self.micro_batch_tokens is not None and (
+            isinstance(self.micro_batch_tokens, bool)
+            or not isinstance(self.micro_batch_tokens, int)
+            or self.micro_batch_tokens < 1
+        ):
+            raise ValueError(
+                f"TrainerConfig.micro_batch_tokens must be an int >= 1 or None, got {self.micro_batch_tokens!r}"
+            )
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"TrainerConfig.total_steps must be >= 1 or None, got {self.total_steps!r}")
         if self.old_logprobs not in ("recompute", "sampler"):

@@ -467,3 +467,60 @@ async def test_a_registered_loss_is_chosen_by_name_in_the_trainer_the_learner_an
         LOSSES.pop("scaled_ppo_clip_test", None)
     with pytest.raises(ValueError, match="unknown loss 'scaled_ppo_clip_test'"):
         TrainerConfig(loss="scaled_ppo_clip_test")
+
+
+def test_micro_batches_by_token_budget_hold_at_most_that_many_padded_tokens():
+    trainer = Trainer(tiny_model(), config(micro_batch_size=4, micro_batch_tokens=40))
+    lengths = torch.tensor([18, 21, 13, 6, 30, 50, 5])
+    groups = [g.tolist() for g in trainer._micro_batches(torch.arange(7), lengths)]
+    # 18+21 -> 2 x 21 = 42 > 40 splits; 21, 13 -> 42 again; 13, 6 -> 26; +30 -> 90; 50 alone; 5.
+    assert groups == [[0], [1], [2, 3], [4], [5], [6]]
+    assert [
+        g.tolist()
+        for g in Trainer(tiny_model(), config(micro_batch_size=2))._micro_batches(
+            torch.arange(5), torch.ones(5, dtype=torch.long)
+        )
+    ] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="micro_batch_tokens must be an int >= 1 or None, got 0"):
+        TrainerConfig(micro_batch_tokens=0)
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "atpo"])
+async def test_token_budget_micro_batches_give_the_same_update_as_sequence_counts(loss):
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
+    weights = []
+    for split in ({"micro_batch_size": 4}, {"micro_batch_size": 4, "micro_batch_tokens": 26}):
+        trainer = Trainer(tiny_model(), config(loss=loss, old_logprobs="sampler", max_grad_norm=1e9, **split))
+        assert len(trainer._micro_batches(torch.arange(4), collate(paths, 0).attention_mask.sum(-1))) == (
+            1 if len(split) == 1 else 3
+        )
+        metrics = await trainer.step(paths)
+        weights.append({name: p.detach().clone() for name, p in trainer.model.named_parameters()})
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, atol=1e-6, rtol=0)
+    assert math.isfinite(metrics["policy/loss"])
+
+
+@pytest.mark.parametrize("lora", [False, True])
+async def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_gradients(lora):
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
+    grads, calls = [], []
+    for checkpointing in (False, True):
+        extra = {"lora_rank": 4} if lora else {}
+        trainer = Trainer(
+            tiny_model(),
+            config(old_logprobs="sampler", max_grad_norm=1e9, gradient_checkpointing=checkpointing, **extra),
+        )
+        mlp = trainer.base_model.model.layers[0].mlp  # (module hooks do not fire on the replay; a wrapped forward does)
+        count, forward = [], mlp.forward
+        mlp.forward = lambda *args, forward=forward, count=count, **kwargs: (count.append(1), forward(*args, **kwargs))[
+            1
+        ]
+        await trainer.step(paths)
+        grads.append(gradients(trainer))
+        calls.append(len(count))
+        assert not any(m.training for m in trainer.model.modules())  # eval mode again after the update
+    assert calls == [1, 2]  # one micro-batch: a forward pass, plus its recomputation in the backward pass
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=0)
