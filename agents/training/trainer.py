@@ -51,7 +51,7 @@ from agents.training.batch import PathBatch, collate
 from agents.training.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
 from agents.training.losses import LOSSES, TRAINER_INPUTS, LossFn
 from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog, plot_curves
-from agents.training.scoring import score_tokens
+from agents.training.scoring import score_positions, score_tokens
 from agents.training.trainer_config import TrainerConfig
 
 if TYPE_CHECKING:
@@ -283,7 +283,11 @@ class Trainer:
                     cut = (rows, slice(0, width))
                     with self._checkpointing():
                         logprobs, entropy = self._forward(
-                            self.model, batch.ids[cut], batch.attention_mask[cut], entropy_grad=cfg.entropy_coef > 0
+                            self.model,
+                            batch.ids[cut],
+                            batch.attention_mask[cut],
+                            entropy_grad=cfg.entropy_coef > 0,
+                            scored=batch.mask[cut],
                         )
                     assert entropy is not None  # _forward computes the entropy unless asked not to (entropy=False)
                     if cfg.old_logprobs == "sampler" and epoch == update == 0:
@@ -355,16 +359,18 @@ class Trainer:
         :class:`~agents.training.batch.PathBatch` convention); 0 at ``t = 0`` and on padding.
         """
         batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
-        return self._score(self.model, batch.to(self.device))
+        return self._score(self.model, batch.to(self.device), actions_only=False)
 
     @torch.no_grad()
-    def _score(self, model: torch.nn.Module, batch: PathBatch) -> torch.Tensor:
-        """Log-probs of every token of ``batch`` under ``model`` ([batch, tokens]), micro-batched."""
+    def _score(self, model: torch.nn.Module, batch: PathBatch, *, actions_only: bool = True) -> torch.Tensor:
+        """Log-probs of ``batch``'s action tokens (every token with ``actions_only=False``) under
+        ``model`` ([batch, tokens], 0 elsewhere), micro-batched."""
         scores = torch.zeros(batch.ids.shape, dtype=torch.float32, device=self.device)
         for rows in self._micro_batches(torch.arange(batch.ids.shape[0]), batch.attention_mask.sum(-1)):
             width = int(batch.attention_mask[rows].sum(-1).max())
+            scored = batch.mask[rows, :width] if actions_only else None
             scores[rows, :width] = self._forward(
-                model, batch.ids[rows, :width], batch.attention_mask[rows, :width], entropy=False
+                model, batch.ids[rows, :width], batch.attention_mask[rows, :width], entropy=False, scored=scored
             )[0]
         return scores
 
@@ -409,18 +415,26 @@ class Trainer:
         *,
         entropy: bool = True,
         entropy_grad: bool = False,
+        scored: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs and full-vocabulary entropies of right-padded sequences.
 
         ``logprobs[b, t] = log softmax(z / T)[ids[b, t]]`` with ``z`` the logits at ``t − 1``
         (0 at ``t = 0`` and on padding); ``entropy[b, t]`` is the entropy of that distribution.
-        The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus).
+        The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus). With
+        ``scored`` (a ``[batch, tokens]`` mask, the action tokens), only those tokens are scored
+        (0 elsewhere) and the output layer runs on them alone, in chunks (see ``score_chunk``).
         """
+        index = None
         if self.config.packing:
             row, positions, index = _pack(ids, attention_mask)
             inputs = {"input_ids": row, "position_ids": positions}  # no mask: restarts delimit the sequences
         else:
             inputs = {"input_ids": ids, "attention_mask": attention_mask}
+        parts = _decoder_and_head(model) if scored is not None and self.config.score_chunk else None
+        if parts is not None:
+            assert scored is not None
+            return self._score_chosen(parts, inputs, index, scored, attention_mask, entropy, entropy_grad)
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             logits = model(**inputs, use_cache=False).logits
         token_logprobs, token_entropy = score_tokens(
@@ -438,6 +452,52 @@ class Trainer:
         logprobs = results[0]
         assert logprobs is not None  # score_tokens always returns the log-probs
         return logprobs, results[1]
+
+    def _score_chosen(
+        self,
+        parts: tuple[torch.nn.Module, torch.nn.Module],
+        inputs: dict[str, torch.Tensor],
+        index: torch.Tensor | None,
+        scored: torch.Tensor,
+        attention_mask: torch.Tensor,
+        entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_forward`` for the tokens of ``scored`` only: the decoder's hidden states, then the head in chunks."""
+        decoder, head = parts
+        chunk = self.config.score_chunk
+        assert chunk is not None  # _forward takes this path only with a chunk size
+        chosen = scored.bool() & attention_mask.bool()
+        chosen[:, 0] = False  # the first token has no context
+        where = chosen.nonzero()  # [n, 2] (b, t)
+        # In a packed row, token (b, t) stands at index[b, t] of row 0.
+        positions = (
+            where
+            if index is None
+            else torch.stack([torch.zeros_like(where[:, 0]), index[where[:, 0], where[:, 1]]], -1)
+        )
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            hidden = decoder(**inputs, use_cache=False).last_hidden_state
+            logprobs, entropies = score_positions(
+                hidden,
+                head,
+                inputs["input_ids"],
+                positions,
+                self.config.temperature,
+                entropy=entropy,
+                entropy_grad=entropy_grad,
+                chunk_size=chunk,
+            )
+        results: list[torch.Tensor | None] = []
+        for values in (logprobs, entropies):
+            if values is None:
+                results.append(None)
+                continue
+            full = torch.zeros(attention_mask.shape, dtype=values.dtype, device=values.device)
+            results.append(full.index_put((where[:, 0], where[:, 1]), values))
+        first = results[0]
+        assert first is not None  # score_positions always returns the log-probs
+        return first, results[1]
 
     @contextlib.contextmanager
     def _reference_policy(self):
@@ -614,6 +674,25 @@ def _loss_parameters(loss_fn: LossFn, cfg: TrainerConfig, uses_reference: bool) 
     if takes_any:
         params.update(dict.fromkeys(TRAINER_INPUTS))
     return {**params, **cfg.loss_kwargs}
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """The decoder and output layer of a causal LM whose logits are the head applied to its last hidden states.
+
+    ``None`` (score from the model's own logits) for a model that does more between them:
+    soft-capped or scaled logits (Gemma, Cohere) or no separate decoder.
+    """
+    get_base = getattr(model, "get_base_model", None)  # a peft model's transformers model, adapters in place
+    base = get_base() if callable(get_base) else model
+    config = getattr(base, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    get_decoder, get_head = getattr(base, "get_decoder", None), getattr(base, "get_output_embeddings", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    head = get_head() if callable(get_head) else None
+    if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Module) or decoder is base:
+        return None
+    return decoder, head
 
 
 def _pack(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

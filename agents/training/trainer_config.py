@@ -43,6 +43,12 @@ class TrainerConfig:
     # (transformers' gradient checkpointing): one layer's activations held instead of all of
     # them, for about one more forward pass of compute. The same gradients.
     gradient_checkpointing: bool = False
+    # The trainer scores action tokens only: the output layer runs on their positions, this many
+    # at a time, each chunk recomputed in the backward pass, so one chunk's float32 logits exist
+    # instead of the micro-batch's [sequences, tokens, vocab] (~20 GB for 4 x 8k tokens of a 150k
+    # vocabulary). None: the model's full logits (also used for models whose logits are more than
+    # head(hidden), e.g. soft-capped). The same values up to float rounding.
+    score_chunk: int | None = 2048
     packing: bool = False  # pack a micro-batch into one row (position ids restart) instead of padding
 
     # Loss: a name in LOSSES or a callable with the agents.training.losses signature, and its
@@ -110,6 +116,10 @@ class TrainerConfig:
             raise ValueError(
                 f"TrainerConfig.micro_batch_tokens must be an int >= 1 or None, got {self.micro_batch_tokens!r}"
             )
+        if self.score_chunk is not None and (
+            isinstance(self.score_chunk, bool) or not isinstance(self.score_chunk, int) or self.score_chunk < 1
+        ):
+            raise ValueError(f"TrainerConfig.score_chunk must be an int >= 1 or None, got {self.score_chunk!r}")
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"TrainerConfig.total_steps must be >= 1 or None, got {self.total_steps!r}")
         if self.old_logprobs not in ("recompute", "sampler"):

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
 from agents.training.losses import aepo_loss
-from agents.training.trainer import Trainer, TrainerConfig
+from agents.training.trainer import Trainer, TrainerConfig, _decoder_and_head
 
 VOCAB = 50
 
@@ -524,3 +524,44 @@ async def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_g
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+async def test_action_only_chunked_scoring_gives_the_full_logits_update(packing):
+    # The output layer on action positions alone, 3 at a time and recomputed in the backward pass,
+    # against the model's full logits: the same old log-probs, metrics and gradients.
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
+    runs = []
+    for chunk in (None, 3):
+        trainer = Trainer(
+            tiny_model(), config(packing=packing, score_chunk=chunk, max_grad_norm=1e9, entropy_coef=0.01)
+        )
+        assert (_decoder_and_head(trainer.model) is not None) is True
+        old = trainer._score(trainer.model, collate(paths, 0))
+        metrics = await trainer.step(paths)
+        runs.append((old, metrics, gradients(trainer)))
+    (old_full, metrics_full, grads_full), (old_chunked, metrics_chunked, grads_chunked) = runs
+    mask = collate(paths, 0).mask.bool()
+    torch.testing.assert_close(old_chunked[mask], old_full[mask], atol=1e-6, rtol=0)
+    assert (old_chunked[~mask] == 0).all()
+    for name in ("policy/loss", "policy/entropy", "mismatch/max_abs"):
+        assert metrics_chunked[name] == pytest.approx(metrics_full[name], abs=1e-6)
+    for name, grad in grads_full.items():
+        torch.testing.assert_close(grads_chunked[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_score_positions_equals_score_tokens_at_the_chosen_tokens():
+    from agents.training.scoring import score_positions, score_tokens
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(2, 5, 8)
+    ids = torch.randint(0, 11, (2, 5))
+    positions = torch.tensor([[0, 1], [0, 4], [1, 2], [1, 3]])
+    full, full_entropy = score_tokens(head(hidden), ids, 0.7, entropy=True)
+    chosen, chosen_entropy = score_positions(hidden, head, ids, positions, 0.7, entropy=True, chunk_size=3)
+    expected = full[positions[:, 0], positions[:, 1] - 1]  # score_tokens' column t - 1 is token t
+    torch.testing.assert_close(chosen, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(chosen_entropy, full_entropy[positions[:, 0], positions[:, 1] - 1], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="columns >= 1"):
+        score_positions(hidden, head, ids, torch.tensor([[0, 0]]))
