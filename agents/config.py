@@ -17,6 +17,10 @@ section         what it sets
                 ``concurrency``, ``turn_timeout``; ``budget`` as a dict of
                 :class:`agents.rollout.strategies.Budget` fields)
 ``env_kwargs``  keyword arguments of ``agentenv.make`` (``reward``, ``max_tool_calls``, …)
+``engine_kwargs`` keyword arguments of the engine: :class:`~agents.engines.hf.HFEngine`'s
+                (``prefix_cache_tokens``, …), or :class:`~agents.engines.vllm.VLLMEngine`'s
+                (``kv_cache_gib``, ``dtype``, …) and any of vLLM's engine arguments
+                (``gpu_memory_utilization``, ``enforce_eager``, …)
 ==============  =======================================================================
 
 Values come, each layer overriding the one before, from the defaults (the papers' budgets), a
@@ -65,15 +69,17 @@ __all__ = [
 #: Generation engines a run can use (``--engine``).
 ENGINES = ("hf", "vllm")
 #: The sections of :class:`TrainConfig` that hold hyper-parameter overrides.
-SECTIONS = ("strategy", "credit", "loss", "trainer", "sampling", "rollout", "env_kwargs")
+SECTIONS = ("strategy", "credit", "loss", "trainer", "sampling", "rollout", "env_kwargs", "engine_kwargs")
 #: Values that may change when a run resumes; any other change would make it another run.
-RESUMABLE = frozenset({"steps", "eval_every", "eval_before", "eval_questions", "checkpoint_every"})
+RESUMABLE = frozenset({"steps", "eval_every", "eval_before", "eval_questions", "checkpoint_every", "engine_kwargs"})
 # Set by the run itself (or by the learner), never through a section.
 _RUN_OWNED = {
     "trainer": ("loss", "loss_kwargs", "kl_coef", "entropy_coef", "total_steps", "device", "progress", "temperature"),
     "sampling": ("seed",),
     # The rollout section is flat: RolloutConfig's fields and TreeConfig's own (a tree times out per turn).
     "rollout": ("sampling", "seed", "rollout", "episode_timeout"),
+    # The engine generates with the run's model (HFEngine: the trainer's own object) and seed.
+    "engine_kwargs": ("model", "tokenizer", "seed"),
 }
 
 
@@ -102,7 +108,7 @@ class TrainConfig:
             or ``rollout.budget``) ended before the environment did, i.e. without an answer;
             ``None`` keeps what it earned so far. Under AT²PO's reward an unanswered response is
             a format failure (−1), so the presets using that reward set −1.
-        strategy, credit, loss, trainer, sampling, rollout, env_kwargs: hyper-parameter
+        strategy, credit, loss, trainer, sampling, rollout, env_kwargs, engine_kwargs: hyper-parameter
             overrides (see the module docstring).
     """
 
@@ -129,6 +135,7 @@ class TrainConfig:
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})  # every paper samples at T = 1
     rollout: dict[str, Any] = field(default_factory=dict)
     env_kwargs: dict[str, Any] = field(default_factory=dict)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -290,6 +297,7 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
         if not isinstance(rollout["budget"], Mapping):
             raise ValueError(f"rollout.budget must be a mapping of Budget fields, got {rollout['budget']!r}")
         rollout["budget"] = Budget(**_checked(Budget, rollout["budget"], "rollout.budget"))
+    _check_engine_kwargs(config.engine, config.engine_kwargs)
     # One flat section for the turns' RolloutConfig and the tree's own TreeConfig fields.
     _checked_rollout(rollout)
     turns = {name: rollout.pop(name) for name in _rollout_fields(RolloutConfig) if name in rollout}
@@ -329,6 +337,7 @@ def effective_config(config: TrainConfig, parts: RunParts) -> TrainConfig:
         rollout=rollout,
         sampling=sampling,
         env_kwargs=copy.deepcopy(config.env_kwargs),
+        engine_kwargs=copy.deepcopy(config.engine_kwargs),
     )
 
 
@@ -441,6 +450,21 @@ def _checked(cls: type, values: Mapping[str, Any], section: str) -> dict[str, An
     if unknown:
         raise ValueError(f"{section} has no setting {unknown[0]!r}; the settings are {', '.join(names)}")
     return dict(values)
+
+
+def _check_engine_kwargs(engine: str, values: Mapping[str, Any]) -> None:
+    """HFEngine takes only its own keyword arguments; vLLM's engine arguments are checked by vLLM."""
+    if engine != "hf":
+        return
+    from agents.engines.hf import HFEngine
+
+    names = [name for name in inspect.signature(HFEngine).parameters if name not in _RUN_OWNED["engine_kwargs"]]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(
+            f"engine_kwargs has no setting {unknown[0]!r} for the hf engine; its settings are {', '.join(names)} "
+            "(vLLM's engine arguments need --engine vllm)"
+        )
 
 
 def _rollout_fields(cls: type) -> list[str]:

@@ -30,6 +30,7 @@ transformers checkpoint that ``agents eval --model`` loads).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import statistics
 import sys
@@ -172,7 +173,7 @@ async def train(
     (out / CONFIG_FILE).write_text(json.dumps(effective.to_dict(), indent=2) + "\n", encoding="utf-8")
 
     trainer = Trainer(config.model, dataclasses.replace(parts.trainer, progress=progress), out_dir=out)
-    engine = _make_engine(config, parts, trainer)
+    engine = _make_engine(config, parts, trainer, log)
     trainer.engine = engine
     env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), trainer.tokenizer)
     heldout = None
@@ -341,21 +342,45 @@ def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path
     return checkpoint
 
 
-def _make_engine(config: TrainConfig, parts: RunParts, trainer: Trainer) -> Engine:
-    """The engine: an HFEngine on the trainer's own model object, or vLLM synced after every step."""
-    concurrency = parts.tree.rollout.concurrency
+def _make_engine(config: TrainConfig, parts: RunParts, trainer: Trainer, log: Callable[[str], None]) -> Engine:
+    """The engine: an HFEngine on the trainer's own model object, or vLLM synced after every step.
+
+    ``engine_kwargs`` reach the engine; for vLLM those that are not VLLMEngine's own go to vLLM's
+    engine arguments. vLLM on the trainer's GPU gets, unless told, the memory share that leaves the
+    trainer its optimiser state (see :func:`agents.engines.vllm.colocated_memory_share`).
+    """
+    rollout = parts.tree.rollout
+    kwargs = dict(config.engine_kwargs)
     if config.engine == "hf":
         from agents.engines.hf import HFEngine
 
-        return HFEngine(trainer.model, trainer.tokenizer, max_batch_size=concurrency, seed=config.seed)
-    from agents.engines.vllm import VLLMEngine
+        return HFEngine(
+            trainer.model, trainer.tokenizer, **{"max_batch_size": rollout.concurrency, "seed": config.seed, **kwargs}
+        )
+    from agents.engines.vllm import VLLMEngine, colocated_memory_share
 
-    return VLLMEngine(
-        config.model,
-        max_num_seqs=concurrency,
-        seed=config.seed,
-        max_model_len=parts.tree.rollout.max_prompt_tokens + parts.tree.rollout.max_response_tokens,
-    )
+    own = set(inspect.signature(VLLMEngine).parameters)
+    vllm_args = {
+        **kwargs.pop("engine_args", {}),
+        **{name: kwargs.pop(name) for name in list(kwargs) if name not in own},
+    }
+    if trainer.device.type == "cuda" and "gpu_memory_utilization" not in vllm_args and "kv_cache_gib" not in kwargs:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(trainer.device)
+        optimizer_bytes = 8 * sum(p.numel() for p in trainer.trainable_parameters)  # AdamW's m and v in float32
+        vllm_args["gpu_memory_utilization"] = share = colocated_memory_share(free, total, optimizer_bytes)
+        log(
+            f"vLLM beside the trainer on {trainer.device}: gpu_memory_utilization {share:.2f} "
+            f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free, {optimizer_bytes / 2**30:.1f} GiB kept for "
+            "the optimiser state); set engine_kwargs.gpu_memory_utilization to choose"
+        )
+    settings = {
+        "max_num_seqs": rollout.concurrency,
+        "max_model_len": rollout.max_prompt_tokens + rollout.max_response_tokens,
+        **kwargs,
+    }
+    return VLLMEngine(config.model, seed=config.seed, engine_args=vllm_args, **settings)
 
 
 def _errors(prompt: PromptTrees) -> list[str]:

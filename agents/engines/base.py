@@ -131,6 +131,9 @@ class Engine(abc.ABC):
 
     #: Whether ``SamplingParams(return_entropy=True)`` is supported.
     supports_entropy: bool = False
+    #: Whether :meth:`sleep` releases the engine's accelerator memory (vLLM on a GPU). A trainer
+    #: on the same device puts such an engine to sleep while it updates.
+    supports_sleep: bool = False
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
@@ -151,6 +154,16 @@ class Engine(abc.ABC):
         Engines that cannot change their weights (a remote server) raise ``TypeError``.
         """
         raise TypeError(f"{type(self).__name__} cannot load weights from a trainer")
+
+    async def sleep(self, level: int = 1) -> None:
+        """Release accelerator memory until :meth:`wake_up`: the KV cache, and the weights (level 1
+        keeps a copy in CPU memory; level 2 drops them, so load weights with :meth:`update_weights`
+        after waking). Engines without ``supports_sleep`` raise ``TypeError``."""
+        raise TypeError(f"{type(self).__name__} cannot sleep (supports_sleep is False)")
+
+    async def wake_up(self) -> None:
+        """Take back what :meth:`sleep` released."""
+        raise TypeError(f"{type(self).__name__} cannot sleep (supports_sleep is False)")
 
     async def close(self) -> None:
         """Release the engine's resources; it cannot generate afterwards."""

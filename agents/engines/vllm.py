@@ -32,7 +32,7 @@ import torch
 from agents.engines.base import Completion, Engine, FinishReason, SamplingParams, stop_overshoot
 from agents.models import DEFAULT_MODEL, load_tokenizer, resolve_model
 
-__all__ = ["VLLMEngine", "WeightLoaderExtension"]
+__all__ = ["VLLMEngine", "WeightLoaderExtension", "colocated_memory_share"]
 
 _T = TypeVar("_T")
 
@@ -51,6 +51,26 @@ class WeightLoaderExtension:
         # reload_weights handles layers whose parameters were repacked for the kernels after loading.
         self.model_runner.reload_weights(weights_iterator=state_dict.items())
         return len(state_dict)
+
+
+def colocated_memory_share(free_bytes: int, total_bytes: int, trainer_bytes: int, margin: float = 0.9) -> float:
+    """vLLM's ``gpu_memory_utilization`` beside a trainer on the same GPU.
+
+    vLLM takes its share (weights and KV cache) at start-up and refuses to start if that is more
+    than is free. The trainer's weights are loaded by then, its gradients and activations come
+    while the engine sleeps, but the optimiser state it allocates at the first update stays:
+    ``trainer_bytes`` of it. The share is what is free less that, with ``margin`` for the
+    allocators' fragmentation, as a fraction of the device.
+    """
+    share = margin * (free_bytes - trainer_bytes) / total_bytes
+    if share < 0.05:
+        raise ValueError(
+            f"the GPU has {free_bytes / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB free and the trainer's optimiser "
+            f"state will take {trainer_bytes / 2**30:.1f} GiB, leaving vLLM no room; train with LoRA "
+            "(trainer.lora_rank), a smaller model, or vLLM on another GPU, or set "
+            "engine_kwargs.gpu_memory_utilization yourself"
+        )
+    return round(share, 3)
 
 
 class VLLMEngine(Engine):
@@ -91,7 +111,7 @@ class VLLMEngine(Engine):
             ) from error
         path = resolve_model(model)
         self.tokenizer = load_tokenizer(model)
-        self.sleep_mode = current_platform.is_sleep_mode_available()
+        self.supports_sleep = current_platform.is_sleep_mode_available()
         if kv_cache_gib is None and current_platform.is_cpu():
             kv_cache_gib = 2.0
         settings: dict[str, Any] = dict(
@@ -106,7 +126,7 @@ class VLLMEngine(Engine):
             enable_prefix_caching=True,
             # The log-probs of the distribution each token was sampled from (base.py).
             logprobs_mode="processed_logprobs",
-            enable_sleep_mode=self.sleep_mode,
+            enable_sleep_mode=self.supports_sleep,
             worker_extension_cls=f"{__name__}.WeightLoaderExtension",
             disable_log_stats=True,
             # torch.compile takes minutes on a few CPU cores; eager mode starts in seconds.
@@ -226,7 +246,7 @@ class VLLMEngine(Engine):
         del self._llm  # its __del__ shuts down again; let that happen now, not at interpreter exit
 
     def _require_sleep_mode(self) -> None:
-        if not self.sleep_mode:
+        if not self.supports_sleep:
             raise RuntimeError("vLLM offers sleep mode only on CUDA, ROCm and XPU devices, not on this machine")
 
     async def _on_engine_loop(self, coroutine: Coroutine[Any, Any, _T]) -> _T:

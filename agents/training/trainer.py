@@ -11,7 +11,8 @@ One :meth:`Trainer.step` (read :meth:`Trainer._update` top to bottom):
    over micro-batches of ``micro_batch_size`` sequences (padded, or packed into one row), clips
    the gradient norm, and steps AdamW and the learning-rate schedule (docs/algorithms.md "Optimiser and batching");
 5. weight sync to the engine: nothing to copy when it shares the model object (``HFEngine``
-   built on ``trainer.model``), ``await engine.update_weights(state_dict)`` otherwise;
+   built on ``trainer.model``), ``await engine.update_weights(state_dict)`` otherwise. An engine
+   that can sleep (vLLM on the same GPU) sleeps through steps 2-4 and wakes before the sync;
 6. metrics (:mod:`agents.training.metrics`), merged with the caller's rollout numbers, to JSONL and
    TensorBoard.
 
@@ -218,11 +219,21 @@ class Trainer:
         batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
         if self.metrics is None:  # before the update, so that a folder holding another run fails first
             self.metrics = MetricsLog(self.out_dir, tensorboard=self.config.tensorboard)
+        sleeps = self.config.sleep_engine and bool(getattr(self.engine, "supports_sleep", False))
+        start = time.perf_counter()
+        if sleeps:
+            # Level 2 drops the engine's weights: the sync below reloads them all. A LoRA sync sends
+            # only the adapted layers, so the engine keeps a CPU copy of the rest (level 1).
+            await self.engine.sleep(level=1 if self.config.lora_rank else 2)
+        time_sleep = time.perf_counter() - start
         # The update runs in a worker thread so the event loop (and a shared engine) keeps going.
         metrics = await asyncio.to_thread(self._update, batch)
         start = time.perf_counter()
+        if sleeps:
+            self.optimizer.zero_grad(set_to_none=True)  # the engine's KV cache takes their memory
+            await self.engine.wake_up()
         await self.sync_weights()
-        metrics["time/sync_s"] = time.perf_counter() - start
+        metrics["time/sync_s"] = time.perf_counter() - start + time_sleep
         self.step_count += 1
         record = _merge_rollout_metrics(metrics, rollout_metrics)
         self.metrics.log(self.step_count, record)

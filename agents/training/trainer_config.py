@@ -82,6 +82,11 @@ class TrainerConfig:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     device: str | None = None  # where a model loaded by name goes; None: CUDA if present, else CPU
 
+    # An engine that can sleep (vLLM on the trainer's GPU) releases its weights and KV cache while
+    # the trainer updates, and the gradients are freed before it wakes, so rollout and update take
+    # turns with the device's memory. Off: both keep theirs (an engine on other devices).
+    sleep_engine: bool = True
+
     # Logging.
     tensorboard: bool = True  # TensorBoard events besides metrics.jsonl (with out_dir)
     progress: bool | None = None  # tqdm bars; None: only when writing to a terminal

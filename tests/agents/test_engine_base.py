@@ -57,3 +57,14 @@ def test_find_stop_takes_the_earliest_match_and_its_end():
     assert find_stop("a </search> b </python>", ["</python>", "</search>"]) == ("</search>", 11)
     assert find_stop("</sea", ["</search>"]) is None
     assert find_stop("x</search>\n", ["</search>"]) == ("</search>", 10)
+
+
+async def test_an_engine_without_sleep_mode_says_so_when_asked_to_sleep():
+    from agents.engines.scripted import ScriptedEngine
+
+    engine = ScriptedEngine(lambda prompt: [1])
+    assert engine.supports_sleep is False
+    with pytest.raises(TypeError, match="ScriptedEngine cannot sleep"):
+        await engine.sleep(level=2)
+    with pytest.raises(TypeError, match="ScriptedEngine cannot sleep"):
+        await engine.wake_up()

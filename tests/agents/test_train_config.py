@@ -249,3 +249,57 @@ def test_agents_train_prints_the_effective_config_and_names_bad_arguments(capsys
             main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_engine_kwargs_reach_the_engine_and_are_checked_for_hf():
+    config = config_with({"engine_kwargs": {"prefix_cache_tokens": 0}})
+    build(config)  # an HFEngine setting
+    assert effective_config(config, build(config)).engine_kwargs == {"prefix_cache_tokens": 0}
+    with pytest.raises(ValueError, match="engine_kwargs has no setting 'gpu_memory_utilization' for the hf engine"):
+        build(config_with({"engine_kwargs": {"gpu_memory_utilization": 0.5}}))
+    with pytest.raises(ValueError, match="engine_kwargs.seed is set by the run"):
+        config_with({"engine_kwargs": {"seed": 3}})
+    build(config_with({"engine": "vllm", "engine_kwargs": {"gpu_memory_utilization": 0.5}}))  # vLLM checks its own
+
+
+def test_vllm_beside_the_trainer_gets_the_memory_the_optimiser_state_leaves():
+    from agents.engines.vllm import colocated_memory_share
+
+    gib = 2**30
+    # 141 GiB H200, 100 GiB free after the weights, 32 GiB of AdamW state to come: 0.9 x 68 / 141.
+    assert colocated_memory_share(100 * gib, 141 * gib, 32 * gib) == round(0.9 * 68 / 141, 3) == 0.434
+    with pytest.raises(ValueError, match="leaving vLLM no room; train with LoRA"):
+        colocated_memory_share(40 * gib, 80 * gib, 38 * gib)
+
+
+def test_make_engine_passes_vllm_its_arguments_and_the_colocated_share(monkeypatch):
+    import functools
+    from types import SimpleNamespace
+
+    import torch
+
+    from agents.engines.vllm import VLLMEngine
+    from agents.train import _make_engine
+
+    made = []
+    original = VLLMEngine.__init__
+
+    @functools.wraps(original)
+    def record(self, *args, **kwargs):
+        made.append((args, kwargs))
+
+    monkeypatch.setattr(VLLMEngine, "__init__", record)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**30, 141 * 2**30))
+    parameters = [torch.nn.Parameter(torch.zeros(2**28))]  # 1 GiB of float32: 2 GiB of AdamW state
+    trainer = SimpleNamespace(device=torch.device("cuda", 0), trainable_parameters=parameters)
+    config = config_with({"engine": "vllm", "engine_kwargs": {"enforce_eager": True, "kv_cache_gib": None}})
+    notes = []
+    _make_engine(config, build(config), trainer, notes.append)
+    ((args, kwargs),) = made
+    assert args == (config.model,) and kwargs["engine_args"] == {"enforce_eager": True}  # kv_cache_gib set: no share
+    assert (kwargs["max_num_seqs"], kwargs["max_model_len"], kwargs["kv_cache_gib"]) == (64, 2000 + 6192, None)
+    made.clear()
+    config = config_with({"engine": "vllm"})
+    _make_engine(config, build(config), trainer, notes.append)
+    assert made[0][1]["engine_args"] == {"gpu_memory_utilization": round(0.9 * 98 / 141, 3)}
+    assert "gpu_memory_utilization 0.63" in notes[-1] and "2.0 GiB kept for the optimiser state" in notes[-1]

@@ -565,3 +565,40 @@ def test_score_positions_equals_score_tokens_at_the_chosen_tokens():
     torch.testing.assert_close(chosen_entropy, full_entropy[positions[:, 0], positions[:, 1] - 1], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="columns >= 1"):
         score_positions(hidden, head, ids, torch.tensor([[0, 0]]))
+
+
+class SleepingEngine:
+    """Records what a trainer asks of an engine that can sleep (vLLM's sleep mode on a GPU)."""
+
+    supports_sleep = True
+
+    def __init__(self, trainer_params=None):
+        self.calls, self.trainer_params = [], trainer_params
+
+    async def sleep(self, level=1):
+        self.calls.append(f"sleep {level}")
+
+    async def wake_up(self):
+        grads = [p.grad for p in self.trainer_params()] if self.trainer_params else []
+        self.calls.append("wake_up" + (", gradients freed" if all(g is None for g in grads) else ""))
+
+    async def update_weights(self, state_dict):
+        self.calls.append(f"update_weights {len(state_dict)}")
+
+
+@pytest.mark.parametrize(("lora", "level"), [(False, 2), (True, 1)])
+async def test_an_engine_that_can_sleep_sleeps_through_the_update_and_wakes_for_the_sync(lora, level):
+    trainer = Trainer(tiny_model(), config(lora_rank=4 if lora else 0))
+    engine = SleepingEngine(lambda: trainer.trainable_parameters)
+    trainer.engine = engine
+    await trainer.step(make_paths())
+    tensors = len(trainer.engine_state_dict())
+    assert engine.calls == [f"sleep {level}", "wake_up, gradients freed", f"update_weights {tensors}"]
+    # Level 2 drops every weight, so the sync must carry them all: the full state dict, not LoRA's part.
+    assert (tensors == len(trainer.model.state_dict())) is (not lora)
+
+    kept = Trainer(tiny_model(), config(sleep_engine=False))
+    kept.engine = awake = SleepingEngine()
+    await kept.step(make_paths())
+    assert awake.calls == [f"update_weights {len(kept.engine_state_dict())}"]
+    assert any(p.grad is not None for p in kept.trainable_parameters)  # kept for inspection
