@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -32,7 +32,7 @@ import torch
 from agents.engines.base import Completion, Engine, FinishReason, SamplingParams, stop_overshoot
 from agents.models import DEFAULT_MODEL, load_tokenizer, resolve_model
 
-__all__ = ["VLLMEngine", "WeightLoaderExtension", "colocated_memory_share"]
+__all__ = ["VLLMEngine", "WeightLoaderExtension", "colocated_memory_share", "engine_tensors", "transfer_folder"]
 
 _T = TypeVar("_T")
 
@@ -51,6 +51,44 @@ class WeightLoaderExtension:
         # reload_weights handles layers whose parameters were repacked for the kernels after loading.
         self.model_runner.reload_weights(weights_iterator=state_dict.items())
         return len(state_dict)
+
+
+def engine_tensors(state_dict: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """The weights as the engine holds them: on the CPU, floating-point ones in ``dtype``, each storage once.
+
+    A tensor tied to one before it (a tied ``lm_head.weight`` is the embedding) is left out: vLLM
+    ties it again when loading, and sending it would copy the largest matrix of a small model twice.
+    """
+    target = getattr(torch, dtype)
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    tensors = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        tensor = tensor.detach()
+        tensors[name] = tensor.to("cpu", dtype=target) if tensor.is_floating_point() else tensor.to("cpu")
+    return tensors
+
+
+def transfer_folder(size: int, candidates: Sequence[str | None] = ("/dev/shm", None)) -> str | None:
+    """Where a weights file of ``size`` bytes goes on its way to the workers: shared memory if it has
+    room, else the temporary folder (``None``). Docker's default ``/dev/shm`` is 64 MB."""
+    need = int(size * 1.05) + 64 * 2**20
+    tried = []
+    for folder in candidates:
+        place = folder or tempfile.gettempdir()
+        if not os.path.isdir(place):
+            continue
+        free = shutil.disk_usage(place).free
+        if free >= need:
+            return folder
+        tried.append(f"{place} has {free / 2**30:.2f} GiB free")
+    raise OSError(
+        f"no room for the {size / 2**30:.2f} GiB weights file that carries the trainer's weights to vLLM "
+        f"({'; '.join(tried)}); enlarge /dev/shm (docker run --shm-size=...) or free the temporary folder"
+    )
 
 
 def colocated_memory_share(free_bytes: int, total_bytes: int, trainer_bytes: int, margin: float = 0.9) -> float:
@@ -110,6 +148,7 @@ class VLLMEngine(Engine):
                 "(then uninstall the CUDA torchvision/torchaudio/torchcodec it pulls; `make` does this)"
             ) from error
         path = resolve_model(model)
+        self.dtype = dtype or ("float32" if current_platform.is_cpu() else "bfloat16")
         self.tokenizer = load_tokenizer(model)
         self.supports_sleep = current_platform.is_sleep_mode_available()
         if kv_cache_gib is None and current_platform.is_cpu():
@@ -117,7 +156,7 @@ class VLLMEngine(Engine):
         settings: dict[str, Any] = dict(
             model=str(path),
             tokenizer=str(path),
-            dtype=dtype or ("float32" if current_platform.is_cpu() else "bfloat16"),
+            dtype=self.dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_logprobs=max_logprobs,
@@ -220,10 +259,10 @@ class VLLMEngine(Engine):
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load ``state_dict`` (transformers names; a partial dict updates only those tensors) into
         every worker, then reset the prefix cache."""
-        shm = Path("/dev/shm")
-        with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as folder:
+        tensors = await asyncio.to_thread(engine_tensors, state_dict, self.dtype)
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        with tempfile.TemporaryDirectory(dir=transfer_folder(size)) as folder:
             path = os.path.join(folder, "weights.pt")
-            tensors = {name: tensor.detach().to("cpu") for name, tensor in state_dict.items()}
             await asyncio.to_thread(torch.save, tensors, path)
             await self._on_engine_loop(self._llm.collective_rpc("load_weights_from_file", args=(path,)))
         await self._on_engine_loop(self._llm.reset_prefix_cache())

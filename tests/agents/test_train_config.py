@@ -303,3 +303,42 @@ def test_make_engine_passes_vllm_its_arguments_and_the_colocated_share(monkeypat
     _make_engine(config, build(config), trainer, notes.append)
     assert made[0][1]["engine_args"] == {"gpu_memory_utilization": round(0.9 * 98 / 141, 3)}
     assert "gpu_memory_utilization 0.63" in notes[-1] and "2.0 GiB kept for the optimiser state" in notes[-1]
+
+
+def test_weights_reach_vllm_once_per_storage_in_its_dtype_through_a_folder_with_room(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agents.engines.vllm import engine_tensors, transfer_folder
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    )
+    state = {**model.state_dict(), "step": torch.tensor(3)}
+    tensors = engine_tensors(state, "bfloat16")
+    assert "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors  # tied: sent once
+    assert len(tensors) == len(state) - 1 and tensors["step"].dtype == torch.int64
+    assert {t.dtype for name, t in tensors.items() if name != "step"} == {torch.bfloat16}
+    torch.testing.assert_close(tensors["model.norm.weight"].float(), state["model.norm.weight"], atol=1e-2, rtol=0)
+
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir(), disk.mkdir()
+    usage = namedtuple("usage", "total used free")
+    free = {str(shm): 64 * 2**20, str(disk): 8 * 2**30}  # Docker's default /dev/shm, a roomy disk
+    monkeypatch.setattr(shutil, "disk_usage", lambda place: usage(0, 0, free[str(place)]))
+    assert transfer_folder(2**20, (str(shm), str(disk))) == str(disk)  # 1 MiB + 64 MiB slack: not in 64 MiB
+    free[str(shm)] = 2**30
+    assert transfer_folder(2**20, (str(shm), str(disk))) == str(shm)
+    with pytest.raises(OSError, match=r"no room for the 16.00 GiB weights file .*--shm-size"):
+        transfer_folder(16 * 2**30, (str(shm), str(disk)))
