@@ -316,6 +316,18 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, help="the run folder (default runs/ALGO-ENV-TIME)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the estimated memory per device (trainer weights, gradients, optimizer, activations, engine) "
+        "and whether the run fits, then exit",
+    )
+    p.add_argument(
+        "--device-memory",
+        type=float,
+        metavar="GIB",
+        help="with --plan: the GPU's memory in GiB (default: the CUDA device here, if any)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=_run_train)
 
@@ -340,6 +352,18 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(effective_config(config, build(config)).to_dict(), indent=2))
         return 0
+    if args.plan:
+        from agents.memory_plan import run_plan
+
+        plan, settings = run_plan(config, build(config), device_gib=args.device_memory)
+        print(f"=== memory plan: {config.model}, {config.algo}, engine {config.engine}")
+        print(plan.table())
+        flags = " ".join(f"--set trainer.{name}={str(value).lower()}" for name, value in settings.items())
+        if settings and plan.fits:
+            print(f"as configured it does not fit; it fits with: {flags}")
+        elif settings:
+            print(f"it does not fit, not even with: {flags}; choose a smaller model or a device with more memory")
+        return 0 if plan.fits is not False else 1
     out = args.out or Path("runs") / f"{config.algo}-{config.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
     print(
         f"=== agents train --algo {config.algo} on {config.env} with {config.model} ({config.engine}): "

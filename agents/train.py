@@ -171,6 +171,7 @@ async def train(
     effective = effective_config(config, parts)
     checkpoint = _prepare_run_folder(out, effective, resume)
     (out / CONFIG_FILE).write_text(json.dumps(effective.to_dict(), indent=2) + "\n", encoding="utf-8")
+    _warn_if_it_cannot_fit(config, parts, log)
 
     trainer = Trainer(config.model, dataclasses.replace(parts.trainer, progress=progress), out_dir=out)
     engine = _make_engine(config, parts, trainer, log)
@@ -340,6 +341,25 @@ def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path
             "or start a new run in another folder"
         )
     return checkpoint
+
+
+def _warn_if_it_cannot_fit(config: TrainConfig, parts: RunParts, log: Callable[[str], None]) -> None:
+    """On a GPU, say before loading anything when the memory plan says the run will not fit."""
+    import torch
+
+    if not torch.cuda.is_available() or not (config.device or "cuda").startswith("cuda"):
+        return
+    from agents.memory_plan import GIB, run_plan
+
+    plan, settings = run_plan(config, parts)
+    if plan.fits is False or settings:
+        fix = " ".join(f"--set trainer.{name}={str(value).lower()}" for name, value in settings.items())
+        log(
+            f"warning: by the memory plan this run does not fit the {(plan.device_bytes or 0) / GIB:.0f} GiB "
+            "device as configured"
+            + (f"; it fits with {fix}" if plan.fits else f"; not even with {fix} ({plan.peak / GIB:.1f} GiB)")
+            + " (agents train --plan shows the parts)"
+        )
 
 
 def _make_engine(config: TrainConfig, parts: RunParts, trainer: Trainer, log: Callable[[str], None]) -> Engine:
