@@ -189,8 +189,9 @@ class TrainConfig:
 #: - ``paper``: the setting of the AT²PO tables (docs/algorithms.md "Reference results"), in which
 #:   every learner was run: the defaults (each paper's strategy, 64 prompts in 8 mini-batches,
 #:   lr 1e-6, prompt 2000 and response 6192 tokens, 6 tool calls, top-3 passages) with AT²PO's
-#:   reward (−1 bad format, 0 wrong, 1 exact match). For the search-QA environments on a GPU
-#:   (``--engine vllm``).
+#:   reward (−1 bad format, 0 wrong, 1 exact match), and the trainer's memory settings its memory
+#:   plan needs (gradient checkpointing, micro-batches of at most 8192 tokens). For the search-QA
+#:   environments on a GPU (``--engine vllm``).
 #: - ``cpu-demo``: what two CPU cores train in minutes with the embedded 135M model on
 #:   ``multihop-qa``: 2 prompts per step, 6 leaves per prompt for every learner (one rollout
 #:   budget for all), 2 tool calls, one short search result, turns of at most 48 tokens, 256
@@ -204,7 +205,14 @@ class TrainConfig:
 #:   0.6 with the example, 5 of 32 answered (measured on this machine).
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {
-        "common": {"env_kwargs": {"reward": "at2po"}, "budget_reward": -1.0},
+        "common": {
+            "env_kwargs": {"reward": "at2po"},
+            "budget_reward": -1.0,
+            # From the memory plan (agents train --plan): 4 paths of up to 8192 tokens per micro-batch
+            # keep ~140 GiB of activations for Qwen3-4B; one path's tokens under checkpointing, ~4 GiB.
+            # Neither changes the update.
+            "trainer": {"gradient_checkpointing": True, "micro_batch_tokens": 8192},
+        },
         "strategy": {},
     },
     "cpu-demo": {

@@ -41,7 +41,7 @@ def paper_plan(model: str, gib: float):
 def test_qwen3_4b_at_the_paper_s_setting_fits_80_and_141_gb_with_checkpointing_and_token_micro_batches():
     for gib in (80, 141):
         plan, settings = paper_plan("Qwen/Qwen3-4B", gib)
-        assert plan.fits and settings == {"gradient_checkpointing": True, "micro_batch_tokens": 8192}
+        assert plan.fits and settings == {}  # the preset's checkpointing and token micro-batches
         p = KNOWN_SHAPES["Qwen/Qwen3-4B"].parameters
         assert plan.parts["trainer weights"] == 4 * p and plan.parts["optimizer state"] == 8 * p
         assert plan.parts["engine weights"] == 2 * p and plan.engine_sleeps
@@ -86,7 +86,26 @@ def test_agents_train_plan_prints_the_table_and_the_settings_it_needs(capsys):
         ]
     )
     out = capsys.readouterr().out
-    assert code == 0 and "device 80 GiB: fits" in out and "optimizer state" in out
+    assert code == 0 and "device 80 GiB: fits" in out and "optimizer state" in out and "it fits with" not in out
+    code = main(
+        [
+            "train",
+            "--algo",
+            "at2po",
+            "--preset",
+            "paper",
+            "--engine",
+            "vllm",
+            "--model",
+            "Qwen/Qwen3-4B",
+            "--set",
+            "trainer.gradient_checkpointing=false",
+            "--plan",
+            "--device-memory",
+            "80",
+        ]
+    )
+    out = capsys.readouterr().out
     assert "it fits with: --set trainer.gradient_checkpointing=true --set trainer.micro_batch_tokens=8192" in out
 
 

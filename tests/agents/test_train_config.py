@@ -68,6 +68,7 @@ def test_presets_layer_over_the_defaults_per_algorithm():
     assert leaves == dict.fromkeys(strategies, 6)  # one rollout budget for every learner
     paper = config_with(preset("paper", "aepo"), {"algo": "aepo"})
     assert paper.env_kwargs == {"reward": "at2po"} and paper.budget_reward == -1.0
+    assert paper.trainer == {"mini_batches": 8, "gradient_checkpointing": True, "micro_batch_tokens": 8192}
     assert build(paper).learner.strategy.k == 16
     with pytest.raises(ValueError, match="unknown preset 'gpu'; choose one of paper, cpu-demo"):
         preset("gpu", "at2po")
