@@ -4,7 +4,8 @@
 run fits; a run on a GPU warns at start when it does not. The estimate counts, per device:
 
 - the trainer's weights (float32: the trainer keeps float32 parameters and computes in bfloat16
-  on a GPU), gradients and AdamW's two moments (float32, trainable parameters only: LoRA's few);
+  on a GPU; bfloat16 for a LoRA base with ``base_dtype``), gradients and AdamW's two moments
+  (float32, trainable parameters only: LoRA's few);
 - the activations of the largest micro-batch kept for the backward pass: per token and decoder
   layer the tensors a Llama-style layer saves (norm inputs in the weights' dtype; norm outputs,
   q/k/v, the attention output and the MLP's four intermediates in the compute dtype); with
@@ -169,7 +170,7 @@ def memory_plan(
         per_layer = trainer.lora_rank * (attention + 3 * (s.hidden + s.intermediate))  # + gate, up, down
         trainable = s.layers * per_layer
     parts: dict[str, float] = {
-        "trainer weights": 4.0 * parameters,
+        "trainer weights": (2.0 if trainer.base_dtype == "bfloat16" else 4.0) * parameters,
         "gradients": 4.0 * trainable,
         "optimizer state": 8.0 * trainable,  # AdamW's m and v, float32
     }
@@ -229,10 +230,12 @@ def memory_plan(
 
 
 #: What :func:`run_plan` tries, in order, for a run that does not fit: the trainer settings that
-#: lower the update's memory without changing it, then LoRA, which trains adapters instead.
+#: lower the update's memory without changing it, then LoRA, which trains adapters instead, then
+#: LoRA over bfloat16 base weights.
 REMEDIES: tuple[dict[str, Any], ...] = (
     {"gradient_checkpointing": True, "micro_batch_tokens": "max_tokens"},
     {"gradient_checkpointing": True, "micro_batch_tokens": "max_tokens", "lora_rank": 16},
+    {"gradient_checkpointing": True, "micro_batch_tokens": "max_tokens", "lora_rank": 16, "base_dtype": "bfloat16"},
 )
 
 

@@ -115,10 +115,12 @@ class Trainer:
         if isinstance(model, str):
             device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
             tokenizer = tokenizer or load_tokenizer(model)
-            model = load_model(model, dtype=torch.float32, device=device)
+            model = load_model(model, dtype=getattr(torch, cfg.base_dtype), device=device)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.compute_dtype = _compute_dtype(cfg.compute_dtype, self.device)
+        if next(model.parameters()).dtype == torch.bfloat16:
+            self.compute_dtype = torch.bfloat16  # a bfloat16 base (under LoRA) computes in bfloat16 anywhere
         # No dropout in RL (verl turns it off): the recomputed old log-probs and the training
         # forward pass must score the same policy.
         model.eval()

@@ -59,11 +59,12 @@ def test_qwen3_4b_at_the_paper_s_setting_fits_80_and_141_gb_with_checkpointing_a
     assert not as_configured.fits  # 4 x 8k tokens of every layer's activations: ~140 GiB
 
 
-def test_qwen3_14b_needs_lora_on_141_gb_and_does_not_fit_80():
+def test_qwen3_14b_needs_lora_on_141_gb_and_a_bfloat16_base_as_well_on_80():
     plan, settings = paper_plan("Qwen/Qwen3-14B", 141)
-    assert plan.fits and settings["lora_rank"] == 16
-    plan, settings = paper_plan("Qwen/Qwen3-14B", 80)
-    assert plan.fits is False and settings["lora_rank"] == 16  # float32 weights alone are 55 GiB
+    assert plan.fits and settings["lora_rank"] == 16 and "base_dtype" not in settings
+    plan, settings = paper_plan("Qwen/Qwen3-14B", 80)  # float32 weights (55 GiB) and vLLM's (28) are too much
+    assert plan.fits and settings["base_dtype"] == "bfloat16"
+    assert plan.parts["trainer weights"] == 2 * KNOWN_SHAPES["Qwen/Qwen3-14B"].parameters
 
 
 def test_agents_train_plan_prints_the_table_and_the_settings_it_needs(capsys):

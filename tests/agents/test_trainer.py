@@ -602,3 +602,22 @@ async def test_an_engine_that_can_sleep_sleeps_through_the_update_and_wakes_for_
     await kept.step(make_paths())
     assert awake.calls == [f"update_weights {len(kept.engine_state_dict())}"]
     assert any(p.grad is not None for p in kept.trainable_parameters)  # kept for inspection
+
+
+async def test_lora_over_a_bfloat16_base_trains_like_the_float32_base():
+    # Two steps each: the adapters (float32, with their AdamW state) move the same way within
+    # bfloat16's rounding of the base's matmuls.
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        trainer = Trainer(tiny_model().to(dtype), config(lora_rank=4, old_logprobs="sampler"))
+        assert trainer.compute_dtype == dtype and {p.dtype for p in trainer.trainable_parameters} == {torch.float32}
+        losses = [(await trainer.step(paths))["policy/loss"] for _ in range(2)]
+        runs[dtype] = (losses, trainer.compute_logprobs(paths))
+    (losses32, logprobs32), (losses16, logprobs16) = runs[torch.float32], runs[torch.bfloat16]
+    assert all(math.isfinite(loss) for loss in losses16)
+    assert losses16 == pytest.approx(losses32, abs=1e-3)  # measured: 1.1e-4
+    mask = collate(paths, 0).mask.bool()
+    assert (logprobs16 - logprobs32)[mask].abs().max() < 1e-2  # measured: 1.8e-3
+    with pytest.raises(ValueError, match="base_dtype='bfloat16' needs LoRA"):
+        TrainerConfig(base_dtype="bfloat16")
