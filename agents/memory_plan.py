@@ -14,8 +14,8 @@ run fits; a run on a GPU warns at start when it does not. The estimate counts, p
   (logits, logits / T, softmax, its product with the logits, their gradients), or the whole
   micro-batch's without chunking;
 - the engine: vLLM's bfloat16 weights and its KV cache (the share it is given, or what the
-  rollout's concurrency needs at full length), or HFEngine's float32 KV cache (it shares the
-  trainer's weights).
+  rollout's concurrency needs at full length), or HFEngine's KV cache (bfloat16 on a GPU, float32
+  on a CPU; it shares the trainer's weights).
 
 The update and the rollout take turns when the engine sleeps (vLLM on the trainer's GPU): the
 device's peak is the larger of the two phases; otherwise both are held at once. Checked against
@@ -220,7 +220,8 @@ def memory_plan(
             )
     else:
         parts["engine weights"] = 0.0  # HFEngine generates with the trainer's own model object
-        parts["engine KV cache"] = 4.0 * kv_per_token * concurrency * max_tokens
+        # bfloat16 on a GPU (HFEngine's autocast there), float32 on a CPU
+        parts["engine KV cache"] = (2.0 if on_gpu else 4.0) * kv_per_token * concurrency * max_tokens
     update = sum(parts[name] for name in ("trainer weights", "gradients", "optimizer state")) + activations
     update += parts["logits (scoring)"]
     rollout = parts["trainer weights"] + parts["optimizer state"] + parts["engine weights"] + parts["engine KV cache"]

@@ -104,7 +104,9 @@ class HFEngine(Engine):
     one forward pass; ``batch_window_s`` is how long an idle worker waits for more requests
     before starting a batch; ``seed`` seeds the generator of requests without their own seed;
     ``prefix_cache_tokens`` bounds the tokens whose KV the prefix cache keeps (0 turns it off;
-    the default holds 32 SmolLM2 episodes of 1,000 tokens in 1.5 GB).
+    the default holds 32 SmolLM2 episodes of 1,000 tokens in 1.5 GB). ``compute_dtype`` is what the
+    forward passes and the KV cache use (autocast over the model's weights): by default bfloat16 on
+    a GPU and the model's own dtype on a CPU.
     """
 
     supports_entropy = True
@@ -120,6 +122,7 @@ class HFEngine(Engine):
         batch_window_s: float = 0.005,
         seed: int | None = None,
         prefix_cache_tokens: int = 32768,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if isinstance(model, str):
             tokenizer = model if tokenizer is None else tokenizer
@@ -137,7 +140,22 @@ class HFEngine(Engine):
             )
         if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(CPU_GQA_ATTENTION)
-        self._linear_mode = WeightFirstLinear if model.device.type == "cpu" else contextlib.nullcontext
+        # A float32 model (the trainer's, shared) generates in bfloat16 on a GPU: half the KV cache, the
+        # tensor cores' speed. On a CPU bfloat16 is inexact and slow, so the model's own dtype.
+        if compute_dtype is None:
+            compute_dtype = torch.bfloat16 if model.device.type == "cuda" else model.dtype
+        self.compute_dtype: torch.dtype = compute_dtype
+        autocast = compute_dtype != model.dtype
+        linear = WeightFirstLinear if model.device.type == "cpu" and not autocast else contextlib.nullcontext
+
+        def forward_mode() -> contextlib.ExitStack:
+            stack = contextlib.ExitStack()
+            stack.enter_context(linear())
+            if autocast:
+                stack.enter_context(torch.autocast(model.device.type, dtype=compute_dtype))
+            return stack
+
+        self._forward_mode = forward_mode
         self.model: PreTrainedModel | PeftModel = model
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.max_batch_size = max_batch_size
@@ -218,7 +236,7 @@ class HFEngine(Engine):
             if batch is None and not newcomers:
                 continue
             try:
-                with self.forward_lock, torch.inference_mode(), self._linear_mode():
+                with self.forward_lock, torch.inference_mode(), self._forward_mode():
                     if newcomers:
                         batch = self._join(batch, newcomers)
                     assert batch is not None  # joined now, or running (no batch and no newcomers continued above)
@@ -256,7 +274,7 @@ class HFEngine(Engine):
         """Prefill ``requests`` and add them to the running ``batch`` (or start one)."""
         sequences, logits = self._prefill(requests)
         if batch is None:
-            cache = SlotCache(len(sequences[0]), self.max_batch_size, device=logits.device)
+            cache = SlotCache(len(sequences[0]), self.max_batch_size, device=logits.device, dtype=self.compute_dtype)
             batch = _Batch([], cache, logits[:0])
         batch.cache.add_rows(sequences)
         batch.requests += requests
@@ -288,7 +306,7 @@ class HFEngine(Engine):
             heads, dim = self.prefix_cache.shape
             for layer in range(self.prefix_cache.num_layers):
                 keys, values = (
-                    torch.zeros((rows, heads, cached, dim), dtype=self.model.dtype, device=device) for _ in "kv"
+                    torch.zeros((rows, heads, cached, dim), dtype=self.compute_dtype, device=device) for _ in "kv"
                 )
                 for row, (hit, n) in enumerate(zip(hits, reused)):
                     if hit:

@@ -37,8 +37,10 @@ class _SlotLayer(DynamicLayer):
             )
         rows, columns, width = self.cache.rows_index, self.cache.lengths, self.cache.width + 1
         keys, values = self.kv()
-        keys[rows, :, columns] = key_states[:, :, 0]
-        values[rows, :, columns] = value_states[:, :, 0]
+        # Under autocast keys leave the rotary embedding in float32 and values come out in bfloat16: both are
+        # stored in the room's dtype.
+        keys[rows, :, columns] = key_states[:, :, 0].to(keys.dtype)
+        values[rows, :, columns] = value_states[:, :, 0].to(values.dtype)
         return keys[: len(rows), :, :width], values[: len(rows), :, :width]
 
     def get_seq_length(self) -> int:
@@ -57,11 +59,14 @@ class SlotCache(Cache):
     columns at a time, rows doubling up to ``max_rows``.
     """
 
-    def __init__(self, num_layers: int, max_rows: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, num_layers: int, max_rows: int, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> None:
         # self.layers, typed as what they are (transformers types them as any cache layer); never resized
         self.slot_layers = [_SlotLayer(self) for _ in range(num_layers)]
         super().__init__(layers=list(self.slot_layers))
         self.max_rows = max_rows
+        self.dtype = dtype  # of the rooms; None: that of the first keys stored
         self._set_lengths(torch.zeros(0, dtype=torch.long, device=device))
 
     @property
@@ -120,7 +125,8 @@ class SlotCache(Cache):
             if layer.room is None:
                 assert example is not None, "the first rows added give the room its shape"
                 heads, _, dim = example.shape
-                layer.room = (example.new_zeros((0, heads, 0, dim)), example.new_zeros((0, heads, 0, dim)))
+                empty = example.new_zeros((0, heads, 0, dim), dtype=self.dtype or example.dtype)
+                layer.room = (empty, empty.clone())
             held_rows, heads, held_columns, dim = layer.room[0].shape
             if rows <= held_rows and columns <= held_columns:
                 continue

@@ -370,3 +370,23 @@ def test_weight_first_linear_keeps_the_models_logits(tokenizer):
             weight_first = model(input_ids=ids).logits
     assert (weight_first - stock).abs().max() < 1e-4
     assert torch.equal(weight_first.argmax(-1), stock.argmax(-1))
+
+
+async def test_a_float32_model_generates_with_a_bfloat16_kv_cache_under_autocast(model, tokenizer, prompts):
+    # What a float32 trainer model shared with the engine does on a GPU by default, here asked for on CPU.
+    assert HFEngine(model=model, tokenizer=tokenizer).compute_dtype == torch.float32  # CPU default: the model's
+    exact = HFEngine(model=model, tokenizer=tokenizer)
+    half = HFEngine(model=model, tokenizer=tokenizer, compute_dtype=torch.bfloat16)
+    try:
+        reference = await exact.generate(prompts[0], greedy(4))
+        got = await half.generate(prompts[0], greedy(4))
+        await half.generate(prompts[0] + got.token_ids, greedy(1))  # the second turn reuses the cached KV
+        assert {t.dtype for _, kv in half.prefix_cache._entries.values() for pair in kv for t in pair} == {
+            torch.bfloat16
+        }
+        assert got.token_ids[0] == reference.token_ids[0]
+        assert abs(got.logprobs[0] - reference.logprobs[0]) < 0.1
+        assert next(model.parameters()).dtype == torch.float32  # autocast: the weights are untouched
+    finally:
+        await exact.close()
+        await half.close()
