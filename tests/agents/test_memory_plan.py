@@ -70,42 +70,12 @@ def test_qwen3_14b_needs_lora_on_141_gb_and_a_bfloat16_base_as_well_on_80():
 def test_agents_train_plan_prints_the_table_and_the_settings_it_needs(capsys):
     from agents.cli import main
 
-    code = main(
-        [
-            "train",
-            "--algo",
-            "at2po",
-            "--preset",
-            "paper",
-            "--engine",
-            "vllm",
-            "--model",
-            "Qwen/Qwen3-4B",
-            "--plan",
-            "--device-memory",
-            "80",
-        ]
-    )
+    plan = ["train", "--algo", "at2po", "--preset", "paper", "--engine", "vllm", "--model", "Qwen/Qwen3-4B"]
+    plan += ["--plan", "--device-memory", "80"]
+    code = main(plan)
     out = capsys.readouterr().out
     assert code == 0 and "device 80 GiB: fits" in out and "optimizer state" in out and "it fits with" not in out
-    code = main(
-        [
-            "train",
-            "--algo",
-            "at2po",
-            "--preset",
-            "paper",
-            "--engine",
-            "vllm",
-            "--model",
-            "Qwen/Qwen3-4B",
-            "--set",
-            "trainer.gradient_checkpointing=false",
-            "--plan",
-            "--device-memory",
-            "80",
-        ]
-    )
+    code = main([*plan, "--set", "trainer.gradient_checkpointing=false"])
     out = capsys.readouterr().out
     assert "it fits with: --set trainer.gradient_checkpointing=true --set trainer.micro_batch_tokens=8192" in out
 
