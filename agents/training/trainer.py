@@ -153,8 +153,14 @@ class Trainer:
         self.loss_fn: LossFn = LOSSES[cfg.loss] if isinstance(cfg.loss, str) else cfg.loss
         self._loss_params = _loss_parameters(self.loss_fn, cfg, uses_reference=self._uses_reference)
         self._token_weighted = self._loss_params.get("agg") == "token-mean"
+        fused = self.device.type == "cuda" if cfg.fused_adamw is None else cfg.fused_adamw
         self.optimizer = torch.optim.AdamW(
-            self.trainable_parameters, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            self.trainable_parameters,
+            lr=cfg.lr,
+            betas=cfg.adam_betas,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            fused=fused or None,  # None, not False: torch then picks its default multi-tensor path
         )
         total_updates = None if cfg.total_steps is None else cfg.total_steps * cfg.mini_batches * cfg.epochs
         if cfg.lr_schedule == "constant" and cfg.warmup_steps:

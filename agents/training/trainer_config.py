@@ -22,6 +22,10 @@ class TrainerConfig:
     weight_decay: float = 0.01  # applied to every parameter, as verl's actor optimiser does
     adam_betas: tuple[float, float] = (0.9, 0.999)  # torch.optim.AdamW default (verl's too)
     adam_eps: float = 1e-8  # torch.optim.AdamW default
+    # torch's fused AdamW: one kernel per step instead of the multi-tensor path, whose temporaries
+    # take another float32 copy of the parameters (16 GB for 4B) at the step. The same update
+    # (1e-7). None: fused on a GPU, the multi-tensor path on a CPU.
+    fused_adamw: bool | None = None
     max_grad_norm: float = 1.0
     lr_schedule: str = "constant"  # a transformers.get_scheduler name; every paper: constant
     warmup_steps: int = 0  # optimiser updates of linear warm-up; the papers use none

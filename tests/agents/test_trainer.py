@@ -621,3 +621,16 @@ async def test_lora_over_a_bfloat16_base_trains_like_the_float32_base():
     assert (logprobs16 - logprobs32)[mask].abs().max() < 1e-2  # measured: 1.8e-3
     with pytest.raises(ValueError, match="base_dtype='bfloat16' needs LoRA"):
         TrainerConfig(base_dtype="bfloat16")
+
+
+async def test_fused_adamw_gives_the_same_update():
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
+    weights = []
+    for fused in (False, True):
+        trainer = Trainer(tiny_model(), config(fused_adamw=fused, old_logprobs="sampler"))
+        assert trainer.optimizer.defaults["fused"] is (True if fused else None)
+        for _ in range(2):
+            await trainer.step(paths)
+        weights.append({name: p.detach().clone() for name, p in trainer.model.named_parameters()})
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, atol=1e-6, rtol=0)
