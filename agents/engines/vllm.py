@@ -286,7 +286,7 @@ class VLLMEngine(Engine):
 
     def _require_sleep_mode(self) -> None:
         if not self.supports_sleep:
-            raise RuntimeError("vLLM offers sleep mode only on CUDA, ROCm and XPU devices, not on this machine")
+            raise TypeError("VLLMEngine cannot sleep here: vLLM offers sleep mode only on CUDA, ROCm and XPU devices")
 
     async def _on_engine_loop(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         """Run ``coroutine`` on the engine's loop; cancelling the caller cancels it (and aborts the request)."""

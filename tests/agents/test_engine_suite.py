@@ -307,10 +307,12 @@ async def test_update_weights_without_restart(engine, prompts, trainer_model):
 
 @pytest.mark.slow
 async def test_sleep_is_refused_clearly_on_cpu(engine):
-    if not hasattr(engine, "sleep"):
-        pytest.skip("only VLLMEngine has sleep mode")
-    with pytest.raises(RuntimeError, match="sleep mode only on CUDA, ROCm and XPU"):
+    # Every engine has the contract's sleep; none can sleep on a CPU (vLLM's sleep mode needs a GPU).
+    assert engine.supports_sleep is False
+    with pytest.raises(TypeError, match="cannot sleep|sleep mode only on CUDA, ROCm and XPU"):
         await engine.sleep()
+    with pytest.raises(TypeError, match="cannot sleep|sleep mode only on CUDA, ROCm and XPU"):
+        await engine.wake_up()
 
 
 async def test_openai_engine_sends_vllm_fields(tokenizer):
