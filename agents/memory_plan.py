@@ -264,7 +264,7 @@ def run_plan(config: Any, parts: Any, device_gib: float | None = None) -> tuple[
         plan = _plan_of(config, changed, device_gib)
         if plan.fits:
             break
-    return plan, settings
+    return plan, {name: value for name, value in settings.items() if getattr(parts.trainer, name) != value}
 
 
 def _plan_of(config: Any, parts: Any, device_gib: float | None) -> MemoryPlan:
