@@ -353,12 +353,12 @@ def _run_train(args: argparse.Namespace) -> int:
         print(json.dumps(effective_config(config, build(config)).to_dict(), indent=2))
         return 0
     if args.plan:
-        from agents.memory_plan import run_plan
+        from agents.memory_plan import run_plan, set_flags
 
         plan, settings = run_plan(config, build(config), device_gib=args.device_memory)
         print(f"=== memory plan: {config.model}, {config.algo}, engine {config.engine}")
         print(plan.table())
-        flags = " ".join(f"--set trainer.{name}={str(value).lower()}" for name, value in settings.items())
+        flags = set_flags(settings)
         if settings and plan.fits:
             print(f"as configured it does not fit; it fits with: {flags}")
         elif settings:

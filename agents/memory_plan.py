@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KNOWN_SHAPES", "MemoryPlan", "ModelShape", "memory_plan", "model_shape", "run_plan"]
+__all__ = ["KNOWN_SHAPES", "MemoryPlan", "ModelShape", "memory_plan", "model_shape", "run_plan", "set_flags"]
 
 GIB = 2**30
 
@@ -201,12 +201,15 @@ def memory_plan(
             # The share the run gives vLLM beside the trainer (agents.engines.vllm.colocated_memory_share),
             # or the one it is told.
             share = engine_kwargs.get("gpu_memory_utilization")
-            total = (
-                share * device_bytes
-                if share is not None
-                else 0.9 * (device_bytes - parts["trainer weights"] - parts["optimizer state"])
-            )
-            kv = max(total - parts["engine weights"], 0.0)
+            if share is None:
+                from agents.engines.vllm import colocated_memory_share
+
+                try:  # free at vLLM's start: the device less the trainer's weights
+                    free = device_bytes - parts["trainer weights"]
+                    share = colocated_memory_share(int(free), int(device_bytes), int(parts["optimizer state"]))
+                except ValueError:  # no room: the plan says it does not fit
+                    share = 0.0
+            kv = max(share * device_bytes - parts["engine weights"], 0.0)
         else:
             kv = need
         parts["engine KV cache"] = kv
@@ -265,6 +268,11 @@ def run_plan(config: Any, parts: Any, device_gib: float | None = None) -> tuple[
         if plan.fits:
             break
     return plan, {name: value for name, value in settings.items() if getattr(parts.trainer, name) != value}
+
+
+def set_flags(settings: dict[str, Any]) -> str:
+    """Trainer settings as the ``--set`` flags that choose them."""
+    return " ".join(f"--set trainer.{name}={str(value).lower()}" for name, value in settings.items())
 
 
 def _plan_of(config: Any, parts: Any, device_gib: float | None) -> MemoryPlan:

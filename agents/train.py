@@ -349,11 +349,11 @@ def _warn_if_it_cannot_fit(config: TrainConfig, parts: RunParts, log: Callable[[
 
     if not torch.cuda.is_available() or not (config.device or "cuda").startswith("cuda"):
         return
-    from agents.memory_plan import GIB, run_plan
+    from agents.memory_plan import GIB, run_plan, set_flags
 
     plan, settings = run_plan(config, parts)
     if plan.fits is False or settings:
-        fix = " ".join(f"--set trainer.{name}={str(value).lower()}" for name, value in settings.items())
+        fix = set_flags(settings)
         log(
             f"warning: by the memory plan this run does not fit the {(plan.device_bytes or 0) / GIB:.0f} GiB "
             "device as configured"
