@@ -1,0 +1,75 @@
+"""The ``cluster`` section of a run: how many trainer ranks and rollout workers, and where they go."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PLACEMENTS", "ClusterConfig"]
+
+#: ``colocated``: trainer ranks and engines time-share the same GPUs (engines sleep during the
+#: update); ``split``: engines get GPUs of their own.
+PLACEMENTS = ("colocated", "split")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Processes of a run. The defaults are the single process: no Ray, no process group.
+
+    Attributes:
+        trainer_ranks: N, the processes of the trainer's ``torch.distributed`` group (FSDP2 shards
+            the model over them; NCCL on GPU, gloo on CPU). 1: the trainer runs in the driver.
+        rollout_workers: M, Ray actors that each own an engine and the environments of the
+            prompts they run. 0: the rollout runs in the driver on its own engine.
+        tensor_parallel_size: GPUs of each rollout worker's vLLM engine (1 on CPU).
+        placement: ``colocated`` or ``split`` (see :data:`PLACEMENTS`); on CPU both place every
+            process on the machine's cores.
+        address: ``local`` starts Ray on this machine with the cores it has; ``auto`` joins the
+            cluster started with ``ray start`` (or a ``ray://`` / ``host:port`` address).
+        worker_engine: The workers' engine (``hf`` or ``vllm``); ``None``: the run's ``engine``.
+        worker_restarts: How often Ray restarts a worker whose process died (its prompts of the
+            running step go to the other workers meanwhile).
+        sync_bucket_mb: Size of one bucket of the weight sync through Ray's object store.
+    """
+
+    trainer_ranks: int = 1
+    rollout_workers: int = 0
+    tensor_parallel_size: int = 1
+    placement: str = "colocated"
+    address: str = "local"
+    worker_engine: str | None = None
+    worker_restarts: int = 1
+    sync_bucket_mb: int = 256
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("trainer_ranks", 1),
+            ("rollout_workers", 0),
+            ("tensor_parallel_size", 1),
+            ("worker_restarts", 0),
+            ("sync_bucket_mb", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"cluster.{name} must be an integer >= {minimum}, got {value!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"cluster.placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if not isinstance(self.address, str) or not self.address:
+            raise ValueError(f"cluster.address must be 'local', 'auto' or a Ray address, got {self.address!r}")
+        if self.worker_engine not in (None, "hf", "vllm"):
+            raise ValueError(f"cluster.worker_engine must be 'hf', 'vllm' or None, got {self.worker_engine!r}")
+
+    @property
+    def uses_ray(self) -> bool:
+        """Whether the run needs Ray: more than one trainer rank, or any rollout worker."""
+        return self.trainer_ranks > 1 or self.rollout_workers > 0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ClusterConfig:
+        """The section from a config mapping; an unknown key is an error listing the known ones."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"cluster has no setting {unknown[0]!r}; it has {', '.join(known)}")
+        return cls(**values)

@@ -1,0 +1,67 @@
+"""Ray for a run: start it on this machine or join a running cluster, with errors that say what to do."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["cpu_share", "ensure_ray", "import_ray"]
+
+# Ray's own metrics agent and dashboard are not used and cost a core's worth of start-up here.
+_RAY_INIT = {"include_dashboard": False, "log_to_driver": True}
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or an ImportError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(
+            "cluster.trainer_ranks > 1 or cluster.rollout_workers > 0 needs Ray: pip install 'ray>=2.50' "
+            "(make installs it), or keep the single process (trainer_ranks=1, rollout_workers=0)"
+        ) from None
+    return ray
+
+
+def ensure_ray(address: str = "local", *, processes: int = 1) -> Any:
+    """Ray, started or joined once per process; returns the ``ray`` module.
+
+    ``local`` starts a Ray instance on this machine with its cores, at least ``processes`` of
+    them logically (Ray's CPUs are a scheduling count: two cores can host a trainer rank and a
+    rollout worker each, which then share the cores). ``auto`` (or an address) joins a cluster
+    started with ``ray start --head``.
+    """
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    env = {"env_vars": {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ}}
+    if address == "local":
+        cores = os.cpu_count() or 1
+        ray.init(num_cpus=max(cores, processes), runtime_env=env, **_RAY_INIT)
+        return ray
+    try:
+        ray.init(address=address, runtime_env=env, **_RAY_INIT)
+    except ConnectionError as error:
+        raise ConnectionError(
+            f"no Ray cluster reachable at cluster.address={address!r} ({error}); start one with "
+            "`ray start --head` on the head node (and `ray start --address HEAD:6379` on the others), "
+            "or use cluster.address=local to start Ray on this machine"
+        ) from None
+    return ray
+
+
+def cpu_share(processes: int) -> float:
+    """Ray CPUs one of ``processes`` actors asks for on a local instance (they split the machine)."""
+    cores = os.cpu_count() or 1
+    return max(cores, processes) / max(processes, 1)
+
+
+# Settings the actors must see as the driver does (offline hubs, vLLM's telemetry off, threads).
+_FORWARDED_ENV = (
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "VLLM_NO_USAGE_STATS",
+    "DO_NOT_TRACK",
+    "HF_HOME",
+    "PYTHONPATH",
+)
