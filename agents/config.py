@@ -21,6 +21,8 @@ section         what it sets
                 (``prefix_cache_tokens``, …), or :class:`~agents.engines.vllm.VLLMEngine`'s
                 (``kv_cache_gib``, ``dtype``, …) and any of vLLM's engine arguments
                 (``gpu_memory_utilization``, ``enforce_eager``, …)
+``cluster``     fields of :class:`agents.cluster.ClusterConfig`: trainer ranks, rollout workers,
+                placement, the Ray address (default: one process, no Ray)
 ==============  =======================================================================
 
 Values come, each layer overriding the one before, from the defaults (the papers' budgets), a
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.cluster.config import ClusterConfig
 from agents.engines.base import SamplingParams
 from agents.learners import LEARNERS, Learner
 from agents.models import DEFAULT_MODEL
@@ -69,9 +72,22 @@ __all__ = [
 #: Generation engines a run can use (``--engine``).
 ENGINES = ("hf", "vllm")
 #: The sections of :class:`TrainConfig` that hold hyper-parameter overrides.
-SECTIONS = ("strategy", "credit", "loss", "trainer", "sampling", "rollout", "env_kwargs", "engine_kwargs")
+SECTIONS = (
+    "strategy",
+    "credit",
+    "loss",
+    "trainer",
+    "sampling",
+    "rollout",
+    "env_kwargs",
+    "engine_kwargs",
+    "cluster",
+)
 #: Values that may change when a run resumes; any other change would make it another run.
-RESUMABLE = frozenset({"steps", "eval_every", "eval_before", "eval_questions", "checkpoint_every", "engine_kwargs"})
+#: (A run resumes at any number of trainer ranks and rollout workers: ``cluster`` may change too.)
+RESUMABLE = frozenset(
+    {"steps", "eval_every", "eval_before", "eval_questions", "checkpoint_every", "engine_kwargs", "cluster"}
+)
 # Set by the run itself (or by the learner), never through a section.
 _RUN_OWNED = {
     "trainer": ("loss", "loss_kwargs", "kl_coef", "entropy_coef", "total_steps", "device", "progress", "temperature"),
@@ -108,8 +124,8 @@ class TrainConfig:
             or ``rollout.budget``) ended before the environment did, i.e. without an answer;
             ``None`` keeps what it earned so far. Under AT²PO's reward an unanswered response is
             a format failure (−1), so the presets using that reward set −1.
-        strategy, credit, loss, trainer, sampling, rollout, env_kwargs, engine_kwargs: hyper-parameter
-            overrides (see the module docstring).
+        strategy, credit, loss, trainer, sampling, rollout, env_kwargs, engine_kwargs, cluster:
+            hyper-parameter overrides (see the module docstring).
     """
 
     algo: str = "at2po"
@@ -136,6 +152,7 @@ class TrainConfig:
     rollout: dict[str, Any] = field(default_factory=dict)
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    cluster: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -262,11 +279,13 @@ class RunParts:
         learner: Strategy, credit and loss with the config's hyper-parameters.
         trainer: The trainer's configuration (the learner's loss, ``total_steps = steps``).
         tree: The rollout's configuration, without a seed (the run seeds every step).
+        cluster: The processes of the run (default: one).
     """
 
     learner: Learner
     trainer: TrainerConfig
     tree: TreeConfig
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
@@ -310,7 +329,7 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
     _checked_rollout(rollout)
     turns = {name: rollout.pop(name) for name in _rollout_fields(RolloutConfig) if name in rollout}
     tree = TreeConfig(rollout=RolloutConfig(sampling=sampling, **turns), **rollout)
-    return RunParts(learner, trainer, tree)
+    return RunParts(learner, trainer, tree, ClusterConfig.from_dict(config.cluster))
 
 
 def effective_config(config: TrainConfig, parts: RunParts) -> TrainConfig:
@@ -346,6 +365,7 @@ def effective_config(config: TrainConfig, parts: RunParts) -> TrainConfig:
         sampling=sampling,
         env_kwargs=copy.deepcopy(config.env_kwargs),
         engine_kwargs=copy.deepcopy(config.engine_kwargs),
+        cluster=dataclasses.asdict(parts.cluster),
     )
 
 

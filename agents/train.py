@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import statistics
 import sys
 import time
@@ -173,10 +174,17 @@ async def train(
     (out / CONFIG_FILE).write_text(json.dumps(effective.to_dict(), indent=2) + "\n", encoding="utf-8")
     _warn_if_it_cannot_fit(config, parts, log)
 
+    cluster = parts.cluster
+    if cluster.uses_ray:
+        from agents.cluster.runtime import ensure_ray
+
+        ensure_ray(
+            cluster.address, processes=cluster.rollout_workers + (cluster.trainer_ranks > 1) * cluster.trainer_ranks
+        )
     trainer = Trainer(config.model, dataclasses.replace(parts.trainer, progress=progress), out_dir=out)
-    engine = _make_engine(config, parts, trainer, log)
-    trainer.engine = engine
     env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), trainer.tokenizer)
+    rollout = _make_rollout(config, parts, env, trainer, log)
+    trainer.engine = rollout.engine
     heldout = None
     try:
         position: dict[str, Any] = {}
@@ -190,14 +198,14 @@ async def train(
             tensorboard=parts.trainer.tensorboard,
         )
         order = TaskOrder(len(env.tasks) if hasattr(env, "tasks") else None, config.holdout, config.seed, **position)
-        evaluation = _HeldOutEvaluation(config, parts.tree, engine, trainer, heldout, progress, log)
+        evaluation = _HeldOutEvaluation(config, parts.tree, rollout, heldout, progress, log)
         if trainer.step_count == 0 and config.eval_before:
             await evaluation.run(step=0)
         last_checkpoint = checkpoint
         for step in range(trainer.step_count + 1, config.steps + 1):
             tasks = order.take(config.prompts_per_step)
             paths, metrics = await _rollout(
-                env, engine, parts, tasks, rollout_seed(config.seed, step), config.budget_reward
+                rollout, parts, tasks, rollout_seed(config.seed, step), config.budget_reward
             )
             record = await trainer.step(paths, metrics)
             log(_step_note(step, config.steps, record))
@@ -213,28 +221,88 @@ async def train(
         if heldout is not None:
             heldout.close()
         trainer.close()
-        await engine.close()
+        await rollout.close()
+
+
+def task_episode(env: TokenEnv, task: int) -> Episode:
+    """The episode of ``task`` on a fork of ``env``: its task-list entry, or a reset seeded with it."""
+    if hasattr(env, "tasks"):
+        return Episode(env.fork(), options={"index": task}, key=task)
+    return Episode(env.fork(), seed=task, key=task)
+
+
+class _LocalRollout:
+    """Steps 2 and 5 in this process, on one engine (``cluster.rollout_workers = 0``).
+
+    The same three calls as :class:`agents.cluster.rollout_workers.RolloutPool`, which runs them
+    on Ray actors: ``rollout``, ``evaluate`` and ``metrics``; ``engine`` is what receives the
+    trainer's weights.
+    """
+
+    def __init__(self, env: TokenEnv, engine: Engine, tokenizer: Any, parts: RunParts) -> None:
+        self.env, self.engine, self.tokenizer, self.parts = env, engine, tokenizer, parts
+
+    async def rollout(self, tasks: list[int], seed: int) -> list[PromptTrees]:
+        episodes = [task_episode(self.env, task) for task in tasks]
+        try:
+            tree = dataclasses.replace(self.parts.tree, seed=seed)
+            return await rollout_trees(self.engine, episodes, self.parts.learner.strategy, tree)
+        finally:
+            for episode in episodes:
+                episode.env.close()
+
+    async def evaluate(self, kwargs: dict[str, Any]) -> HeldOut:
+        return await evaluate_heldout(self.engine, self.tokenizer, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+def _make_rollout(
+    config: TrainConfig, parts: RunParts, env: TokenEnv, trainer: Trainer, log: Callable[[str], None]
+) -> Any:
+    """Where the rollouts run: this process's engine, or ``cluster.rollout_workers`` Ray actors."""
+    cluster = parts.cluster
+    if not cluster.rollout_workers:
+        return _LocalRollout(env, make_engine(config, parts, trainer, log), trainer.tokenizer, parts)
+    from agents.cluster.rollout_workers import RolloutPool, WorkerSpec
+    from agents.cluster.runtime import cpu_share
+
+    engine = cluster.worker_engine or config.engine
+    worker_config = dataclasses.replace(config, engine=engine)
+    gpus = 0.0
+    if engine == "vllm" and trainer.device.type == "cuda":
+        gpus = float(cluster.tensor_parallel_size)
+        worker_config.engine_kwargs = {**config.engine_kwargs, "tensor_parallel_size": cluster.tensor_parallel_size}
+    processes = cluster.rollout_workers + (cluster.trainer_ranks if cluster.trainer_ranks > 1 else 1)
+    spec = WorkerSpec(
+        worker_config,
+        agentenv.spec(config.env),
+        parts.learner.strategy,
+        parts.tree,
+        threads=max(1, (os.cpu_count() or 1) // processes),
+    )
+    log(f"starting {cluster.rollout_workers} rollout workers ({engine} engines)")
+    return RolloutPool(
+        spec,
+        cluster.rollout_workers,
+        cpus=cpu_share(processes),
+        gpus=gpus,
+        restarts=cluster.worker_restarts,
+        bucket_bytes=cluster.sync_bucket_mb * 2**20,
+        log=log,
+    )
 
 
 async def _rollout(
-    env: TokenEnv, engine: Engine, parts: RunParts, tasks: list[int], seed: int, budget_reward: float | None
+    rollout: Any, parts: RunParts, tasks: list[int], seed: int, budget_reward: float | None
 ) -> tuple[list[TrainingPath], dict[str, float]]:
     """Steps 2-3 of the module docstring: the trees of ``tasks``, credit, and the rollout's metrics."""
-    with_list = hasattr(env, "tasks")
-    episodes = [
-        Episode(env.fork(), options={"index": task}, key=task)
-        if with_list
-        else Episode(env.fork(), seed=task, key=task)
-        for task in tasks
-    ]
     start = time.perf_counter()
-    try:
-        prompts = await rollout_trees(
-            engine, episodes, parts.learner.strategy, dataclasses.replace(parts.tree, seed=seed)
-        )
-    finally:
-        for episode in episodes:
-            episode.env.close()
+    prompts = await rollout.rollout(tasks, seed)
     seconds = time.perf_counter() - start
     cut = [leaf for prompt in prompts for leaf in prompt.leaves if leaf.info.get("status") == "budget"]
     if budget_reward is not None:
@@ -258,6 +326,7 @@ async def _rollout(
         grades = [leaf.info.get("grade", {}) for leaf in leaves]
         metrics["reward/em"] = statistics.fmean(float(grade.get("em", 0.0)) for grade in grades)
         metrics["reward/format_ok"] = statistics.fmean(float(grade.get("format_ok", False)) for grade in grades)
+    metrics.update(rollout.metrics())
     return paths, metrics
 
 
@@ -268,30 +337,29 @@ class _HeldOutEvaluation:
         self,
         config: TrainConfig,
         tree: TreeConfig,
-        engine: Engine,
-        trainer: Trainer,
+        rollout: Any,
         log: HeldOutLog,
         progress: bool | None,
         note: Callable[[str], None],
     ) -> None:
-        self.config, self.engine, self.trainer, self.log, self.note = config, engine, trainer, log, note
+        self.config, self.rollout, self.log, self.note = config, rollout, log, note
         self.progress = sys.stderr.isatty() if progress is None else progress
-        self.rollout = greedy_rollout(tree)
+        self.settings = greedy_rollout(tree)
 
     async def run(self, step: int) -> None:
         config = self.config
         if not config.eval_questions:
             return
-        result = await evaluate_heldout(
-            self.engine,
-            self.trainer.tokenizer,
-            config.env,
-            questions=config.eval_questions,
-            rollout=self.rollout,
-            step=step,
-            env_kwargs=config.env_kwargs,
-            budget_reward=config.budget_reward,
-            progress=self.progress,
+        result = await self.rollout.evaluate(
+            {
+                "env_id": config.env,
+                "questions": config.eval_questions,
+                "rollout": self.settings,
+                "step": step,
+                "env_kwargs": config.env_kwargs,
+                "budget_reward": config.budget_reward,
+                "progress": self.progress,
+            }
         )
         self.log.add(result)
         scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
@@ -362,21 +430,26 @@ def _warn_if_it_cannot_fit(config: TrainConfig, parts: RunParts, log: Callable[[
         )
 
 
-def _make_engine(config: TrainConfig, parts: RunParts, trainer: Trainer, log: Callable[[str], None]) -> Engine:
-    """The engine: an HFEngine on the trainer's own model object, or vLLM synced after every step.
+def make_engine(
+    config: TrainConfig, parts: RunParts, trainer: Trainer | None = None, log: Callable[[str], None] = print
+) -> Engine:
+    """The run's engine: an HFEngine on the trainer's own model object, or vLLM synced after every step.
 
-    ``engine_kwargs`` reach the engine; for vLLM those that are not VLLMEngine's own go to vLLM's
-    engine arguments. vLLM on the trainer's GPU gets, unless told, the memory share that leaves the
-    trainer its optimiser state (see :func:`agents.engines.vllm.colocated_memory_share`).
+    Without ``trainer`` (a rollout worker, or a driver whose trainer runs on other ranks) the
+    engine loads its own copy of ``config.model`` and receives the weights by sync. ``engine_kwargs``
+    reach the engine; for vLLM those that are not VLLMEngine's own go to vLLM's engine arguments.
+    vLLM on the trainer's GPU gets, unless told, the memory share that leaves the trainer its
+    optimiser state (see :func:`agents.engines.vllm.colocated_memory_share`).
     """
     rollout = parts.tree.rollout
     kwargs = dict(config.engine_kwargs)
     if config.engine == "hf":
         from agents.engines.hf import HFEngine
 
-        return HFEngine(
-            trainer.model, trainer.tokenizer, **{"max_batch_size": rollout.concurrency, "seed": config.seed, **kwargs}
-        )
+        settings = {"max_batch_size": rollout.concurrency, "seed": config.seed, **kwargs}
+        if trainer is None:
+            return HFEngine(config.model, **settings)
+        return HFEngine(trainer.model, trainer.tokenizer, **settings)
     from agents.engines.vllm import VLLMEngine, colocated_memory_share
 
     own = set(inspect.signature(VLLMEngine).parameters)
@@ -384,7 +457,12 @@ def _make_engine(config: TrainConfig, parts: RunParts, trainer: Trainer, log: Ca
         **kwargs.pop("engine_args", {}),
         **{name: kwargs.pop(name) for name in list(kwargs) if name not in own},
     }
-    if trainer.device.type == "cuda" and "gpu_memory_utilization" not in vllm_args and "kv_cache_gib" not in kwargs:
+    if (
+        trainer is not None
+        and trainer.device.type == "cuda"
+        and "gpu_memory_utilization" not in vllm_args
+        and "kv_cache_gib" not in kwargs
+    ):
         import torch
 
         free, total = torch.cuda.mem_get_info(trainer.device)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,7 +99,12 @@ class TreeConfig:
 
 
 async def rollout_trees(
-    engine: Engine, episodes: Iterable[Episode], strategy: Strategy, config: TreeConfig | None = None
+    engine: Engine,
+    episodes: Iterable[Episode],
+    strategy: Strategy,
+    config: TreeConfig | None = None,
+    *,
+    indices: Sequence[int] | None = None,
 ) -> list[PromptTrees]:
     """Grow the rollout trees of every episode's prompt under ``strategy``, all prompts concurrently.
 
@@ -107,6 +112,10 @@ async def rollout_trees(
     closed); every branch runs on a fork. A failing turn abandons its branch (recorded in
     ``stats.errors``); a prompt that cannot start at all gets ``error``. Branches that end
     without a leaf are pruned, so every remaining path ends in a leaf.
+
+    ``indices`` are the prompts' positions in the whole batch (default ``0, 1, …``), from which
+    their seeds derive: a rollout worker running some prompts of a batch grows the same trees
+    as one process running them all.
 
     Returns:
         One :class:`PromptTrees` per episode, in order, with ``metrics`` filled
@@ -121,8 +130,11 @@ async def rollout_trees(
     for position, episode in enumerate(episodes):
         if not isinstance(episode, Episode):
             raise TypeError(f"episodes[{position}] is a {type(episode).__name__}, not an agents.rollout.Episode")
+    indices = list(range(len(episodes))) if indices is None else [int(index) for index in indices]
+    if len(indices) != len(episodes) or len(set(indices)) != len(indices):
+        raise ValueError(f"indices must give each of the {len(episodes)} episodes its own position, got {indices}")
     run = _Run(engine, strategy, config)
-    tasks = [asyncio.create_task(_PromptLoop(run, index, episode).grow()) for index, episode in enumerate(episodes)]
+    tasks = [asyncio.create_task(_PromptLoop(run, index, episode).grow()) for index, episode in zip(indices, episodes)]
     try:
         return list(await asyncio.gather(*tasks))
     finally:

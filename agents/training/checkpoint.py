@@ -11,6 +11,13 @@ One checkpoint is a folder (``step_000003`` under the run's ``checkpoints/``) ho
 - ``trainer_state.json``: the format tag, the step, the caller's data position (an opaque
   JSON dict, e.g. the index of the next dataset row) and the trainer's configuration.
 
+A trainer of N > 1 ranks (FSDP2) writes ``sharded/`` besides: model and optimiser state as
+``torch.distributed.checkpoint`` shards (each rank writes its own, so the folder must be on a
+file system every rank sees), while ``trainer_state.pt`` then holds no optimiser; ``model/`` is
+the consolidated model all the same, written by rank 0. Either kind resumes at any number of
+ranks: shards are resharded on load, and a single-process checkpoint is loaded in full and
+sharded.
+
 A checkpoint is written to a temporary folder and renamed into place, so a crash never leaves
 half of one under the final name.
 """
@@ -48,7 +55,7 @@ __all__ = [
 #: Written into every ``trainer_state.json``; :func:`load_checkpoint` refuses other formats.
 FORMAT = "agents.Checkpoint/1"
 
-_MODEL, _STATE_PT, _STATE_JSON = "model", "trainer_state.pt", "trainer_state.json"
+_MODEL, _STATE_PT, _STATE_JSON, _SHARDED = "model", "trainer_state.pt", "trainer_state.json", "sharded"
 _NAME = re.compile(r"step_(\d+)")
 
 
@@ -90,16 +97,28 @@ def save_checkpoint(
     data_position: dict[str, Any] | None = None,
     config: dict[str, Any] | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    sharded: bool = False,
 ) -> Path:
-    """Write a checkpoint folder at ``path`` (replacing one already there) and return it."""
+    """Write a checkpoint folder at ``path`` (replacing one already there) and return it.
+
+    ``sharded``: the model is sharded with FSDP2 over the default process group; every rank calls
+    this with the same ``path`` (see the module docstring).
+    """
     path = Path(path)
-    state = {"format": FORMAT, "step": int(step), "data_position": data_position or {}, "config": config or {}}
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "step": int(step),
+        "data_position": data_position or {},
+        "config": config or {},
+    }
     try:
         state_text = json.dumps(state, indent=2)
     except TypeError as error:
         raise ValueError(
             f"data_position and config must be JSON-serialisable (str, numbers, bool, None, lists, dicts): {error}"
         ) from None
+    if sharded:
+        return _save_sharded(path, model, optimizer, scheduler, state, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
@@ -142,10 +161,15 @@ def load_checkpoint(
     state = json.loads(state_json.read_text())
     if state.get("format") != FORMAT:
         raise ValueError(f"{path} holds a checkpoint of format {state.get('format')!r}, expected {FORMAT!r}")
-    _load_weights(model, path / _MODEL)
     tensors = torch.load(path / _STATE_PT, weights_only=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(tensors["optimizer"])
+    if (path / _SHARDED).is_dir():
+        _load_shards(path / _SHARDED, model, optimizer)
+    elif _is_sharded(model):
+        _load_full_into_shards(path / _MODEL, model, optimizer, tensors["optimizer"])
+    else:
+        _load_weights(model, path / _MODEL)
+        if optimizer is not None:
+            optimizer.load_state_dict(tensors["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(tensors["scheduler"])
     if restore_rng:
@@ -226,3 +250,124 @@ def _load_weights(model: PreTrainedModel | PeftModel, folder: Path) -> None:
     missing = [name for name in result.missing_keys if own[name].data_ptr() not in loaded]
     if missing:
         raise ValueError(f"the checkpoint in {folder} lacks weights of this model: {missing[:5]}")
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _save_sharded(
+    path: Path,
+    model: PreTrainedModel | PeftModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: dict[str, Any],
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> Path:
+    """save_checkpoint of an FSDP2-sharded model; every rank of the default group calls it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    rank = dist.get_rank()
+    tmp = path.parent / f".{path.name}.writing"  # one name every rank knows
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    try:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:  # the consolidated model, as one process saves it
+            model.save_pretrained(str(tmp / _MODEL), state_dict=full)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / _MODEL)
+        del full
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / _SHARDED)
+        if rank == 0:
+            torch.save({"scheduler": scheduler.state_dict(), "rng": get_rng_state()}, tmp / _STATE_PT)
+            state = {**state, "ranks": dist.get_world_size()}
+            (tmp / _STATE_JSON).write_text(json.dumps(state, indent=2) + "\n")
+            if path.exists():
+                shutil.rmtree(path)
+            os.rename(tmp, path)
+        dist.barrier()
+    finally:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Model (and optimiser) state from ``torch.distributed.checkpoint`` shards, resharded to this group.
+
+    Without a process group (one process) the shards are read whole into the plain model.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(model, state["model"])
+        return
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _load_full_into_shards(
+    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, optimizer_state: dict[str, Any]
+) -> None:
+    """A single-process checkpoint into an FSDP2-sharded model: full tensors, each rank keeping its shard."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    if (folder / "adapter_config.json").is_file():
+        # peft saves adapter weights without the adapter's name ("lora_A.weight"); the model has "lora_A.default.weight".
+        weights = {
+            re.sub(r"(\.lora_[A-Za-z_]+)(\.weight|\.bias)?$", r"\1.default\2", name): tensor
+            for name, tensor in load_file(folder / "adapter_model.safetensors").items()
+        }
+    else:
+        weights = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            weights.update(load_file(file))
+        if not weights:
+            raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+        # named_parameters names a tied parameter once (lm_head tied to the embeddings: not at all).
+        missing = [name for name, _ in model.named_parameters() if name not in weights]
+        if missing:
+            raise ValueError(f"the checkpoint in {folder} lacks weights of this model: {missing[:5]}")
+    own = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    unexpected = sorted(set(weights) - own)
+    if unexpected:
+        raise ValueError(f"the checkpoint in {folder} has weights this model lacks: {unexpected[:5]}")
+    set_model_state_dict(model, weights, options=options)
+    if optimizer is None:
+        return
+    # The optimiser's parameters are the model's trainable ones in order (as the Trainer builds it):
+    # its index-keyed state becomes the name-keyed full state that torch.distributed reshards.
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    full = {
+        "state": {names[index]: value for index, value in optimizer_state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in optimizer_state["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))

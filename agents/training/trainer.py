@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import distributed as dist
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -99,6 +101,13 @@ class Trainer:
             copy of the initial policy.
         out_dir: the run folder for ``metrics.jsonl``, TensorBoard events, ``curves.png`` and
             ``checkpoints/``; ``None`` keeps metrics in memory (``trainer.metrics.history``).
+        distributed: be one rank of the initialised default ``torch.distributed`` group (what
+            :class:`agents.cluster.trainer_ranks.TrainerGroup` starts). With a world size N > 1
+            the model is sharded with FSDP2 over a mesh of the model's device; every rank gets the
+            whole batch and runs micro-batches r, r + N, … of each mini-batch, and gradients are
+            summed, so each update equals the one process's. Metrics and ``curves.png`` go to
+            ``out_dir`` from rank 0 only; checkpoints are sharded (``torch.distributed.checkpoint``)
+            plus the consolidated ``model/``. With world size 1 it is the single process.
     """
 
     def __init__(
@@ -110,8 +119,19 @@ class Trainer:
         engine: Any = None,
         ref_model: PreTrainedModel | None = None,
         out_dir: str | Path | None = None,
+        distributed: bool = False,
     ) -> None:
         self.config = cfg = config or TrainerConfig()
+        #: This process's place in the trainer's group: rank 0 of 1 unless ``distributed``.
+        self.rank, self.world_size = 0, 1
+        if distributed:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(
+                    "Trainer(distributed=True) is one rank of a torch.distributed group: call "
+                    "torch.distributed.init_process_group first (agents.cluster.trainer_ranks.TrainerGroup does), "
+                    "or leave distributed=False for the single process"
+                )
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if isinstance(model, str):
             device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
             tokenizer = tokenizer or load_tokenizer(model)
@@ -150,6 +170,12 @@ class Trainer:
             self.ref_model = copy.deepcopy(model)
         if self.ref_model is not None:
             self.ref_model.eval().requires_grad_(False)
+        # FSDP2 roots of the policy and the reference, by id of the model they hold (none in one process).
+        self._roots: dict[int, torch.nn.Module] = {}
+        if self.world_size > 1:
+            self._shard()
+            # fully_shard replaced the parameters by sharded ones (DTensors): the optimiser takes those.
+            self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_fn: LossFn = LOSSES[cfg.loss] if isinstance(cfg.loss, str) else cfg.loss
         self._loss_params = _loss_parameters(self.loss_fn, cfg, uses_reference=self._uses_reference)
         self._token_weighted = self._loss_params.get("agg") == "token-mean"
@@ -226,7 +252,7 @@ class Trainer:
         rollout_metrics = _checked_rollout_metrics(rollout_metrics or {})
         batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
         if self.metrics is None:  # before the update, so that a folder holding another run fails first
-            self.metrics = MetricsLog(self.out_dir, tensorboard=self.config.tensorboard)
+            self.metrics = MetricsLog(self._metrics_dir, tensorboard=self.config.tensorboard)
         sleeps = self.config.sleep_engine and bool(getattr(self.engine, "supports_sleep", False))
         start = time.perf_counter()
         if sleeps:
@@ -244,6 +270,10 @@ class Trainer:
         metrics["time/sync_s"] = time.perf_counter() - start + time_sleep
         self.step_count += 1
         record = _merge_rollout_metrics(metrics, rollout_metrics)
+        if self.world_size > 1:  # rank 0's timings: one record, the same on every rank
+            shared = [record]
+            dist.broadcast_object_list(shared, src=0)
+            record = shared[0]
         self.metrics.log(self.step_count, record)
         self._advance_steps_bar(record)
         return record
@@ -263,8 +293,10 @@ class Trainer:
             raise ValueError(f"mini_batches={cfg.mini_batches} but the batch has only {n} sequences")
         lengths = batch.attention_mask.sum(-1)
         micro_batches = [self._micro_batches(rows, lengths) for rows in torch.arange(n).tensor_split(cfg.mini_batches)]
+        # This rank's passes over each mini-batch: all of them in one process (see _rank_passes).
+        passes = [self._rank_passes(mini_batch) for mini_batch in micro_batches]
         bar = tqdm(
-            total=cfg.epochs * sum(len(m) for m in micro_batches),
+            total=cfg.epochs * sum(len(p) for p in passes),
             desc=f"step {self.step_count + 1}",
             unit="micro-batch",
             leave=False,
@@ -296,8 +328,8 @@ class Trainer:
         for epoch in range(cfg.epochs):
             for update, mini_batch in enumerate(micro_batches):
                 self.optimizer.zero_grad(set_to_none=True)
-                total = sum(int(units[rows].sum()) for rows in mini_batch)
-                for rows in mini_batch:
+                total = sum(int(units[rows].sum()) for rows in mini_batch)  # over the whole mini-batch, every rank
+                for rows, real in passes[update]:
                     width = int(batch.attention_mask[rows].sum(-1).max())  # trim the batch's padding
                     cut = (rows, slice(0, width))
                     with self._checkpointing():
@@ -309,7 +341,7 @@ class Trainer:
                             scored=batch.mask[cut],
                         )
                     assert entropy is not None  # _forward computes the entropy unless asked not to (entropy=False)
-                    if cfg.old_logprobs == "sampler" and epoch == update == 0:
+                    if cfg.old_logprobs == "sampler" and epoch == update == 0 and real:
                         mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask[cut])
                     optional = {
                         "entropy": entropy,
@@ -327,6 +359,10 @@ class Trainer:
                         **{name: value for name, value in optional.items() if name in self._loss_params},
                     )
                     share = int(units[rows].sum()) / max(total, 1)  # u_j / Σ_j' u_j'  (docs/algorithms.md eq. 58)
+                    if not real:  # a pass that keeps the ranks' collectives in step: gradient exactly 0
+                        (loss * 0.0).backward()
+                        bar.update()
+                        continue
                     (loss * share).backward()
                     if "loss" not in metrics:  # a callable loss may report nothing
                         metrics["loss"] = float(loss.detach())
@@ -334,9 +370,13 @@ class Trainer:
                         metrics["entropy"] = _masked_mean(entropy.detach(), mask[cut])
                     loss_metrics.add(metrics, share)
                     bar.update()
+                if self.world_size > 1:  # each rank's micro-batches' shares: their sum is the mini-batch's
+                    loss_metrics.update = defaultdict(float, _sum_over_ranks(loss_metrics.update))
                 optim["lr"].append(self.scheduler.get_last_lr()[0])
                 # Clip to max_grad_norm; the returned norm is the one before clipping (docs/algorithms.md eq. 57).
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters, cfg.max_grad_norm))
+                # Over sharded parameters it is the norm of the whole (reduced) gradient.
+                norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters, cfg.max_grad_norm)
+                grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
                 optim["grad_norm"].append(grad_norm)
                 if math.isfinite(grad_norm):
                     with self._weights_changing():
@@ -347,6 +387,8 @@ class Trainer:
                 loss_metrics.end_update()
         bar.close()
         time_update = time.perf_counter() - start
+        if self.world_size > 1 and cfg.old_logprobs == "sampler":  # each rank compared its own micro-batches
+            mismatch.combine_ranks()
 
         trained_tokens = float(batch.attention_mask.sum())
         rewards = batch.rewards.double()
@@ -385,13 +427,36 @@ class Trainer:
         """Log-probs of ``batch``'s action tokens (every token with ``actions_only=False``) under
         ``model`` ([batch, tokens], 0 elsewhere), micro-batched."""
         scores = torch.zeros(batch.ids.shape, dtype=torch.float32, device=self.device)
-        for rows in self._micro_batches(torch.arange(batch.ids.shape[0]), batch.attention_mask.sum(-1)):
+        micro_batches = self._micro_batches(torch.arange(batch.ids.shape[0]), batch.attention_mask.sum(-1))
+        for rows, real in self._rank_passes(micro_batches):
             width = int(batch.attention_mask[rows].sum(-1).max())
             scored = batch.mask[rows, :width] if actions_only else None
-            scores[rows, :width] = self._forward(
+            values = self._forward(
                 model, batch.ids[rows, :width], batch.attention_mask[rows, :width], entropy=False, scored=scored
             )[0]
+            if real:
+                scores[rows, :width] = values
+        if self.world_size > 1:
+            # Each rank filled only its rows (the others are 0), so the sum is every rank's whole batch.
+            dist.all_reduce(scores)
+            root = self._roots.get(id(model))
+            if root is not None:
+                root.reshard()  # type: ignore[operator]  # FSDPModule.reshard; no backward pass will do it
         return scores
+
+    def _rank_passes(self, micro_batches: list[torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's passes over ``micro_batches``: ``(rows, real)``.
+
+        In one process, every micro-batch. Rank r of N takes micro-batches r, r + N, r + 2N, …,
+        then as many passes on one row of the first micro-batch (``real`` False, contributing
+        nothing) as make every rank run the same number of passes: FSDP's all-gathers and
+        reduce-scatters run in each pass and must pair up across the ranks.
+        """
+        if self.world_size == 1:
+            return [(rows, True) for rows in micro_batches]
+        mine = micro_batches[self.rank :: self.world_size]
+        count = -(-len(micro_batches) // self.world_size)
+        return [(rows, True) for rows in mine] + [(micro_batches[0][:1], False)] * (count - len(mine))
 
     def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
         """``rows`` split in order into micro-batches of at most ``micro_batch_size`` sequences and
@@ -444,6 +509,20 @@ class Trainer:
         ``scored`` (a ``[batch, tokens]`` mask, the action tokens), only those tokens are scored
         (0 elsewhere) and the output layer runs on them alone, in chunks (see ``score_chunk``).
         """
+        root = self._roots.get(id(model))
+        if root is not None:  # sharded: the whole pass inside the FSDP root's forward (see _Passes)
+            return root(self._forward_pass, ids, attention_mask, entropy, entropy_grad, scored)
+        return self._forward_pass(model, ids, attention_mask, entropy, entropy_grad, scored)
+
+    def _forward_pass(
+        self,
+        model: torch.nn.Module,
+        ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        entropy: bool,
+        entropy_grad: bool,
+        scored: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         index = None
         if self.config.packing:
             row, positions, index = _pack(ids, attention_mask)
@@ -539,8 +618,11 @@ class Trainer:
         """The policy's weights under the base transformers model's names.
 
         Under LoRA, only the adapted layers' merged weights (``W + ΔW``); engines accept such a
-        partial state dict.
+        partial state dict. With ``world_size > 1`` every rank must call it (it gathers the
+        shards); rank 0 gets the weights, the other ranks an empty dict.
         """
+        if self.world_size > 1:
+            return self._gathered_state_dict()
         if not self.config.lora_rank:
             return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         from peft.tuners.lora import LoraLayer
@@ -563,6 +645,39 @@ class Trainer:
                         merged[f"{name}.bias"] = bias.detach()
         return merged
 
+    def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """engine_state_dict of a sharded policy: the full weights gathered to rank 0's CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only
+        full = get_model_state_dict(self.base_model, options=options)
+        if self.rank != 0:
+            return {}
+        if not self.config.lora_rank:
+            return full
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
+        from peft.utils.other import transpose
+
+        merged: dict[str, torch.Tensor] = {}
+        for name, module in self.base_model.named_modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            if not isinstance(module, LoraLinear) or any(module.use_dora.get(a) for a in module.active_adapters):
+                raise ValueError(
+                    f"{name}: with trainer ranks > 1, LoRA merges only plain linear adapters; "
+                    "target linear layers only (TrainerConfig.lora_target_modules) or use one trainer rank"
+                )
+            delta = sum(
+                transpose(full[f"{name}.lora_B.{a}.weight"] @ full[f"{name}.lora_A.{a}.weight"], module.fan_in_fan_out)
+                * module.scaling[a]
+                for a in module.active_adapters
+            )  # peft's get_delta_weight on the full tensors: (α/r)·B·A
+            merged[f"{name}.weight"] = full[f"{name}.base_layer.weight"] + delta
+            if f"{name}.base_layer.bias" in full:
+                merged[f"{name}.bias"] = full[f"{name}.base_layer.bias"]
+        return merged
+
     def save_checkpoint(self, path: str | Path | None = None, data_position: dict[str, Any] | None = None) -> Path:
         """Write a checkpoint (weights, optimiser, schedule, RNG, step, ``data_position``) and the plot.
 
@@ -583,8 +698,9 @@ class Trainer:
             data_position=data_position,
             config=self.config.to_dict(),
             tokenizer=self.tokenizer,
+            sharded=self.world_size > 1,
         )
-        if self.metrics is not None and self.metrics.history:
+        if self.metrics is not None and self.metrics.history and self.rank == 0:
             plot_curves(self.metrics.history, path / "curves.png")
             if self.out_dir is not None:
                 plot_curves(self.metrics.history, self.out_dir / "curves.png")
@@ -603,7 +719,7 @@ class Trainer:
         self.step_count = checkpoint.step
         if self.metrics is not None:
             self.metrics.close()
-        self.metrics = MetricsLog(self.out_dir, tensorboard=self.config.tensorboard, resume_step=checkpoint.step)
+        self.metrics = MetricsLog(self._metrics_dir, tensorboard=self.config.tensorboard, resume_step=checkpoint.step)
         return checkpoint.data_position
 
     def close(self) -> None:
@@ -622,7 +738,47 @@ class Trainer:
     # ---- progress ------------------------------------------------------------------------
 
     @property
+    def _metrics_dir(self) -> Path | None:
+        """Where metrics go: ``out_dir`` on rank 0; the other ranks keep theirs in memory."""
+        return self.out_dir if self.rank == 0 else None
+
+    def _shard(self) -> None:
+        """Shard the policy (and a reference copy) over the group with FSDP2: each decoder layer, then the rest.
+
+        The root of each is a :class:`_Passes` around the model, so that every pass the trainer runs
+        (the chunked head of ``_score_chosen`` included) is one forward of the root: its hooks gather
+        the embeddings, final norm and head (tied or not) before and reduce their gradients after.
+        Gradients are summed over the ranks, not averaged: each rank's micro-batches carry their
+        share of the whole mini-batch already.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dtypes = {p.dtype for p in self.model.parameters()}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"trainer ranks > 1 shard the policy with FSDP2, which needs one parameter dtype, but it has "
+                f"{', '.join(sorted(map(str, dtypes)))} (LoRA over a bfloat16 base?); set "
+                "TrainerConfig.base_dtype='float32' or use one trainer rank"
+            )
+        # An explicit mesh on the model's device: without one FSDP moves CPU models to CUDA where there is a GPU.
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        bf16 = self.device.type == "cuda" and self.compute_dtype == torch.bfloat16
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        for model in (self.model, self.ref_model):
+            if model is None:
+                continue
+            root = _Passes(model)
+            for module in [*_decoder_layers(model), root]:
+                fully_shard(module, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+                module.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # an FSDPModule now
+                module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # plain SUM (gloo has no PREMUL_SUM)
+            self._roots[id(model)] = root
+
+    @property
     def _progress_disabled(self) -> bool | None:
+        if self.rank != 0:
+            return True
         return None if self.config.progress is None else not self.config.progress  # None: tty only
 
     def _advance_steps_bar(self, record: Mapping[str, float]) -> None:
@@ -714,6 +870,46 @@ def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     return decoder, head
 
 
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers FSDP shards one by one: transformers' checkpointable layers, else ``model.layers``."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if layers:
+        return layers
+    for module in model.modules():
+        found = getattr(module, "layers", None)
+        if isinstance(found, torch.nn.ModuleList):
+            return list(found)
+    return []
+
+
+class _Passes(torch.nn.Module):
+    """The FSDP2 root around a sharded model: ``_Passes(model)(run, *args)`` is ``run(model, *args)``.
+
+    FSDP2 gathers the root's parameters (embeddings, final norm, output layer) in the root's
+    forward pre-hook and reduces their gradients from hooks it sets there; a pass that calls the
+    decoder and the head separately would bypass both. Running every pass as this module's
+    forward keeps them, whatever the pass calls inside.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, run: Any, *args: Any) -> Any:
+        return run(self.model, *args)
+
+
+def _sum_over_ranks(values: Mapping[str, float]) -> dict[str, float]:
+    """Each name's values summed over the ranks (in rank order, so every rank gets the same floats)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(values))
+    total: dict[str, float] = defaultdict(float)
+    for part in gathered:
+        for name, value in part.items():
+            total[name] += value
+    return dict(total)
+
+
 def _pack(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Concatenate right-padded sequences into one row.
 
@@ -773,6 +969,14 @@ class _Mismatch:
             self.max = max(self.max, float(difference.max()))
             self.sum += float(difference.sum())
             self.tokens += difference.numel()
+
+    def combine_ranks(self) -> None:
+        """Every rank's comparisons together (max of the maxima, sums and counts summed)."""
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.max, self.sum, self.tokens))
+        self.max = max(part[0] for part in gathered)
+        self.sum = sum(part[1] for part in gathered)
+        self.tokens = sum(part[2] for part in gathered)
 
     def result(self) -> dict[str, float]:
         return {

@@ -280,7 +280,7 @@ def test_make_engine_passes_vllm_its_arguments_and_the_colocated_share(monkeypat
     import torch
 
     from agents.engines.vllm import VLLMEngine
-    from agents.train import _make_engine
+    from agents.train import make_engine
 
     made = []
     original = VLLMEngine.__init__
@@ -295,13 +295,13 @@ def test_make_engine_passes_vllm_its_arguments_and_the_colocated_share(monkeypat
     trainer = SimpleNamespace(device=torch.device("cuda", 0), trainable_parameters=parameters)
     config = config_with({"engine": "vllm", "engine_kwargs": {"enforce_eager": True, "kv_cache_gib": None}})
     notes = []
-    _make_engine(config, build(config), trainer, notes.append)
+    make_engine(config, build(config), trainer, notes.append)
     ((args, kwargs),) = made
     assert args == (config.model,) and kwargs["engine_args"] == {"enforce_eager": True}  # kv_cache_gib set: no share
     assert (kwargs["max_num_seqs"], kwargs["max_model_len"], kwargs["kv_cache_gib"]) == (64, 2000 + 6192, None)
     made.clear()
     config = config_with({"engine": "vllm"})
-    _make_engine(config, build(config), trainer, notes.append)
+    make_engine(config, build(config), trainer, notes.append)
     assert made[0][1]["engine_args"] == {"gpu_memory_utilization": round(0.9 * 98 / 141, 3)}
     assert "gpu_memory_utilization 0.63" in notes[-1] and "2.0 GiB kept for the optimiser state" in notes[-1]
 

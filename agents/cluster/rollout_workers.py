@@ -1,0 +1,343 @@
+"""Rollout workers: Ray actors that each own an engine and the environments of the prompts they run.
+
+A prompt's whole tree grows on one worker, so every ``fork()`` stays in that process; what
+comes back is the finished :class:`~agents.rollout.strategies.PromptTrees` with token ids,
+log-probs, entropies, rewards and tree structure, never a live environment. The driver's
+:class:`RolloutPool` gives each prompt to the worker with the fewest prompts in flight; a
+worker whose process dies loses nothing: its unfinished prompts go to the other workers, Ray
+restarts it (``cluster.worker_restarts``), and it takes work again once it holds the current
+weights. Every prompt keeps its position in the batch, from which its seeds derive, so the
+trees do not depend on which worker grew them.
+
+Environments are built on the worker by ``agentenv.make`` from the driver's registry entry
+(:class:`agentenv.EnvSpec`), so an environment the user registered in the driver works there:
+an entry point given as a class or factory travels by value (with the module that defines it),
+one given as ``"module:attr"`` must be importable on the workers (an installed package, or on
+``PYTHONPATH``). The same holds for a user's own strategy. What the plug-in imports itself must
+be installed on every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import agentenv
+from agentenv.registration import EnvSpec
+from agents.cluster.runtime import import_ray
+from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
+from agents.rollout.strategies import PromptTrees, Strategy
+from agents.rollout.tree_loop import TreeConfig
+
+__all__ = ["RolloutPool", "RolloutWorker", "WorkerSpec"]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its engine and environments (plain values, sent once).
+
+    Attributes:
+        config: The run's :class:`~agents.config.TrainConfig` (model, engine and its arguments,
+            seed, env id and arguments).
+        env_spec: The driver's registry entry of ``config.env``.
+        strategy: The learner's rollout strategy.
+        tree: The rollout settings of every prompt (its ``seed`` is set per step).
+        threads: Torch threads of the worker's process (its share of the node's cores).
+    """
+
+    config: Any
+    env_spec: EnvSpec
+    strategy: Strategy
+    tree: TreeConfig
+    threads: int = 1
+
+
+class RolloutWorker:
+    """One worker process: its engine, its environment, and the trees of the prompts it is given.
+
+    Made a Ray actor by :class:`RolloutPool`; usable in-process too (tests of its logic).
+    """
+
+    def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        import torch
+
+        from agents.config import build
+        from agents.models import load_tokenizer
+        from agents.train import make_engine
+
+        torch.set_num_threads(spec.threads)
+        self.spec, self.rank = spec, rank
+        env = spec.env_spec
+        if env != _registered(env.id):  # a user's environment, registered in the driver
+            agentenv.register(
+                env.id, env.entry_point, nondeterministic=env.nondeterministic, description=env.description, **env.kwargs
+            )
+        from agentenv.wrappers import TokenEnv
+
+        self.engine = make_engine(spec.config, build(spec.config), None, log=lambda note: None)
+        self.tokenizer = load_tokenizer(spec.config.model)
+        self.env = TokenEnv(agentenv.make(spec.config.env, **spec.config.env_kwargs), self.tokenizer)
+        self.weights_version = 0
+
+    def ready(self) -> dict[str, Any]:
+        """Where the worker runs (returned once it has loaded its engine)."""
+        import os
+
+        return {"rank": self.rank, "pid": os.getpid(), "weights_version": self.weights_version}
+
+    async def rollout(self, index: int, task: int, seed: int) -> PromptTrees:
+        """The trees of ``task``, the batch's prompt number ``index``, under the rollout ``seed``.
+
+        Node environments are dropped before the trees leave the process.
+        """
+        from agents.train import task_episode
+
+        episode = task_episode(self.env, task)
+        try:
+            tree = dataclasses.replace(self.spec.tree, seed=seed)
+            from agents.rollout.tree_loop import rollout_trees
+
+            (prompt,) = await rollout_trees(self.engine, [episode], self.spec.strategy, tree, indices=[index])
+        finally:
+            episode.env.close()
+        for rollout_tree in prompt.trees:
+            for node in [rollout_tree.root, *rollout_tree.nodes()]:
+                node.env = None
+        return prompt
+
+    async def load_buckets(self, refs: Sequence[Any], version: int) -> float:
+        """Load the weights held in ``refs`` (object refs of :func:`put_buckets`), bucket by bucket.
+
+        Returns the seconds it took.
+        """
+        start = time.perf_counter()
+        for ref in refs:
+            await self.engine.update_weights(await ref)
+        self.weights_version = version
+        return time.perf_counter() - start
+
+    def digest(self, names: Sequence[str] | None = None) -> str:
+        """:func:`weights_digest` of the engine's weights (HFEngine: its model's state dict)."""
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise NotImplementedError(f"{type(self.engine).__name__} does not expose its weights for a digest")
+        return weights_digest(model.state_dict(), None if names is None else set(names))
+
+    async def evaluate(self, kwargs: Mapping[str, Any]) -> Any:
+        """:func:`agents.heldout.evaluate_heldout` on this worker's engine."""
+        from agents.heldout import evaluate_heldout
+
+        return await evaluate_heldout(self.engine, self.tokenizer, **kwargs)
+
+    async def close(self) -> None:
+        self.env.close()
+        await self.engine.close()
+
+
+@dataclass
+class _Worker:
+    handle: Any
+    rank: int
+    in_flight: int = 0
+    live: bool = True
+    reviving: asyncio.Task | None = field(default=None, repr=False)
+
+
+class RolloutPool:
+    """The driver's handle on M rollout workers: prompts out by load, trees back, weights to all.
+
+    Args:
+        spec: What each worker builds.
+        workers: M.
+        cpus: Ray CPUs each worker asks for.
+        gpus: GPUs each worker asks for (its vLLM's ``tensor_parallel_size``; 0 on CPU).
+        restarts: How often Ray restarts a worker whose process died.
+        bucket_bytes: Size of one bucket of the weight sync.
+        log: Where notes about failures go.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        workers: int,
+        *,
+        cpus: float = 1.0,
+        gpus: float = 0.0,
+        restarts: int = 1,
+        bucket_bytes: int = 256 * 2**20,
+        log: Any = print,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"a RolloutPool needs at least one worker, got {workers}")
+        ray = import_ray()
+        _travel_by_value(spec.env_spec.entry_point, spec.strategy)
+        actor = ray.remote(RolloutWorker).options(
+            num_cpus=cpus, num_gpus=gpus, max_restarts=restarts, max_task_retries=0, max_concurrency=1000
+        )
+        self._ray, self.log, self.bucket_bytes = ray, log, bucket_bytes
+        self.workers = [_Worker(actor.remote(spec, rank), rank) for rank in range(workers)]
+        try:
+            self.info = ray.get([worker.handle.ready.remote() for worker in self.workers])
+        except ray.exceptions.RayError as error:
+            for worker in self.workers:
+                ray.kill(worker.handle, no_restart=True)
+            raise RuntimeError(f"a rollout worker could not start: {error}") from None
+        self._weights: tuple[list[Any], int] | None = None  # the last sync's refs, for restarted workers
+        self.version = 0
+        self.failures = 0  # worker deaths noticed so far
+        self._step_failures = self._step_reruns = 0
+
+    @property
+    def engine(self) -> RolloutPool:
+        """What receives the trainer's weights: the pool itself (:meth:`update_weights`)."""
+        return self
+
+    # ---- rollout ----------------------------------------------------------------------------
+
+    async def rollout(self, tasks: Sequence[int], seed: int) -> list[PromptTrees]:
+        """The trees of every task, in order; prompt ``i`` of the batch keeps index ``i``.
+
+        A prompt whose worker died goes to the least-loaded live worker (or waits for a
+        restarted one); the step fails only when no worker is left.
+        """
+        self._step_failures = self._step_reruns = 0
+        results: dict[int, PromptTrees] = {}
+        pending = list(enumerate(tasks))
+        running: dict[asyncio.Future, tuple[_Worker, int, int]] = {}
+        while pending or running:
+            while pending and any(worker.live for worker in self.workers):
+                worker = min((w for w in self.workers if w.live), key=lambda w: (w.in_flight, w.rank))
+                index, task = pending.pop(0)
+                worker.in_flight += 1
+                ref = worker.handle.rollout.remote(index, task, seed)
+                running[asyncio.ensure_future(_awaited(ref))] = (worker, index, task)
+            revivals = [w.reviving for w in self.workers if w.reviving is not None]
+            if not running and not revivals:
+                raise RuntimeError(
+                    f"every rollout worker died ({self.failures} failures); the prompts {[i for i, _ in pending]} "
+                    "have no worker left; raise cluster.worker_restarts or check the workers' logs"
+                )
+            done, _ = await asyncio.wait([*running, *revivals], return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                if future not in running:
+                    continue  # a revival finished: the loop hands that worker work again
+                worker, index, task = running.pop(future)
+                worker.in_flight -= 1
+                try:
+                    results[index] = future.result()
+                except self._ray.exceptions.RayActorError as error:
+                    pending.append((index, task))
+                    self._step_reruns += 1
+                    if worker.live:
+                        self._lost(worker, error)
+        return [results[index] for index in range(len(tasks))]
+
+    def metrics(self) -> dict[str, float]:
+        """``cluster/*`` numbers of the last rollout: worker failures and prompts run again."""
+        return {
+            "cluster/worker_failures": float(self._step_failures),
+            "cluster/prompts_rerun": float(self._step_reruns),
+            "cluster/workers_live": float(sum(worker.live for worker in self.workers)),
+        }
+
+    def _lost(self, worker: _Worker, error: BaseException) -> None:
+        """A worker's process died: stop giving it work and bring it back with the current weights."""
+        worker.live = False
+        self.failures += 1
+        self._step_failures += 1
+        self.log(f"rollout worker {worker.rank} died ({type(error).__name__}); its prompts go to the other workers")
+        worker.reviving = asyncio.ensure_future(self._revive(worker))
+
+    async def _revive(self, worker: _Worker) -> None:
+        """Wait for Ray's restart of ``worker``, load the current weights, and mark it live."""
+        try:
+            await _awaited(worker.handle.ready.remote())
+            if self._weights is not None:
+                await _awaited(worker.handle.load_buckets.remote(self._weights[0], self.version))
+        except self._ray.exceptions.RayError as error:
+            self.log(f"rollout worker {worker.rank} is gone for good ({type(error).__name__})")
+            return
+        finally:
+            worker.reviving = None
+        worker.live = True
+        self.log(f"rollout worker {worker.rank} restarted and holds the current weights")
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+        """The engine contract's sync: put ``state_dict`` in the object store, load it on every worker."""
+        refs, size = put_buckets(state_dict, self.bucket_bytes)
+        await self.load_buckets(refs, size)
+
+    async def load_buckets(self, refs: list[Any], size: int, put_s: float = 0.0) -> SyncReport:
+        """Load the buckets ``refs`` (``size`` bytes) on every live worker; returns what the sync moved."""
+        self.version += 1
+        self._weights = (refs, size)
+        start = time.perf_counter()
+        live = [worker for worker in self.workers if worker.live]
+        outcomes = await asyncio.gather(
+            *(_awaited(worker.handle.load_buckets.remote(refs, self.version)) for worker in live),
+            return_exceptions=True,
+        )
+        for worker, outcome in zip(live, outcomes):
+            if isinstance(outcome, self._ray.exceptions.RayActorError):
+                self._lost(worker, outcome)  # its revival loads these weights
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        self.last_sync = SyncReport(size, len(refs), put_s, time.perf_counter() - start)
+        return self.last_sync
+
+    async def digests(self, names: Sequence[str] | None = None) -> list[str]:
+        """Each live worker's :func:`weights_digest` (equal after a sync)."""
+        live = [worker for worker in self.workers if worker.live]
+        return list(await asyncio.gather(*(_awaited(w.handle.digest.remote(names)) for w in live)))
+
+    async def evaluate(self, kwargs: Mapping[str, Any]) -> Any:
+        """The held-out evaluation on the first live worker (no progress bar: it has no terminal)."""
+        worker = next(worker for worker in self.workers if worker.live)
+        return await _awaited(worker.handle.evaluate.remote({**kwargs, "progress": False}))
+
+    def pids(self) -> list[int]:
+        """The workers' process ids (what a test kills)."""
+        return [info["pid"] for info in self._ray.get([w.handle.ready.remote() for w in self.workers])]
+
+    async def close(self) -> None:
+        """Close the engines and end the worker processes."""
+        for worker in self.workers:
+            try:
+                await asyncio.wait_for(_awaited(worker.handle.close.remote()), timeout=30)
+            except (self._ray.exceptions.RayError, TimeoutError):
+                pass  # a dead worker has nothing left to close
+            self._ray.kill(worker.handle, no_restart=True)
+
+
+def _registered(env_id: str) -> EnvSpec | None:
+    try:
+        return agentenv.spec(env_id)
+    except agentenv.UnknownEnvError:
+        return None
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
+def _travel_by_value(*objects: Any) -> None:
+    """Let Ray pickle user-defined classes and factories by value, so workers need not import their module.
+
+    Classes of ``agentenv``/``agents`` are imported on the workers as usual.
+    """
+    from ray import cloudpickle
+
+    for obj in objects:
+        module_name = getattr(obj, "__module__", None) or type(obj).__module__
+        if module_name.split(".")[0] in ("agentenv", "agents", "builtins", "__main__"):
+            continue  # ours are importable everywhere; __main__ already travels by value
+        module = sys.modules.get(module_name)
+        if module is not None:
+            cloudpickle.register_pickle_by_value(module)
