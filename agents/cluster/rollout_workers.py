@@ -75,7 +75,11 @@ class RolloutWorker:
         env = spec.env_spec
         if env != _registered(env.id):  # a user's environment, registered in the driver
             agentenv.register(
-                env.id, env.entry_point, nondeterministic=env.nondeterministic, description=env.description, **env.kwargs
+                env.id,
+                env.entry_point,
+                nondeterministic=env.nondeterministic,
+                description=env.description,
+                **env.kwargs,
             )
         from agentenv.wrappers import TokenEnv
 
@@ -253,13 +257,22 @@ class RolloutPool:
         self.log(f"rollout worker {worker.rank} died ({type(error).__name__}); its prompts go to the other workers")
         worker.reviving = asyncio.ensure_future(self._revive(worker))
 
-    async def _revive(self, worker: _Worker) -> None:
+    async def _revive(self, worker: _Worker, patience_s: float = 600.0) -> None:
         """Wait for Ray's restart of ``worker``, load the current weights, and mark it live."""
+        exceptions = self._ray.exceptions
+        deadline = time.monotonic() + patience_s
         try:
-            await _awaited(worker.handle.ready.remote())
+            while True:
+                try:
+                    await _awaited(worker.handle.ready.remote())
+                    break
+                except exceptions.ActorUnavailableError:  # restarting: its new process is not up yet
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(1.0)
             if self._weights is not None:
                 await _awaited(worker.handle.load_buckets.remote(self._weights[0], self.version))
-        except self._ray.exceptions.RayError as error:
+        except exceptions.RayError as error:
             self.log(f"rollout worker {worker.rank} is gone for good ({type(error).__name__})")
             return
         finally:

@@ -1,0 +1,268 @@
+"""Trainer ranks: N Ray actors forming one ``torch.distributed`` group, the model sharded by FSDP2.
+
+Each actor holds one :class:`~agents.training.trainer.Trainer` built with ``distributed=True``
+(rank r of N: gloo on CPU, NCCL on GPU); every rank receives the whole batch and trains its
+share of each mini-batch's micro-batches, and the summed gradients make every update the one
+process's (see :meth:`Trainer._rank_passes`). The driver holds a :class:`TrainerGroup`::
+
+    ensure_ray("local", processes=2)
+    group = TrainerGroup("smollm2-135m", TrainerConfig(), ranks=2, out_dir="runs/a")
+    record = await group.step(paths, {"time/rollout_s": 3.2})   # rank 0 logs it
+    refs, size = await group.weight_refs(256 << 20)              # rank 0's buckets in the object store
+    group.save_checkpoint(data_position={"next_row": 64})
+    group.close()
+
+A rank that fails stops the run: every call raises a RuntimeError naming the rank, and the
+group's actors are killed (the others would wait in a collective for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agents.cluster.runtime import cpu_share, import_ray
+from agents.models import load_model, load_tokenizer
+from agents.training.trainer import Trainer
+from agents.training.trainer_config import TrainerConfig
+
+__all__ = ["TrainerGroup"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_of(model: str) -> Any:
+    """The tokenizer of ``model``; ``None`` for a local folder that has none (a bare test model)."""
+    folder = Path(model)
+    if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return load_tokenizer(model)
+
+
+class _Rank:
+    """One trainer rank, the body of a Ray actor (its methods run one at a time)."""
+
+    def __init__(self, rank: int, ranks: int, threads: int | None) -> None:
+        self.rank, self.ranks = rank, ranks
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.trainer: Trainer | None = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's IP and a free port: rank 0's, where the group meets."""
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return ray.util.get_node_ip_address(), int(port)
+
+    def start(
+        self,
+        address: str,
+        port: int,
+        backend: str,
+        model: str,
+        config: TrainerConfig,
+        out_dir: str | None,
+        seed: int | None,
+    ) -> int:
+        """Join the group and build the trainer (the model loaded here, then sharded); returns the step."""
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray shows each rank its one GPU
+        dist.init_process_group(backend, rank=self.rank, world_size=self.ranks, init_method=f"tcp://{address}:{port}")
+        device = config.device or ("cuda" if backend == "nccl" else "cpu")
+        if config.device is None:
+            config = dataclasses.replace(config, device=device)
+        policy = load_model(model, dtype=getattr(torch, config.base_dtype), device=device)
+        if seed is not None:  # what the trainer initialises at random (LoRA's A) repeats; rank 0's goes to all
+            torch.manual_seed(seed)
+        self.trainer = Trainer(policy, config, tokenizer=_tokenizer_of(model), out_dir=out_dir, distributed=True)
+        return self.trainer.step_count
+
+    def _trainer(self) -> Trainer:
+        assert self.trainer is not None, "start() builds the trainer first"
+        return self.trainer
+
+    def step(self, paths: Sequence[Any], rollout_metrics: Mapping[str, float] | None) -> dict[str, float]:
+        return asyncio.run(self._trainer().step(paths, rollout_metrics))
+
+    def weight_refs(self, bucket_bytes: int) -> tuple[list[Any], int] | None:
+        from agents.cluster.weight_sync import put_buckets
+
+        state = self._trainer().engine_state_dict()  # every rank takes part in the gather
+        return put_buckets(state, bucket_bytes) if self.rank == 0 else None
+
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._trainer().engine_state_dict()
+
+    def save_checkpoint(self, data_position: dict[str, Any] | None) -> str:
+        return str(self._trainer().save_checkpoint(data_position=data_position))
+
+    def resume(self, path: str) -> tuple[dict[str, Any], int]:
+        trainer = self._trainer()
+        position = trainer.resume(path)
+        return position, trainer.step_count
+
+    def stop(self) -> None:
+        import torch.distributed as dist
+
+        if self.trainer is not None:
+            self.trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerGroup:
+    """The driver's handle on N trainer ranks (Ray actors); Ray must be started (``ensure_ray``).
+
+    Args:
+        model: a model name or folder for :func:`agents.models.load_model`, loaded by every rank.
+        config: the trainer's hyper-parameters, the same on every rank.
+        ranks: N, the processes of the group.
+        out_dir: the run folder (rank 0 writes metrics there; checkpoints go to its
+            ``checkpoints/``, which every rank must see: each writes its shards).
+        cpus_per_rank: Ray CPUs per actor; ``None``: :func:`agents.cluster.runtime.cpu_share` of N.
+        gpus_per_rank: 0 (CPU ranks, gloo) or the GPUs per actor (NCCL; 1 for FSDP).
+        seed: seeds torch on the ranks just before the trainer is built, so that what it
+            initialises at random (LoRA's A matrices) is reproducible; ``None``: unseeded. Either
+            way every rank starts from rank 0's weights.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        config: TrainerConfig,
+        *,
+        ranks: int,
+        out_dir: str | Path | None,
+        cpus_per_rank: float | None = None,
+        gpus_per_rank: float = 0,
+        seed: int | None = None,
+    ) -> None:
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks must be an integer >= 1, got {ranks!r}")
+        import torch.distributed as dist
+
+        backend = "nccl" if gpus_per_rank else "gloo"
+        available = dist.is_available() and (dist.is_nccl_available() if gpus_per_rank else dist.is_gloo_available())
+        if not available:
+            raise RuntimeError(
+                f"trainer ranks need torch.distributed with the {backend} backend, which this torch build "
+                f"({torch.__version__}) lacks; install a torch with it, or use cluster.trainer_ranks=1"
+            )
+        ray = import_ray()
+        if not ray.is_initialized():
+            raise RuntimeError("TrainerGroup needs Ray started: call agents.cluster.runtime.ensure_ray first")
+        self.config, self.ranks = config, ranks
+        self.tokenizer = _tokenizer_of(model)
+        self.step_count = 0
+        self._ray = ray
+        cores = os.cpu_count() or 1
+        threads = None if gpus_per_rank else max(1, cores // ranks)
+        cpus = cpu_share(ranks) if cpus_per_rank is None else cpus_per_rank
+        actor = ray.remote(_Rank).options(num_cpus=cpus, num_gpus=gpus_per_rank)
+        self._actors: list[Any] = [actor.remote(rank, ranks, threads) for rank in range(ranks)]
+        try:
+            address, port = self._collect([self._actors[0].rendezvous.remote()])[0]
+            out = None if out_dir is None else str(Path(out_dir).resolve())
+            steps = self._collect(
+                [a.start.remote(address, port, backend, model, config, out, seed) for a in self._actors]
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.step_count = steps[0]
+
+    # ---- the driver's calls ---------------------------------------------------------------
+
+    async def step(self, paths: Sequence[Any], rollout_metrics: Mapping[str, float] | None = None) -> dict[str, float]:
+        """One training step on every rank; the record (Trainer.step's, without an engine sync), rank 0's."""
+        batch = self._ray.put(list(paths))  # once in the object store, read by every rank
+        metrics = dict(rollout_metrics) if rollout_metrics else None
+        records = await self._collect_async([a.step.remote(batch, metrics) for a in self._actors])
+        self.step_count += 1
+        return records[0]
+
+    async def weight_refs(self, bucket_bytes: int) -> tuple[list[Any], int]:
+        """The full weights as object-store buckets (:func:`agents.cluster.weight_sync.put_buckets`) and their bytes."""
+        results = await self._collect_async([a.weight_refs.remote(bucket_bytes) for a in self._actors])
+        refs, size = results[0]
+        return refs, size
+
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights (engine names), fetched to the driver: for tests and small models."""
+        return self._collect([a.engine_state_dict.remote() for a in self._actors])[0]
+
+    def save_checkpoint(self, data_position: dict[str, Any] | None = None) -> Path:
+        """A checkpoint under ``out_dir/checkpoints`` (sharded, plus the consolidated ``model/``)."""
+        return Path(self._collect([a.save_checkpoint.remote(data_position) for a in self._actors])[0])
+
+    def resume(self, path: str | Path) -> dict[str, Any]:
+        """Continue from a checkpoint written at any number of ranks; returns its data position."""
+        position, self.step_count = self._collect([a.resume.remote(str(path)) for a in self._actors])[0]
+        return position
+
+    def close(self) -> None:
+        """Leave the group and end the actors (idempotent)."""
+        actors, self._actors = getattr(self, "_actors", []), []
+        if not actors:
+            return
+        ray = self._ray
+        stops = [a.stop.remote() for a in actors]
+        ray.wait(stops, num_returns=len(stops), timeout=10)
+        for actor in actors:
+            ray.kill(actor)
+
+    # ---- failures --------------------------------------------------------------------------
+
+    def _failed(self, rank: int, error: BaseException) -> RuntimeError:
+        self.close()  # the other ranks would wait in a collective for this one
+        cause = getattr(error, "cause", None) or error
+        return RuntimeError(
+            f"trainer rank {rank} failed: {type(cause).__name__}: {cause}; the run stops; "
+            "continue with --resume from the last checkpoint"
+        )
+
+    def _collect(self, refs: list[Any]) -> list[Any]:
+        """Every rank's result, or the first failure as a RuntimeError (the group then closed)."""
+        if not self._actors:
+            raise RuntimeError("the trainer group is closed")
+        index = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = self._ray.wait(pending, num_returns=1)
+            for ref in ready:
+                try:
+                    results[index[ref]] = self._ray.get(ref)
+                except Exception as error:
+                    raise self._failed(index[ref], error) from error
+        return [results[rank] for rank in range(len(refs))]
+
+    async def _collect_async(self, refs: list[Any]) -> list[Any]:
+        if not self._actors:
+            raise RuntimeError("the trainer group is closed")
+
+        async def get(ref: Any) -> Any:
+            return await ref
+
+        tasks = [asyncio.ensure_future(get(ref)) for ref in refs]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for rank, task in enumerate(tasks):
+            if task in done and task.exception() is not None:
+                error = task.exception()
+                assert error is not None
+                for other in tasks:
+                    other.cancel()
+                raise self._failed(rank, error) from error
+        return [task.result() for task in tasks]

@@ -1,0 +1,214 @@
+"""Rollout workers on real Ray: the same trees as one process, weights equal after a sync, a killed
+worker loses nothing, and an environment registered in the driver (here, in this test module) runs
+on the workers and trains.
+
+The model is a random 2-layer Llama with a byte-level tokenizer saved as a checkpoint folder (the
+workers load it by path, as they would a real model), the environment a user's own.
+"""
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import agentenv
+from agentenv.wrappers import TokenEnv
+from agents.cluster.rollout_workers import RolloutPool, WorkerSpec
+from agents.cluster.weight_sync import weights_digest
+from agents.config import TrainConfig, build, merge
+from agents.models import load_model, load_tokenizer
+from agents.train import _LocalRollout, make_engine, train
+from agents.training.metrics import read_jsonl
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class SlowLetters(agentenv.Env):
+    """``turns`` turns, each taking ``delay`` seconds; the reward is the fraction of answered characters in a-z."""
+
+    def __init__(self, turns: int = 2, delay: float = 0.0, render_mode=None):
+        super().__init__(render_mode=render_mode)
+        self.turns, self.delay = turns, delay
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.said = []
+        return "Write letters.", {}
+
+    def step(self, action):
+        time.sleep(self.delay)
+        self.said.append(action)
+        text = "".join(self.said)
+        done = len(self.said) == self.turns
+        letters = sum("a" <= ch <= "z" for ch in text)
+        return "next", letters / max(1, len(text)) if done else 0.0, done, False, {}
+
+
+# Registered here, in the driver, only: the workers get the entry by value.
+agentenv.register("cluster-tests/slow-letters-v0", SlowLetters)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A random 2-layer Llama and a byte-level tokenizer with a chat template, saved as a checkpoint folder."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def letters_config(model: str, **changes) -> TrainConfig:
+    """AT²PO on slow-letters: 4 prompts × (2 + 1·2) leaves of 6-token turns per step."""
+    values = merge(
+        TrainConfig(algo="at2po").to_dict(),
+        {
+            "env": "cluster-tests/slow-letters",
+            "model": model,
+            "steps": 2,
+            "prompts_per_step": 4,
+            "holdout": 2,
+            "eval_questions": 2,
+            "checkpoint_every": 1,
+            "strategy": {"M": 2, "L": 1, "K": 2},
+            "trainer": {"lr": 3e-2, "mini_batches": 1, "micro_batch_size": 16, "tensorboard": False},
+            "sampling": {"max_new_tokens": 6},
+            "rollout": {"max_response_tokens": 24},
+        },
+    )
+    return TrainConfig.from_dict(merge(values, changes))
+
+
+@pytest.fixture(scope="module")
+def pool(ray_local, tiny_model):
+    """Two rollout workers on the tiny model (one start for the module; the kill test comes last)."""
+    config = letters_config(tiny_model, env_kwargs={"delay": 0.2})
+    parts = build(config)
+    spec = WorkerSpec(config, agentenv.spec(config.env), parts.learner.strategy, parts.tree)
+    notes: list[str] = []
+    pool = RolloutPool(spec, 2, cpus=1, restarts=1, log=notes.append)
+    pool.notes = notes
+    yield pool, config, parts
+    asyncio.run(pool.close())
+
+
+def leaves(prompts):
+    return [[(leaf.action_ids, leaf.reward) for leaf in prompt.leaves] for prompt in prompts]
+
+
+async def test_workers_grow_the_trees_one_process_grows_and_hold_the_trainers_weights_after_a_sync(pool):
+    pool, config, parts = pool
+    assert len({info["pid"] for info in pool.info}) == 2 and os.getpid() not in {i["pid"] for i in pool.info}
+    tasks = [2, 5, 3, 7]
+    spread = await pool.rollout(tasks, seed=11)
+    tokenizer = load_tokenizer(config.model)
+    env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), tokenizer)
+    local = _LocalRollout(env, make_engine(config, parts, None), tokenizer, parts)
+    try:
+        alone = await local.rollout(tasks, seed=11)
+    finally:
+        await local.close()
+    assert [p.index for p in spread] == [0, 1, 2, 3] and [p.key for p in spread] == tasks
+    assert all(len(prompt.leaves) == 4 for prompt in spread)  # M + L·K leaves each
+    assert leaves(spread) == leaves(alone)  # each prompt's seeds follow it to whichever worker runs it
+    assert all(node.env is None for prompt in spread for tree in prompt.trees for node in [tree.root, *tree.nodes()])
+    assert pool.metrics() == {"cluster/worker_failures": 0.0, "cluster/prompts_rerun": 0.0, "cluster/workers_live": 2.0}
+
+    # A sync: new weights on every worker, equal to the sender's, each tied tensor sent once.
+    model = load_model(config.model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01)
+    before = await pool.digests()
+    await pool.update_weights(model.state_dict())
+    after = await pool.digests()
+    assert before[0] == before[1] and after[0] == after[1] != before[0]
+    assert after[0] == weights_digest(model.state_dict())
+    assert pool.last_sync.buckets >= 1
+    assert pool.last_sync.bytes == sum(p.numel() * 4 for p in model.parameters())  # the tied matrix once
+
+
+async def test_a_worker_killed_during_a_step_loses_no_prompt_and_comes_back_with_the_current_weights(pool):
+    pool, config, parts = pool
+    expected = await pool.digests()
+    victim = pool.pids()[0]
+    step = asyncio.ensure_future(pool.rollout([2, 3, 4, 5, 6, 7], seed=3))
+    await asyncio.sleep(1.0)  # both workers are inside their prompts (each turn takes 0.2 s)
+    assert not step.done()
+    os.kill(victim, signal.SIGKILL)
+    prompts = await step
+    assert [p.key for p in prompts] == [2, 3, 4, 5, 6, 7]
+    assert all(len(prompt.leaves) == 4 and not prompt.error for prompt in prompts)
+    metrics = pool.metrics()
+    assert metrics["cluster/worker_failures"] == 1.0 and metrics["cluster/prompts_rerun"] >= 1.0
+    assert any("rollout worker" in note and "died" in note for note in pool.notes)
+    for _ in range(120):  # Ray restarts the worker; it reloads the last sync's weights
+        if all(worker.live for worker in pool.workers):
+            break
+        await asyncio.sleep(0.5)
+    assert all(worker.live for worker in pool.workers), pool.notes
+    assert victim not in pool.pids()
+    assert await pool.digests() == expected
+
+
+@pytest.mark.slow
+async def test_train_on_rollout_workers_writes_the_run_folder_and_resumes_exactly(ray_local, tiny_model, tmp_path):
+    config = letters_config(tiny_model, cluster={"rollout_workers": 2}, steps=3, checkpoint_every=2)
+    notes: list[str] = []
+    result = await train(config, tmp_path / "run", progress=False, log=notes.append)
+    assert result.steps == 3
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["batch/sequences"] == 16 and r["cluster/worker_failures"] == 0 for r in records)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["cluster"]["rollout_workers"] == 2 and saved["cluster"]["trainer_ranks"] == 1
+    assert [h.step for h in result.heldout] == [0, 3]
+
+    # One process on the same config: the same trees, so the same rewards (the trainer is the same code).
+    single = await train(dataclasses.replace(config, cluster={}), tmp_path / "single", progress=False, log=notes.append)
+    for spread, alone in zip(result.history, single.history):
+        assert spread["reward/mean"] == alone["reward/mean"]
+        assert spread["policy/loss"] == pytest.approx(alone["policy/loss"], rel=1e-5, abs=1e-7)
+
+    # Cut the run back to its step-2 checkpoint and resume: step 3 repeats.
+    import shutil
+
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000003")
+    resumed = await train(config, tmp_path / "run", resume=True, progress=False, log=notes.append)
+    again = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert resumed.steps == 3 and [r["step"] for r in again] == [1, 2, 3]
+    assert again[2]["reward/mean"] == records[2]["reward/mean"]
+    assert again[2]["policy/loss"] == pytest.approx(records[2]["policy/loss"], rel=1e-5, abs=1e-7)
