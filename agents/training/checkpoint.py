@@ -320,9 +320,9 @@ def _load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
         set_model_state_dict(model, state["model"])
         return
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    both: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(both, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])
 
 
 def _load_full_into_shards(
@@ -357,13 +357,13 @@ def _load_full_into_shards(
     unexpected = sorted(set(weights) - own)
     if unexpected:
         raise ValueError(f"the checkpoint in {folder} has weights this model lacks: {unexpected[:5]}")
-    set_model_state_dict(model, weights, options=options)
+    set_model_state_dict(model, dict(weights), options=options)
     if optimizer is None:
         return
     # The optimiser's parameters are the model's trainable ones in order (as the Trainer builds it):
     # its index-keyed state becomes the name-keyed full state that torch.distributed reshards.
     names = [name for name, p in model.named_parameters() if p.requires_grad]
-    full = {
+    full: dict[str, Any] = {
         "state": {names[index]: value for index, value in optimizer_state["state"].items()},
         "param_groups": [
             {**group, "params": [names[index] for index in group["params"]]}

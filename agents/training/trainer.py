@@ -650,9 +650,10 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only
-        full = get_model_state_dict(self.base_model, options=options)
+        gathered = get_model_state_dict(self.base_model, options=options)
         if self.rank != 0:
             return {}
+        full = {name: value for name, value in gathered.items() if isinstance(value, torch.Tensor)}
         if not self.config.lora_rank:
             return full
         from peft.tuners.lora import Linear as LoraLinear
@@ -668,12 +669,11 @@ class Trainer:
                     f"{name}: with trainer ranks > 1, LoRA merges only plain linear adapters; "
                     "target linear layers only (TrainerConfig.lora_target_modules) or use one trainer rank"
                 )
-            delta = sum(
-                transpose(full[f"{name}.lora_B.{a}.weight"] @ full[f"{name}.lora_A.{a}.weight"], module.fan_in_fan_out)
-                * module.scaling[a]
-                for a in module.active_adapters
-            )  # peft's get_delta_weight on the full tensors: (α/r)·B·A
-            merged[f"{name}.weight"] = full[f"{name}.base_layer.weight"] + delta
+            weight = full[f"{name}.base_layer.weight"]
+            for a in module.active_adapters:  # peft's get_delta_weight on the full tensors: (α/r)·B·A
+                delta = full[f"{name}.lora_B.{a}.weight"] @ full[f"{name}.lora_A.{a}.weight"]
+                weight = weight + transpose(delta, module.fan_in_fan_out) * module.scaling[a]
+            merged[f"{name}.weight"] = weight
             if f"{name}.base_layer.bias" in full:
                 merged[f"{name}.bias"] = full[f"{name}.base_layer.bias"]
         return merged
@@ -754,6 +754,12 @@ class Trainer:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # Every rank starts from rank 0's weights: a random initialisation (LoRA's A, a model
+        # built from a config) would otherwise differ between the ranks, and shard into a mix.
+        with torch.no_grad():
+            for model in (self.model, self.ref_model):
+                for tensor in [] if model is None else [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(tensor.data, src=0)
         dtypes = {p.dtype for p in self.model.parameters()}
         if len(dtypes) > 1:
             raise ValueError(
@@ -764,13 +770,18 @@ class Trainer:
         # An explicit mesh on the model's device: without one FSDP moves CPU models to CUDA where there is a GPU.
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         bf16 = self.device.type == "cuda" and self.compute_dtype == torch.bfloat16
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        # float32 throughout otherwise (the default policy); bfloat16 compute on a GPU as one process's autocast.
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
+        )
         for model in (self.model, self.ref_model):
             if model is None:
                 continue
             root = _Passes(model)
             for module in [*_decoder_layers(model), root]:
-                fully_shard(module, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+                fully_shard(module, mesh=mesh, mp_policy=policy)
                 module.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # an FSDPModule now
                 module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # plain SUM (gloo has no PREMUL_SUM)
             self._roots[id(model)] = root
@@ -872,7 +883,7 @@ def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers FSDP shards one by one: transformers' checkpointable layers, else ``model.layers``."""
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if layers:
         return layers
     for module in model.modules():
