@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ import agentenv
 from agentenv.registration import EnvSpec
 from agents.cluster.runtime import import_ray
 from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
+from agents.engines.base import Engine
 from agents.rollout.strategies import PromptTrees, Strategy
 from agents.rollout.tree_loop import TreeConfig
 
@@ -48,6 +49,8 @@ class WorkerSpec:
         strategy: The learner's rollout strategy.
         tree: The rollout settings of every prompt (its ``seed`` is set per step).
         threads: Torch threads of the worker's process (its share of the node's cores).
+        engine: A function building the worker's engine instead of the run's (``config.engine``):
+            your own engine, or a scripted one for a simulated cluster (``benchmarks.scale_bench``).
     """
 
     config: Any
@@ -55,6 +58,7 @@ class WorkerSpec:
     strategy: Strategy
     tree: TreeConfig
     threads: int = 1
+    engine: Callable[[], Engine] | None = None
 
 
 class RolloutWorker:
@@ -66,9 +70,7 @@ class RolloutWorker:
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
         import torch
 
-        from agents.config import build
         from agents.models import load_tokenizer
-        from agents.train import make_engine
 
         torch.set_num_threads(spec.threads)
         self.spec, self.rank = spec, rank
@@ -83,7 +85,13 @@ class RolloutWorker:
             )
         from agentenv.wrappers import TokenEnv
 
-        self.engine = make_engine(spec.config, build(spec.config), None, log=lambda note: None)
+        if spec.engine is not None:
+            self.engine = spec.engine()
+        else:
+            from agents.config import build
+            from agents.train import make_engine
+
+            self.engine = make_engine(spec.config, build(spec.config), None, log=lambda note: None)
         self.tokenizer = load_tokenizer(spec.config.model)
         self.env = TokenEnv(agentenv.make(spec.config.env, **spec.config.env_kwargs), self.tokenizer)
         self.weights_version = 0
@@ -179,7 +187,7 @@ class RolloutPool:
         if workers < 1:
             raise ValueError(f"a RolloutPool needs at least one worker, got {workers}")
         ray = import_ray()
-        _travel_by_value(spec.env_spec.entry_point, spec.strategy)
+        _travel_by_value(spec.env_spec.entry_point, spec.strategy, spec.engine)
         actor = ray.remote(RolloutWorker).options(
             num_cpus=cpus, num_gpus=gpus, max_restarts=restarts, max_task_retries=0, max_concurrency=1000
         )
@@ -348,6 +356,8 @@ def _travel_by_value(*objects: Any) -> None:
     from ray import cloudpickle
 
     for obj in objects:
+        if obj is None:
+            continue
         module_name = getattr(obj, "__module__", None) or type(obj).__module__
         if module_name.split(".")[0] in ("agentenv", "agents", "builtins", "__main__"):
             continue  # ours are importable everywhere; __main__ already travels by value
