@@ -306,6 +306,7 @@ def _load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
 
     Without a process group (one process) the shards are read whole into the plain model.
     """
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -314,14 +315,16 @@ def _load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
         set_state_dict,
     )
 
+    alone = not (dist.is_available() and dist.is_initialized())
+
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, checkpoint_id=folder, no_dist=alone)
         set_model_state_dict(model, state["model"])
         return
     model_state, optimizer_state = get_state_dict(model, optimizer)
     both: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(both, checkpoint_id=folder)
+    dcp.load(both, checkpoint_id=folder, no_dist=alone)
     set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])
 
 

@@ -75,11 +75,11 @@ def assert_weights_equal(state, model, atol):
     return difference
 
 
-def assert_same_record(record, expected):
+def assert_same_record(record, expected, grad_norm_rel=1e-6):
     assert record["policy/loss"] == pytest.approx(expected["policy/loss"], rel=1e-6)
-    assert record["optim/grad_norm"] == pytest.approx(expected["optim/grad_norm"], rel=1e-6)
+    assert record["optim/grad_norm"] == pytest.approx(expected["optim/grad_norm"], rel=grad_norm_rel)
     for name, value in expected.items():
-        if not name.startswith(("time/", "throughput/")):
+        if not name.startswith(("time/", "throughput/", "optim/grad_norm")):
             assert record[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
 
 
@@ -136,6 +136,12 @@ async def test_two_ranks_train_resume_and_checkpoint_like_one_process(ray_local,
         await group.step(BATCH_B)
         assert_weights_equal(group.engine_state_dict(), single.model, atol=1e-6)
         print(f"max parameter difference N=2 vs N=1 after one update: {difference_a:.2e}")
+
+        # A rank that fails stops the group with an error that names it and the way on.
+        with pytest.raises(RuntimeError, match=r"trainer rank \d failed: .*not a checkpoint folder.*--resume"):
+            group.resume(tmp_path / "no-such-checkpoint")
+        with pytest.raises(RuntimeError, match="closed"):
+            await group.step(BATCH_B)
     finally:
         group.close()
 
@@ -150,12 +156,14 @@ async def test_two_ranks_train_resume_and_checkpoint_like_one_process(ray_local,
     ],
     ids=["lora-checkpointing-kl-sampler", "kl-copy-packing-full-logits"],
 )
-async def test_two_ranks_match_one_process_with_lora_checkpointing_kl_and_packing(ray_local, tiny_folder, overrides):
+async def test_two_ranks_match_one_process_with_lora_checkpointing_kl_and_packing(
+    ray_local, tiny_folder, tmp_path, overrides
+):
     model = tiny_model()
     torch.manual_seed(3)  # LoRA's A matrices, as the ranks draw them with seed=3
     single = Trainer(model, config(**overrides))
     expected = [await single.step(batch) for batch in (BATCH_A, BATCH_B)]
-    group = TrainerGroup(str(tiny_folder), config(**overrides), ranks=2, out_dir=None, seed=3)
+    group = TrainerGroup(str(tiny_folder), config(**overrides), ranks=2, out_dir=tmp_path, seed=3)
     try:
         records = [await group.step(batch) for batch in (BATCH_A, BATCH_B)]
         for record, want in zip(records, expected):
@@ -169,5 +177,45 @@ async def test_two_ranks_match_one_process_with_lora_checkpointing_kl_and_packin
         buckets = [ray_local.get(ref) for ref in refs]
         assert sum(t.numel() * t.element_size() for b in buckets for t in b.values()) == size > 0
         assert {name for b in buckets for name in b} <= set(want_state)
+
+        # The sharded checkpoint (under LoRA: the adapter in model/) resumes in one process.
+        checkpoint = group.save_checkpoint()
+        resumed = Trainer(tiny_model(seed=5), config(**overrides))
+        resumed.resume(checkpoint)
+        assert resumed.step_count == 2
+        resumed_state = resumed.engine_state_dict()
+        assert max(float((state[name] - resumed_state[name]).abs().max()) for name in state) == 0.0
+        assert (
+            checkpoint / "model" / ("adapter_config.json" if overrides.get("lora_rank") else "config.json")
+        ).is_file()
+    finally:
+        group.close()
+
+
+def smollm_paths(seed: int) -> list[TrainingPath]:
+    """Three paths of about 40 tokens with ids of SmolLM2's vocabulary."""
+    return make_paths(seed, trees=2, vocab=49152, length=12)[:3]
+
+
+@pytest.mark.slow
+async def test_two_ranks_match_one_process_on_smollm2(ray_local):
+    from agents.models import load_model
+
+    overrides = {"lr": 1e-5, "mini_batches": 1}  # three micro-batches: rank 1 pads with a zero-share pass
+    single = Trainer(load_model("smollm2-135m"), config(**overrides))
+    expected = await single.step(smollm_paths(1))
+    group = TrainerGroup("smollm2-135m", config(**overrides), ranks=2, out_dir=None)
+    try:
+        assert group.tokenizer is not None
+        record = await group.step(smollm_paths(1))
+        # The summed gradients are the one process's bit for bit, but float32 norms of the 28M-entry
+        # embedding gradient carry ~2e-5 of rounding, and over shards it rounds differently (the
+        # float64 norm, 8.009235, is nearer the sharded 8.009130 than the one process's 8.009041).
+        assert_same_record(record, expected, grad_norm_rel=1e-4)
+        difference = assert_weights_equal(group.engine_state_dict(), single.model, atol=1e-5)
+        print(
+            f"SmolLM2 N=2 vs N=1: max parameter difference {difference:.2e}, loss {record['policy/loss']!r} vs "
+            f"{expected['policy/loss']!r}, grad norm {record['optim/grad_norm']!r} vs {expected['optim/grad_norm']!r}"
+        )
     finally:
         group.close()
