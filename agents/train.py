@@ -39,12 +39,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import agentenv
 from agentenv.wrappers import TokenEnv
+from agents.cluster.config import ClusterConfig
 from agents.config import RESUMABLE, RunParts, TrainConfig, build, effective_config
 from agents.engines.base import Engine
 from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, greedy_rollout
@@ -55,7 +56,11 @@ from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import TrainingPath
 from agents.rollout.tree_loop import TreeConfig, rollout_trees
 from agents.training.checkpoint import latest_checkpoint
+from agents.training.metrics import read_jsonl
 from agents.training.trainer import Trainer
+
+if TYPE_CHECKING:
+    from agents.cluster.trainer_ranks import TrainerGroup
 
 __all__ = ["CONFIG_FILE", "TaskOrder", "TrainResult", "rollout_seed", "saved_config", "train"]
 
@@ -178,13 +183,11 @@ async def train(
     if cluster.uses_ray:
         from agents.cluster.runtime import ensure_ray
 
-        ensure_ray(
-            cluster.address, processes=cluster.rollout_workers + (cluster.trainer_ranks > 1) * cluster.trainer_ranks
-        )
-    trainer = Trainer(config.model, dataclasses.replace(parts.trainer, progress=progress), out_dir=out)
+        ensure_ray(cluster.address, processes=_processes(cluster))
+    trainer = _make_trainer(config, parts, out, progress)
     env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), trainer.tokenizer)
     rollout = _make_rollout(config, parts, env, trainer, log)
-    trainer.engine = rollout.engine
+    trainer.engine = rollout.engine  # each step ends with the weights synced to it
     heldout = None
     try:
         position: dict[str, Any] = {}
@@ -214,7 +217,7 @@ async def train(
                 log(f"step {step}: checkpoint {last_checkpoint}")
             if step == config.steps or (config.eval_every and step % config.eval_every == 0):
                 await evaluation.run(step=step)
-        history = list(trainer.metrics.history) if trainer.metrics is not None else []
+        history = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
         return TrainResult(out, effective, trainer.step_count, last_checkpoint, history, list(heldout.results))
     finally:
         env.close()
@@ -222,6 +225,37 @@ async def train(
             heldout.close()
         trainer.close()
         await rollout.close()
+
+
+def _on_gpu(config: TrainConfig) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and (config.device or "cuda").startswith("cuda")
+
+
+def _processes(cluster: ClusterConfig) -> int:
+    """The run's Ray actors: the rollout workers, and the trainer ranks when there are several."""
+    return cluster.rollout_workers + (cluster.trainer_ranks if cluster.trainer_ranks > 1 else 0)
+
+
+def _make_trainer(config: TrainConfig, parts: RunParts, out: Path, progress: bool | None) -> Trainer | TrainerGroup:
+    """The trainer in this process, or ``cluster.trainer_ranks`` ranks sharding it (Ray actors)."""
+    trainer_config = dataclasses.replace(parts.trainer, progress=progress)
+    if parts.cluster.trainer_ranks == 1:
+        return Trainer(config.model, trainer_config, out_dir=out)
+
+    from agents.cluster.trainer_ranks import TrainerGroup
+
+    gpus = 1 if _on_gpu(config) else 0
+    return TrainerGroup(
+        config.model,
+        trainer_config,
+        ranks=parts.cluster.trainer_ranks,
+        out_dir=out,
+        gpus_per_rank=gpus,
+        seed=config.seed,
+        bucket_bytes=parts.cluster.sync_bucket_mb * 2**20,
+    )
 
 
 def task_episode(env: TokenEnv, task: int) -> Episode:
@@ -262,19 +296,21 @@ class _LocalRollout:
 
 
 def _make_rollout(
-    config: TrainConfig, parts: RunParts, env: TokenEnv, trainer: Trainer, log: Callable[[str], None]
+    config: TrainConfig, parts: RunParts, env: TokenEnv, trainer: Trainer | TrainerGroup, log: Callable[[str], None]
 ) -> Any:
-    """Where the rollouts run: this process's engine, or ``cluster.rollout_workers`` Ray actors."""
+    """Where the rollouts run: this process's engine (on the trainer's own model when it is here),
+    or ``cluster.rollout_workers`` Ray actors."""
     cluster = parts.cluster
     if not cluster.rollout_workers:
-        return _LocalRollout(env, make_engine(config, parts, trainer, log), trainer.tokenizer, parts)
+        here = trainer if isinstance(trainer, Trainer) else None
+        return _LocalRollout(env, make_engine(config, parts, here, log), trainer.tokenizer, parts)
     from agents.cluster.rollout_workers import RolloutPool, WorkerSpec
     from agents.cluster.runtime import cpu_share
 
     engine = cluster.worker_engine or config.engine
     worker_config = dataclasses.replace(config, engine=engine)
     gpus = 0.0
-    if engine == "vllm" and trainer.device.type == "cuda":
+    if engine == "vllm" and _on_gpu(config):
         gpus = float(cluster.tensor_parallel_size)
         worker_config.engine_kwargs = {**config.engine_kwargs, "tensor_parallel_size": cluster.tensor_parallel_size}
     processes = cluster.rollout_workers + (cluster.trainer_ranks if cluster.trainer_ranks > 1 else 1)

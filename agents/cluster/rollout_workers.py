@@ -201,6 +201,7 @@ class RolloutPool:
             raise RuntimeError(f"a rollout worker could not start: {error}") from None
         self._weights: tuple[list[Any], int] | None = None  # the last sync's refs, for restarted workers
         self.version = 0
+        self.last_sync: SyncReport | None = None
         self.failures = 0  # worker deaths noticed so far
         self._step_failures = self._step_reruns = 0
 
@@ -250,8 +251,10 @@ class RolloutPool:
         return [results[index] for index in range(len(tasks))]
 
     def metrics(self) -> dict[str, float]:
-        """``cluster/*`` numbers of the last rollout: worker failures and prompts run again."""
+        """``cluster/*`` numbers of the last rollout (worker failures, prompts run again) and ``sync/*`` of the
+        sync that gave it its weights."""
         return {
+            **(self.last_sync.metrics() if self.last_sync is not None else {}),
             "cluster/worker_failures": float(self._step_failures),
             "cluster/prompts_rerun": float(self._step_reruns),
             "cluster/workers_live": float(sum(worker.live for worker in self.workers)),

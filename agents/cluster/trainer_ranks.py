@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import os
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,7 @@ class TrainerGroup:
         cpus_per_rank: float | None = None,
         gpus_per_rank: float = 0,
         seed: int | None = None,
+        bucket_bytes: int = 256 * 2**20,
     ) -> None:
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks must be an integer >= 1, got {ranks!r}")
@@ -163,7 +165,11 @@ class TrainerGroup:
         ray = import_ray()
         if not ray.is_initialized():
             raise RuntimeError("TrainerGroup needs Ray started: call agents.cluster.runtime.ensure_ray first")
-        self.config, self.ranks = config, ranks
+        self.config, self.ranks, self.bucket_bytes = config, ranks, bucket_bytes
+        #: Receives the weights after every step (and :meth:`sync_weights`): a
+        #: :class:`~agents.cluster.rollout_workers.RolloutPool` loads rank 0's buckets from the
+        #: object store; any other engine gets them by ``update_weights``, bucket by bucket.
+        self.engine: Any = None
         self.tokenizer = _tokenizer_of(model)
         self.step_count = 0
         self._ray = ray
@@ -191,7 +197,25 @@ class TrainerGroup:
         metrics = dict(rollout_metrics) if rollout_metrics else None
         records = await self._collect_async([a.step.remote(batch, metrics) for a in self._actors])
         self.step_count += 1
+        await self.sync_weights()
         return records[0]
+
+    async def sync_weights(self) -> None:
+        """Hand the current weights to :attr:`engine` through the object store (nothing without one).
+
+        The record of a step is written by rank 0 before this sync; the sync's numbers reach the
+        next step's record as ``sync/*`` (from the pool's metrics).
+        """
+        if self.engine is None:
+            return
+        start = time.perf_counter()
+        refs, size = await self.weight_refs(self.bucket_bytes)
+        load = getattr(self.engine, "load_buckets", None)
+        if load is not None:
+            await load(refs, size, time.perf_counter() - start)
+            return
+        for ref in refs:
+            await self.engine.update_weights(await ref)
 
     async def weight_refs(self, bucket_bytes: int) -> tuple[list[Any], int]:
         """The full weights as object-store buckets (:func:`agents.cluster.weight_sync.put_buckets`) and their bytes."""

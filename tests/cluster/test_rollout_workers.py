@@ -212,3 +212,23 @@ async def test_train_on_rollout_workers_writes_the_run_folder_and_resumes_exactl
     assert resumed.steps == 3 and [r["step"] for r in again] == [1, 2, 3]
     assert again[2]["reward/mean"] == records[2]["reward/mean"]
     assert again[2]["policy/loss"] == pytest.approx(records[2]["policy/loss"], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+async def test_train_with_two_trainer_ranks_and_two_rollout_workers_matches_one_process(
+    ray_local, tiny_model, tmp_path
+):
+    config = letters_config(tiny_model, cluster={"rollout_workers": 2, "trainer_ranks": 2}, steps=2)
+    result = await train(config, tmp_path / "run", progress=False, log=lambda note: None)
+    single = await train(dataclasses.replace(config, cluster={}), tmp_path / "single", progress=False, log=print)
+    assert [r["step"] for r in result.history] == [1, 2]
+    for spread, alone in zip(result.history, single.history):
+        assert spread["reward/mean"] == alone["reward/mean"]  # the synced weights sample the same trees
+        assert spread["policy/loss"] == pytest.approx(alone["policy/loss"], rel=1e-5, abs=1e-7)
+        assert spread["optim/grad_norm"] == pytest.approx(alone["optim/grad_norm"], rel=1e-4)
+    assert result.history[1]["sync/bytes"] > 0 and result.history[1]["sync/buckets"] >= 1
+    final = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert (final / "model" / "config.json").is_file() and (final / "sharded").is_dir()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(
+        p.name for p in (tmp_path / "single").iterdir()
+    )
