@@ -233,6 +233,13 @@ def _on_gpu(config: TrainConfig) -> bool:
     return torch.cuda.is_available() and (config.device or "cuda").startswith("cuda")
 
 
+def _gpu_share(cluster: ClusterConfig) -> float:
+    """The part of a GPU one trainer rank (or one GPU of a worker's vLLM) asks Ray for: half of it when
+    ranks and engines are colocated (Ray then packs one of each onto every GPU), else all of it."""
+    both = cluster.trainer_ranks > 1 and cluster.rollout_workers > 0
+    return 0.5 if both and cluster.placement == "colocated" else 1.0
+
+
 def _processes(cluster: ClusterConfig) -> int:
     """The run's Ray actors: the rollout workers, and the trainer ranks when there are several."""
     return cluster.rollout_workers + (cluster.trainer_ranks if cluster.trainer_ranks > 1 else 0)
@@ -246,7 +253,7 @@ def _make_trainer(config: TrainConfig, parts: RunParts, out: Path, progress: boo
 
     from agents.cluster.trainer_ranks import TrainerGroup
 
-    gpus = 1 if _on_gpu(config) else 0
+    gpus = _gpu_share(parts.cluster) if _on_gpu(config) else 0
     return TrainerGroup(
         config.model,
         trainer_config,
@@ -311,7 +318,7 @@ def _make_rollout(
     worker_config = dataclasses.replace(config, engine=engine)
     gpus = 0.0
     if engine == "vllm" and _on_gpu(config):
-        gpus = float(cluster.tensor_parallel_size)
+        gpus = cluster.tensor_parallel_size * _gpu_share(cluster)
         worker_config.engine_kwargs = {**config.engine_kwargs, "tensor_parallel_size": cluster.tensor_parallel_size}
     processes = cluster.rollout_workers + (cluster.trainer_ranks if cluster.trainer_ranks > 1 else 1)
     spec = WorkerSpec(
@@ -329,6 +336,7 @@ def _make_rollout(
         gpus=gpus,
         restarts=cluster.worker_restarts,
         bucket_bytes=cluster.sync_bucket_mb * 2**20,
+        colocated=cluster.placement == "colocated" and gpus > 0,
         log=log,
     )
 

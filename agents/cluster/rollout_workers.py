@@ -100,7 +100,12 @@ class RolloutWorker:
         """Where the worker runs (returned once it has loaded its engine)."""
         import os
 
-        return {"rank": self.rank, "pid": os.getpid(), "weights_version": self.weights_version}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "weights_version": self.weights_version,
+            "supports_sleep": bool(getattr(self.engine, "supports_sleep", False)),
+        }
 
     async def rollout(self, index: int, task: int, seed: int) -> PromptTrees:
         """The trees of ``task``, the batch's prompt number ``index``, under the rollout ``seed``.
@@ -146,6 +151,12 @@ class RolloutWorker:
 
         return await evaluate_heldout(self.engine, self.tokenizer, **kwargs)
 
+    async def sleep(self, level: int) -> None:
+        await self.engine.sleep(level=level)
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
     async def close(self) -> None:
         self.env.close()
         await self.engine.close()
@@ -170,6 +181,8 @@ class RolloutPool:
         gpus: GPUs each worker asks for (its vLLM's ``tensor_parallel_size``; 0 on CPU).
         restarts: How often Ray restarts a worker whose process died.
         bucket_bytes: Size of one bucket of the weight sync.
+        colocated: The workers' engines share GPUs with the trainer: they sleep through each
+            update (:attr:`supports_sleep`, when their engines can).
         log: Where notes about failures go.
     """
 
@@ -182,6 +195,7 @@ class RolloutPool:
         gpus: float = 0.0,
         restarts: int = 1,
         bucket_bytes: int = 256 * 2**20,
+        colocated: bool = False,
         log: Any = print,
     ) -> None:
         if workers < 1:
@@ -191,7 +205,7 @@ class RolloutPool:
         actor = ray.remote(RolloutWorker).options(
             num_cpus=cpus, num_gpus=gpus, max_restarts=restarts, max_task_retries=0, max_concurrency=1000
         )
-        self._ray, self.log, self.bucket_bytes = ray, log, bucket_bytes
+        self._ray, self.log, self.bucket_bytes, self.colocated = ray, log, bucket_bytes, colocated
         self.workers = [_Worker(actor.remote(spec, rank), rank) for rank in range(workers)]
         try:
             self.info = ray.get([worker.handle.ready.remote() for worker in self.workers])
@@ -200,6 +214,7 @@ class RolloutPool:
                 ray.kill(worker.handle, no_restart=True)
             raise RuntimeError(f"a rollout worker could not start: {error}") from None
         self._weights: tuple[list[Any], int] | None = None  # the last sync's refs, for restarted workers
+        self.supports_sleep = colocated and all(info["supports_sleep"] for info in self.info)
         self.version = 0
         self.last_sync: SyncReport | None = None
         self.failures = 0  # worker deaths noticed so far
@@ -315,6 +330,14 @@ class RolloutPool:
                 raise outcome
         self.last_sync = SyncReport(size, len(refs), put_s, time.perf_counter() - start)
         return self.last_sync
+
+    async def sleep(self, level: int = 1) -> None:
+        """Every live worker's engine releases its GPU memory (the trainer's update runs meanwhile)."""
+        await asyncio.gather(*(_awaited(w.handle.sleep.remote(level)) for w in self.workers if w.live))
+
+    async def wake_up(self) -> None:
+        """Every live worker's engine takes its memory back."""
+        await asyncio.gather(*(_awaited(w.handle.wake_up.remote()) for w in self.workers if w.live))
 
     async def digests(self, names: Sequence[str] | None = None) -> list[str]:
         """Each live worker's :func:`weights_digest` (equal after a sync)."""

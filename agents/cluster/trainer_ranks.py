@@ -195,8 +195,14 @@ class TrainerGroup:
         """One training step on every rank; the record (Trainer.step's, without an engine sync), rank 0's."""
         batch = self._ray.put(list(paths))  # once in the object store, read by every rank
         metrics = dict(rollout_metrics) if rollout_metrics else None
+        # Colocated engines release the GPUs for the update (as Trainer.step does with its engine).
+        sleeps = self.config.sleep_engine and bool(getattr(self.engine, "supports_sleep", False))
+        if sleeps:
+            await self.engine.sleep(level=1 if self.config.lora_rank else 2)
         records = await self._collect_async([a.step.remote(batch, metrics) for a in self._actors])
         self.step_count += 1
+        if sleeps:
+            await self.engine.wake_up()
         await self.sync_weights()
         return records[0]
 
