@@ -517,6 +517,8 @@ def make_engine(
             f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free, {optimizer_bytes / 2**30:.1f} GiB kept for "
             "the optimiser state); set engine_kwargs.gpu_memory_utilization to choose"
         )
+    if trainer is not None and trainer.device.type == "cuda":
+        kwargs.setdefault("weight_transfer", "ipc")  # vLLM's own transfer from the trainer's GPU tensors
     settings = {
         "max_num_seqs": rollout.concurrency,
         "max_model_len": rollout.max_prompt_tokens + rollout.max_response_tokens,

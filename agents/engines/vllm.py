@@ -24,7 +24,8 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+import warnings
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -111,6 +112,74 @@ def colocated_memory_share(free_bytes: int, total_bytes: int, trainer_bytes: int
     return round(share, 3)
 
 
+#: How :meth:`VLLMEngine.update_weights` moves weights: ``None`` a file, ``"ipc"`` vLLM's CUDA IPC transfer.
+WEIGHT_TRANSFERS = (None, "ipc")
+
+
+class _StateDictSource:
+    """A state dict as vLLM's ``WeightSource``: each storage once (tied tensors once), cast to ``dtype``
+    as it is iterated, so no second full copy exists at any time."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in state_dict.items():
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            if key not in seen:
+                seen.add(key)
+                self.tensors[name] = tensor
+        self.dtype = dtype
+
+    def _dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        return self.dtype if tensor.is_floating_point() else tensor.dtype
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(name, self._dtype(t), tuple(t.shape)) for name, t in self.tensors.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.tensors.items():
+            yield name, tensor.detach().to(self._dtype(tensor))
+
+    def held_names(self) -> None:
+        return None  # one trainer process holds every weight
+
+    def groups(self) -> list[list[str]]:
+        return [[name] for name in self.tensors]
+
+    def iter_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
+        for name, tensor in self:
+            yield [name], [tensor]
+
+
+class _EngineLoopClient:
+    """vLLM's ``VLLMWeightSyncClient`` for an ``AsyncLLM`` in this process: each call runs on the engine's
+    loop and waits for it (the trainer-side transfer engine calls it from a worker thread)."""
+
+    def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.llm, self.loop = llm, loop
+
+    def _wait(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._wait(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
+
+    def start_weight_update(self) -> None:
+        self._wait(self.llm.start_weight_update())
+
+    def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._wait(self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._wait(self.llm.finish_weight_update(weight_version))
+
+
 class VLLMEngine(Engine):
     """vLLM behind the :class:`Engine` interface.
 
@@ -120,7 +189,10 @@ class VLLMEngine(Engine):
     on CPU, where vLLM would otherwise reserve most of the memory, and vLLM's own sizing on
     GPU); ``seed`` the engine's random state (requests with their own ``seed`` are reproducible
     regardless). ``engine_args`` sets or overrides further ``vllm.AsyncEngineArgs`` fields.
-    Starting spawns vLLM's engine and worker processes and loads the model: about half a
+    ``weight_transfer="ipc"`` sends the trainer's weights through vLLM's own weight transfer
+    (CUDA IPC handles of the trainer's GPU tensors, converted to ``dtype`` on the way, in
+    bounded chunks; for a trainer on the same GPU); ``None`` writes them to a file in
+    ``/dev/shm`` (or the temporary folder), which works everywhere. Starting spawns vLLM's engine and worker processes and loads the model: about half a
     minute on 2 idle CPU cores, several minutes when other work keeps them busy.
     """
 
@@ -135,7 +207,13 @@ class VLLMEngine(Engine):
         kv_cache_gib: float | None = None,
         seed: int = 0,
         engine_args: Mapping[str, Any] | None = None,
+        weight_transfer: str | None = None,
     ) -> None:
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(
+                f"weight_transfer must be one of {', '.join(map(str, WEIGHT_TRANSFERS))}, got {weight_transfer!r} "
+                "(NCCL between separate GPUs goes through rollout workers and the object store)"
+            )
         for key, value in _OFFLINE_ENV.items():
             os.environ.setdefault(key, value)
         try:
@@ -171,6 +249,17 @@ class VLLMEngine(Engine):
             # torch.compile takes minutes on a few CPU cores; eager mode starts in seconds.
             enforce_eager=current_platform.is_cpu(),
         )
+        if weight_transfer is not None:
+            if current_platform.is_cpu():
+                raise ValueError(
+                    f"weight_transfer={weight_transfer!r} moves CUDA tensors; on CPU leave it None (the file path)"
+                )
+            from vllm.config import WeightTransferConfig
+
+            settings["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
+        self.weight_transfer = weight_transfer
+        self._sender: Any = None  # vLLM's trainer-side transfer engine, built at the first sync
+        self._synced = False
         args = AsyncEngineArgs(**{**settings, **dict(engine_args or {})})
         self.max_logprobs = max_logprobs
         self._request_ids = itertools.count()
@@ -259,6 +348,20 @@ class VLLMEngine(Engine):
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load ``state_dict`` (transformers names; a partial dict updates only those tensors) into
         every worker, then reset the prefix cache."""
+        if self.weight_transfer is not None:
+            try:
+                await asyncio.to_thread(self._transfer, state_dict)
+                await self._on_engine_loop(self._llm.reset_prefix_cache())
+                return
+            except Exception as error:
+                if self._synced:  # it worked before: a real failure, not an unsupported setup
+                    raise
+                warnings.warn(
+                    f"vLLM's weight transfer ({self.weight_transfer}) failed at the first sync ({error!r}); "
+                    "this engine sends weights through a file from now on",
+                    stacklevel=2,
+                )
+                self.weight_transfer = None
         tensors = await asyncio.to_thread(engine_tensors, state_dict, self.dtype)
         size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         with tempfile.TemporaryDirectory(dir=transfer_folder(size)) as folder:
@@ -266,6 +369,27 @@ class VLLMEngine(Engine):
             await asyncio.to_thread(torch.save, tensors, path)
             await self._on_engine_loop(self._llm.collective_rpc("load_weights_from_file", args=(path,)))
         await self._on_engine_loop(self._llm.reset_prefix_cache())
+
+    def _transfer(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """vLLM's weight transfer of ``state_dict`` (in a worker thread: its client blocks on the engine loop)."""
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+        off_gpu = [name for name, tensor in state_dict.items() if not tensor.is_cuda]
+        if off_gpu:
+            raise ValueError(
+                f"weight_transfer='ipc' shares the trainer's CUDA tensors, but {off_gpu[0]} is on the CPU; "
+                "keep the trainer on the engine's GPU, or use weight_transfer=None"
+            )
+        source = _StateDictSource(state_dict, getattr(torch, self.dtype))
+        if self._sender is None:
+            self._sender = IPCTrainerWeightTransferEngine.trainer_init(
+                IPCTrainerInitInfo(rank=0, packed=True),
+                client=_EngineLoopClient(self._llm, self._loop),
+                source=source,  # type: ignore[arg-type]  # duck-typed: subclassing WeightSource would import vLLM here
+            )
+        self._sender.source = source
+        self._sender.send_weights()
+        self._synced = True
 
     async def sleep(self, level: int = 1) -> None:
         """Free accelerator memory (level 1 keeps weights in CPU memory, level 2 drops them)."""

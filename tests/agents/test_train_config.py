@@ -304,6 +304,33 @@ def test_make_engine_passes_vllm_its_arguments_and_the_colocated_share(monkeypat
     make_engine(config, build(config), trainer, notes.append)
     assert made[0][1]["engine_args"] == {"gpu_memory_utilization": round(0.9 * 98 / 141, 3)}
     assert "gpu_memory_utilization 0.63" in notes[-1] and "2.0 GiB kept for the optimiser state" in notes[-1]
+    assert made[0][1]["weight_transfer"] == "ipc"  # beside a CUDA trainer: vLLM's own transfer
+    made.clear()
+    config = config_with({"engine": "vllm", "engine_kwargs": {"weight_transfer": None}})
+    make_engine(config, build(config), trainer, notes.append)
+    assert made[0][1]["weight_transfer"] is None  # the user's choice stands
+
+
+def test_vllm_weight_transfer_source_sends_each_storage_once_cast_as_it_goes():
+    pytest.importorskip("vllm")
+    import torch
+
+    from agents.engines.vllm import VLLMEngine, _StateDictSource
+
+    embedding = torch.randn(5, 3)
+    state = {"embed.weight": embedding, "norm.weight": torch.ones(3), "head.weight": embedding, "step": torch.tensor(4)}
+    source = _StateDictSource(state, torch.bfloat16)
+    meta = source.metadata()
+    items = list(source)
+    assert [m.name for m in meta] == [name for name, _ in items] == ["embed.weight", "norm.weight", "step"]
+    assert [m.dtype for m in meta] == [t.dtype for _, t in items] == [torch.bfloat16, torch.bfloat16, torch.int64]
+    assert [tuple(m.shape) for m in meta] == [(5, 3), (3,), ()]
+    assert torch.equal(items[0][1], embedding.to(torch.bfloat16)) and embedding.dtype == torch.float32
+    assert [names for names, _ in source.iter_groups()] == [["embed.weight"], ["norm.weight"], ["step"]]
+    with pytest.raises(ValueError, match="moves CUDA tensors; on CPU leave it None"):
+        VLLMEngine("smollm2-135m", weight_transfer="ipc")
+    with pytest.raises(ValueError, match="weight_transfer must be one of None, ipc, got 'nccl'"):
+        VLLMEngine("smollm2-135m", weight_transfer="nccl")
 
 
 def test_weights_reach_vllm_once_per_storage_in_its_dtype_through_a_folder_with_room(tmp_path, monkeypatch):
