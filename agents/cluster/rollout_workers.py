@@ -258,7 +258,7 @@ class RolloutPool:
                 worker.in_flight -= 1
                 try:
                     results[index] = future.result()
-                except self._ray.exceptions.RayActorError as error:
+                except _lost_worker_errors(self._ray) as error:
                     pending.append((index, task))
                     self._step_reruns += 1
                     if worker.live:
@@ -324,7 +324,7 @@ class RolloutPool:
             return_exceptions=True,
         )
         for worker, outcome in zip(live, outcomes):
-            if isinstance(outcome, self._ray.exceptions.RayActorError):
+            if isinstance(outcome, _lost_worker_errors(self._ray)):
                 self._lost(worker, outcome)  # its revival loads these weights
             elif isinstance(outcome, BaseException):
                 raise outcome
@@ -361,6 +361,18 @@ class RolloutPool:
             except (self._ray.exceptions.RayError, TimeoutError):
                 pass  # a dead worker has nothing left to close
             self._ray.kill(worker.handle, no_restart=True)
+
+
+def _lost_worker_errors(ray: Any) -> tuple[type[BaseException], ...]:
+    """What a call raises when its worker's process is gone (killed, out of memory, its node lost); an
+    error raised by the worker's own code (``RayTaskError``) is a real failure and is not among them."""
+    exceptions = ray.exceptions
+    return (
+        exceptions.RayActorError,
+        exceptions.OutOfMemoryError,
+        exceptions.WorkerCrashedError,
+        exceptions.NodeDiedError,
+    )
 
 
 def _registered(env_id: str) -> EnvSpec | None:
