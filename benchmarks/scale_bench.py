@@ -4,9 +4,10 @@
 
 (a) Real model on CPU. The same ``multihop-qa`` prompts (the ``cpu-demo`` preset's AT²PO trees
     on the embedded SmolLM2-135M, the same rollout seed) rolled out by one process (today's
-    ``agents train``), by one rollout worker, and by two (one core each); rollout tokens per
-    second and their ratio to the single process, and steps per hour (rollout + the trainer's
-    update of those trees, measured once in this process, + the weight sync to the workers).
+    ``agents train``), by one rollout worker, and by two (one core each), three times each in
+    turn (median); rollout tokens per second and their ratio to the single process, and steps
+    per hour (rollout + the trainer's update of those trees, measured once in this process, +
+    the weight sync to the workers).
 (b) Simulated cluster. Rollout workers whose engine is a scripted one answering each turn after
     ``tokens × per-token latency``, 4 prompts of a four-turn toy environment per worker, at 1, 8,
     32 and 64 workers on this machine. Ideal throughput is M times one worker's alone; the table
@@ -39,8 +40,12 @@ from agents.rollout.strategies import Chain
 
 REAL_TASKS = [60, 61, 62, 63]  # four training prompts of multihop-qa (the first 50 are held out)
 REAL_SEED = 7
+REAL_ROUNDS = 3  # rollouts of the same prompts per layout; the table gives the median
 SIM_PROMPTS_PER_WORKER = 4
-SIM_TOKENS, SIM_TOKEN_LATENCY_S = 50, 0.02  # 50-token turns at 20 ms per token (a 4B model on a GPU): 1 s a turn
+# 200-token turns at 20 ms per token (a 4B model on a GPU): 4 s a turn. The papers' turns are longer (up to
+# 6192 response tokens over at most 6 tool calls); shorter turns make the workers' own CPU per turn, which
+# on this 2-core machine all workers share, look like the driver's cost.
+SIM_TOKENS, SIM_TOKEN_LATENCY_S = 200, 0.02
 SIM_TURNS = 4
 PROJECTED = {"Qwen3-4B": 4.02e9, "Qwen3-14B": 14.8e9}  # parameters; bfloat16 weights (2 bytes each)
 
@@ -67,41 +72,43 @@ async def _real(results: dict[str, Any]) -> None:
     config = _real_config()
     parts = build(config)
     tokenizer = load_tokenizer(config.model)
-    rows: dict[str, dict[str, float]] = {}
+    rows: dict[str, dict[str, Any]] = {}
 
-    async def measure(name: str, rollout: Any) -> list:
-        await rollout.rollout(REAL_TASKS[:1], REAL_SEED + 1)  # warm-up: first forward passes, caches
+    async def measure(name: str, rollout: Any) -> None:
         start = time.perf_counter()
         prompts = await rollout.rollout(REAL_TASKS, REAL_SEED)
         seconds = time.perf_counter() - start
         tokens = sum(prompt.tokens for prompt in prompts)
-        rows[name] = {"rollout_s": seconds, "tokens": float(tokens), "tokens_per_s": tokens / seconds}
+        row = rows.setdefault(name, {"rollout_s_runs": [], "tokens": float(tokens)})
+        row["rollout_s_runs"].append(seconds)
         print(f"  {name}: {tokens} tokens in {seconds:.1f} s", flush=True)
-        return prompts
 
     env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), tokenizer)
-    local = _LocalRollout(env, make_engine(config, parts, None), tokenizer, parts)
-    try:
-        await measure("single process", local)
-    finally:
-        await local.close()
+    layouts: dict[str, Any] = {"single process": _LocalRollout(env, make_engine(config, parts, None), tokenizer, parts)}
     ensure_ray("local", processes=3)
-    pools = {}
-    for workers in (1, 2):
+    for workers in (1, 2):  # each worker's torch threads: its share of the 2 cores (oversubscribing is ~5x slower)
         spec = WorkerSpec(
             config, agentenv.spec(config.env), parts.learner.strategy, parts.tree, threads=max(1, 2 // workers)
         )
-        pool = RolloutPool(spec, workers, cpus=cpu_share(workers))
-        await measure(f"{workers} rollout worker{'s' * (workers > 1)}", pool)
-        pools[workers] = pool
+        layouts[f"{workers} rollout worker{'s' * (workers > 1)}"] = RolloutPool(spec, workers, cpus=1)
+    for rollout in layouts.values():
+        await rollout.rollout(REAL_TASKS[:1], REAL_SEED + 1)  # warm-up: first forward passes, caches
+    for _ in range(REAL_ROUNDS):  # alternating, so that the machine's load changes hit every layout alike
+        for name, rollout in layouts.items():
+            await measure(name, rollout)
+    pool = layouts.pop("2 rollout workers")
+    for rollout in layouts.values():
+        await rollout.close()
+    for row in rows.values():
+        row["rollout_s"] = statistics.median(row["rollout_s_runs"])
+        row["tokens_per_s"] = row["tokens"] / row["rollout_s"]
     # One trainer update of such a batch (the same in every layout: the trainer runs in the driver).
-    paths, metrics = await _rollout(pools[2], parts, REAL_TASKS, REAL_SEED, config.budget_reward)
+    paths, metrics = await _rollout(pool, parts, REAL_TASKS, REAL_SEED, config.budget_reward)
     trainer = Trainer(config.model, dataclasses.replace(parts.trainer, progress=False))
-    trainer.engine = pools[2]
+    trainer.engine = pool
     record = await trainer.step(paths, metrics)
     update_s, sync_s = record["time/old_logprobs_s"] + record["time/update_s"], record["time/sync_s"]
-    for pool in pools.values():
-        await pool.close()
+    await pool.close()
     single = rows["single process"]
     table = []
     for name, row in rows.items():
@@ -148,7 +155,7 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
     agentenv.register("scale-bench/few-turns-v0", FewTurns)
     config = resolve(
         values={"algo": "grpo", "env": "scale-bench/few-turns", "model": DEFAULT_MODEL},
-        assignments=[f"sampling.max_new_tokens={SIM_TOKENS}", "rollout.max_response_tokens=2048"],
+        assignments=[f"sampling.max_new_tokens={SIM_TOKENS}", "rollout.max_response_tokens=4096"],
     )
     parts = build(config)
     strategy = Chain(n=4)  # 4 chains a prompt, SIM_TURNS loop steps
