@@ -26,6 +26,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -276,7 +277,11 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parts = args.parts.split(",")
-    results: dict[str, Any] = {"cores": os.cpu_count()}
+    results: dict[str, Any] = {
+        "command": "python -m benchmarks.scale_bench " + " ".join(sys.argv[1:]),
+        "cores": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
+    }
     started = time.perf_counter()
     if "real" in parts:
         asyncio.run(_real(results))
