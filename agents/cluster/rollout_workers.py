@@ -29,7 +29,7 @@ from typing import Any
 
 import agentenv
 from agentenv.registration import EnvSpec
-from agents.cluster.runtime import import_ray
+from agents.cluster.runtime import import_ray, require_resources
 from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
 from agents.engines.base import Engine
 from agents.rollout.strategies import PromptTrees, Strategy
@@ -201,6 +201,7 @@ class RolloutPool:
         if workers < 1:
             raise ValueError(f"a RolloutPool needs at least one worker, got {workers}")
         ray = import_ray()
+        require_resources("rollout workers", workers, cpus, gpus)
         _travel_by_value(spec.env_spec.entry_point, spec.strategy, spec.engine)
         actor = ray.remote(RolloutWorker).options(
             num_cpus=cpus, num_gpus=gpus, max_restarts=restarts, max_task_retries=0, max_concurrency=1000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["cpu_share", "ensure_ray", "import_ray"]
+__all__ = ["cpu_share", "ensure_ray", "import_ray", "require_resources"]
 
 # Ray's own metrics agent and dashboard are not used and cost a core's worth of start-up here.
 _RAY_INIT = {"include_dashboard": False, "log_to_driver": True}
@@ -48,6 +48,24 @@ def ensure_ray(address: str = "local", *, processes: int = 1) -> Any:
             "or use cluster.address=local to start Ray on this machine"
         ) from None
     return ray
+
+
+def require_resources(what: str, count: int, cpus: float, gpus: float = 0.0) -> None:
+    """Refuse at once, saying why, to start ``count`` actors that Ray could not place now (it would wait forever)."""
+    import ray
+
+    free = ray.available_resources()
+    need = {"CPU": count * cpus, "GPU": count * gpus}
+    short = [
+        f"{need[kind]:g} {kind}s, {free.get(kind, 0.0):g} free"
+        for kind in need
+        if need[kind] > free.get(kind, 0.0) + 1e-9
+    ]
+    if short:
+        raise RuntimeError(
+            f"Ray cannot place {count} {what} now ({'; '.join(short)}); stop the actors that hold them, "
+            "add nodes (ray start --address), or ask for fewer processes"
+        )
 
 
 def cpu_share(processes: int) -> float:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from agents.cluster.runtime import cpu_share, import_ray
+from agents.cluster.runtime import cpu_share, import_ray, require_resources
 from agents.models import load_model, load_tokenizer
 from agents.training.trainer import Trainer
 from agents.training.trainer_config import TrainerConfig
@@ -176,6 +176,7 @@ class TrainerGroup:
         cores = os.cpu_count() or 1
         threads = None if gpus_per_rank else max(1, cores // ranks)
         cpus = cpu_share(ranks) if cpus_per_rank is None else cpus_per_rank
+        require_resources("trainer ranks", ranks, cpus, gpus_per_rank)
         actor = ray.remote(_Rank).options(num_cpus=cpus, num_gpus=gpus_per_rank)
         self._actors: list[Any] = [actor.remote(rank, ranks, threads) for rank in range(ranks)]
         try:

@@ -121,6 +121,13 @@ async def test_workers_grow_the_trees_one_process_grows_and_hold_the_trainers_we
     assert pool.last_sync.bytes == sum(p.numel() * 4 for p in model.parameters())  # the tied matrix once
 
 
+def test_workers_ray_cannot_place_are_refused_at_once(pool):
+    _, config, parts = pool
+    spec = WorkerSpec(config, agentenv.spec(config.env), parts.learner.strategy, parts.tree)
+    with pytest.raises(RuntimeError, match=r"Ray cannot place 2 rollout workers now \(2000 CPUs, \d+ free\)"):
+        RolloutPool(spec, 2, cpus=1000)
+
+
 async def test_a_worker_killed_during_a_step_loses_no_prompt_and_comes_back_with_the_current_weights(pool):
     pool, config, parts = pool
     expected = await pool.digests()
