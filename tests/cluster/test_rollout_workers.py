@@ -133,7 +133,7 @@ async def test_a_worker_killed_during_a_step_loses_no_prompt_and_comes_back_with
     expected = await pool.digests()
     victim = pool.pids()[0]
     step = asyncio.ensure_future(pool.rollout([2, 3, 4, 5, 6, 7], seed=3))
-    await asyncio.sleep(1.0)  # both workers are inside their prompts (each turn takes 0.2 s)
+    await asyncio.sleep(0.3)  # both workers are inside their prompts (each takes >= 0.8 s: 4 rounds of 0.2 s turns)
     assert not step.done()
     os.kill(victim, signal.SIGKILL)
     prompts = await step
