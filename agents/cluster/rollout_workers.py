@@ -33,7 +33,7 @@ from agents.cluster.runtime import import_ray, require_resources
 from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
 from agents.engines.base import Engine
 from agents.rollout.strategies import PromptTrees, Strategy
-from agents.rollout.tree_loop import TreeConfig
+from agents.rollout.tree_loop import TreeConfig, rollout_trees
 
 __all__ = ["RolloutPool", "RolloutWorker", "WorkerSpec"]
 
@@ -117,8 +117,6 @@ class RolloutWorker:
         episode = task_episode(self.env, task)
         try:
             tree = dataclasses.replace(self.spec.tree, seed=seed)
-            from agents.rollout.tree_loop import rollout_trees
-
             (prompt,) = await rollout_trees(self.engine, [episode], self.spec.strategy, tree, indices=[index])
         finally:
             episode.env.close()
@@ -139,10 +137,17 @@ class RolloutWorker:
         return time.perf_counter() - start
 
     def digest(self, names: Sequence[str] | None = None) -> str:
-        """:func:`weights_digest` of the engine's weights (HFEngine: its model's state dict)."""
+        """:func:`weights_digest` of the engine's weights: the state dict of the model it generates with.
+
+        Engines whose weights live in processes of their own (VLLMEngine's workers) hold no such
+        model here and are refused with a TypeError.
+        """
         model = getattr(self.engine, "model", None)
         if model is None:
-            raise NotImplementedError(f"{type(self.engine).__name__} does not expose its weights for a digest")
+            raise TypeError(
+                f"{type(self.engine).__name__} keeps its weights in processes of its own, so this worker cannot "
+                "digest them; compare digests on HFEngine workers"
+            )
         return weights_digest(model.state_dict(), None if names is None else set(names))
 
     async def evaluate(self, kwargs: Mapping[str, Any]) -> Any:
