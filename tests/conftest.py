@@ -1,9 +1,13 @@
 """Fixtures shared by the test packages."""
 
+import gymnasium
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import agentenv
+from agentenv.registration import registry
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -42,3 +46,18 @@ def tiny_model(tmp_path_factory) -> str:
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def module_envs():
+    """``agentenv.register`` for one test module: its environments leave both registries at the module's end.
+
+    Pytest imports every test module before running any, so a module-level ``register`` would show a
+    test environment to every other module (``agentenv list`` included).
+    """
+    ours, gyms = dict(registry._specs), dict(gymnasium.registry)
+    yield agentenv.register
+    registry._specs.clear()
+    registry._specs.update(ours)
+    gymnasium.registry.clear()
+    gymnasium.registry.update(gyms)

@@ -42,8 +42,9 @@ class Letters(agentenv.Env):
         return "", letters / max(1, len(text)) if done else 0.0, done, False, {}
 
 
-if "train-tests/letters" not in agentenv.registry:
-    agentenv.register("train-tests/letters-v0", Letters)
+@pytest.fixture(scope="module", autouse=True)
+def letters(module_envs):
+    module_envs("train-tests/letters-v0", Letters)
 
 
 def letters_config(model: str, **changes) -> TrainConfig:

@@ -47,8 +47,10 @@ class SlowLetters(agentenv.Env):
         return "next", letters / max(1, len(text)) if done else 0.0, done, False, {}
 
 
-# Registered here, in the driver, only: the workers get the entry by value.
-agentenv.register("cluster-tests/slow-letters-v0", SlowLetters)
+@pytest.fixture(scope="module", autouse=True)
+def slow_letters(module_envs):
+    """Registered here, in the driver, only: the workers get the entry by value."""
+    module_envs("cluster-tests/slow-letters-v0", SlowLetters)
 
 
 def letters_config(model: str, **changes) -> TrainConfig:
