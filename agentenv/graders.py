@@ -16,8 +16,6 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from math_verify import parse as math_parse
-from math_verify import verify as math_verify
 
 __all__ = [
     "Grade",
@@ -72,6 +70,10 @@ def math_equal(prediction: str, golds: Iterable[str]) -> float:
 
     ``\\frac{1}{2}``, ``1/2`` and ``0.5`` are equal; so are ``x^2+1`` and ``1+x^2``.
     """
+    # Imported here: math-verify pulls in sympy (~1 s, ~60 MiB), which only math grading needs.
+    from math_verify import parse as math_parse
+    from math_verify import verify as math_verify
+
     # math-verify's timeouts use SIGALRM, which only the main thread receives; elsewhere they are off.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     target = math_parse(f"${prediction}$", parsing_timeout=timeout)

@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import bm25s
-import Stemmer
 
 from agentenv.cache import cache_dir
 from agentenv.datasets import DatasetError, Paragraph, read_rows
@@ -80,6 +78,10 @@ class BM25Search(SearchBackend):
             raise ValueError("BM25Search needs at least one passage")
         self.passages = [Passage(p.title, p.text, getattr(p, "url", None)) for p in passages]
         self.key = self.content_key(self.passages)
+        # Imported here: bm25s pulls in scipy and numba, which a process that never searches should not load.
+        import bm25s
+        import Stemmer
+
         self._stemmer = Stemmer.Stemmer("english")
         index_dir = cache_dir("bm25", self.key) if cache else None
         if index_dir is not None and (index_dir / "params.index.json").exists():
@@ -110,6 +112,8 @@ class BM25Search(SearchBackend):
         return digest.hexdigest()[:32]
 
     def _tokenize(self, texts: list[str], return_ids: bool = True):
+        import bm25s
+
         return bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, show_progress=False, return_ids=return_ids)
 
     def _save(self, index_dir: Path) -> None:

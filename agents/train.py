@@ -50,7 +50,7 @@ from agents.config import RESUMABLE, RunParts, TrainConfig, build, effective_con
 from agents.engines.base import Engine
 from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, greedy_rollout
 from agents.learners import Learner
-from agents.rollout import Episode
+from agents.rollout import task_episode
 from agents.rollout.diagnostics import rollout_metrics
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import TrainingPath
@@ -263,13 +263,6 @@ def _make_trainer(config: TrainConfig, parts: RunParts, out: Path, progress: boo
         seed=config.seed,
         bucket_bytes=parts.cluster.sync_bucket_mb * 2**20,
     )
-
-
-def task_episode(env: TokenEnv, task: int) -> Episode:
-    """The episode of ``task`` on a fork of ``env``: its task-list entry, or a reset seeded with it."""
-    if hasattr(env, "tasks"):
-        return Episode(env.fork(), options={"index": task}, key=task)
-    return Episode(env.fork(), seed=task, key=task)
 
 
 class _LocalRollout:

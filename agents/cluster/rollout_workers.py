@@ -32,6 +32,7 @@ from agentenv.registration import EnvSpec
 from agents.cluster.runtime import import_ray, require_resources
 from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
 from agents.engines.base import Engine
+from agents.rollout.episodes import task_episode
 from agents.rollout.strategies import PromptTrees, Strategy
 from agents.rollout.tree_loop import TreeConfig, rollout_trees
 
@@ -68,11 +69,8 @@ class RolloutWorker:
     """
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
-        import torch
-
         from agents.models import load_tokenizer
 
-        torch.set_num_threads(spec.threads)
         self.spec, self.rank = spec, rank
         env = spec.env_spec
         if env != _registered(env.id):  # a user's environment, registered in the driver
@@ -92,6 +90,8 @@ class RolloutWorker:
             from agents.train import make_engine
 
             self.engine = make_engine(spec.config, build(spec.config), None, log=lambda note: None)
+        if "torch" in sys.modules:  # the engine computes with torch: its threads are this worker's share of the cores
+            sys.modules["torch"].set_num_threads(spec.threads)
         self.tokenizer = load_tokenizer(spec.config.model)
         self.env = TokenEnv(agentenv.make(spec.config.env, **spec.config.env_kwargs), self.tokenizer)
         self.weights_version = 0
@@ -112,8 +112,6 @@ class RolloutWorker:
 
         Node environments are dropped before the trees leave the process.
         """
-        from agents.train import task_episode
-
         episode = task_episode(self.env, task)
         try:
             tree = dataclasses.replace(self.spec.tree, seed=seed)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SyncReport", "buckets", "put_buckets", "weights_digest"]
 
@@ -81,6 +82,8 @@ def weights_digest(state_dict: Mapping[str, torch.Tensor], names: set[str] | Non
     Two processes holding the same weights give the same digest (``names`` restricts it to
     those entries, e.g. the ones a sync sends).
     """
+    import torch  # here: a worker whose engine needs no torch (a scripted one) never loads it
+
     digest = hashlib.sha256()
     for name in sorted(state_dict):
         if names is not None and name not in names:

@@ -27,6 +27,7 @@ from agents.rollout.episodes import (
     run_episodes,
     stream_episodes,
     take_turn,
+    task_episode,
 )
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "run_episodes",
     "stream_episodes",
     "take_turn",
+    "task_episode",
 ]

@@ -60,6 +60,7 @@ __all__ = [
     "run_episodes",
     "stream_episodes",
     "take_turn",
+    "task_episode",
 ]
 
 DEFAULT_MAX_PROMPT_TOKENS = 2000  # AT²PO / AEPO: max prompt length 2000 tokens
@@ -525,6 +526,13 @@ async def run_episodes(
     """Run episodes concurrently; returns their trajectories in the order of ``episodes``."""
     trajectories = [trajectory async for trajectory in stream_episodes(engine, episodes, config)]
     return sorted(trajectories, key=lambda trajectory: trajectory.index)
+
+
+def task_episode(env: TokenEnv, task: int) -> Episode:
+    """The episode of ``task`` on a fork of ``env``: its task-list entry, or a reset seeded with it."""
+    if hasattr(env, "tasks"):
+        return Episode(env.fork(), options={"index": task}, key=task)
+    return Episode(env.fork(), seed=task, key=task)
 
 
 def episodes_for(env: TokenEnv, tasks: Sequence[int], samples: int = 1, key_prefix: Any = None) -> list[Episode]:

@@ -9,7 +9,10 @@ on the shift and on the temperature: a token sampled at temperature T has the lo
 scores chosen tokens only, from the hidden states, running the output layer on a chunk of
 positions at a time and recomputing each chunk in the backward pass: the trainer then holds
 one chunk's float32 logits instead of ``[batch, tokens, vocab]`` of them (about 20 GB for four
-8k-token paths of a 150k-token vocabulary).
+8k-token paths of a 150k-token vocabulary). In a packed row (:mod:`agents.training.packing`) the
+token before a token is not always the one to its left; :func:`score_logits` and
+:func:`score_states` take the distributions (or hidden states) already paired with the tokens
+they score.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["score_positions", "score_tokens"]
+__all__ = ["score_logits", "score_positions", "score_states", "score_tokens"]
 
 
 def score_tokens(
@@ -46,7 +49,7 @@ def score_tokens(
         ``(logprobs, entropies)``, each ``[batch, tokens − 1]`` and aligned with ``ids[:, 1:]``
         (``entropies`` is ``None`` unless asked for). Position 0 has no context and no score.
     """
-    return _scores(logits[:, :-1], ids[:, 1:], temperature, entropy, entropy_grad)
+    return score_logits(logits[:, :-1], ids[:, 1:], temperature, entropy=entropy, entropy_grad=entropy_grad)
 
 
 def score_positions(
@@ -79,10 +82,37 @@ def score_positions(
     if bool((columns < 1).any()):
         raise ValueError("positions must have columns >= 1: the first token has no context to be scored from")
     states = hidden[rows, columns - 1]  # the hidden state at t − 1 scores token t
-    targets = ids[rows, columns]
+    return score_states(
+        states,
+        head,
+        ids[rows, columns],
+        temperature,
+        entropy=entropy,
+        entropy_grad=entropy_grad,
+        chunk_size=chunk_size,
+    )
+
+
+def score_states(
+    states: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_size: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of ``targets[i]`` under ``head(states[i])``, ``chunk_size`` at a time.
+
+    ``states`` is ``[n, width]``: each the hidden state just before its target. Arguments and
+    results otherwise as in :func:`score_positions`.
+    """
 
     def chunk_scores(states: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs, entropies = _scores(head(states), targets, temperature, entropy, entropy_grad)
+        logprobs, entropies = score_logits(
+            head(states), targets, temperature, entropy=entropy, entropy_grad=entropy_grad
+        )
         return logprobs, entropies if entropies is not None else logprobs.new_zeros(())
 
     recompute = torch.is_grad_enabled() and states.requires_grad
@@ -96,15 +126,23 @@ def score_positions(
         logprobs.append(out[0])
         entropies.append(out[1])
     if not logprobs:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
+        empty = states.new_zeros(0, dtype=torch.float32)
         return empty, empty.clone() if entropy else None
     return torch.cat(logprobs), torch.cat(entropies) if entropy else None
 
 
-def _scores(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, entropy_grad: bool
+def score_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each target under softmax(logits / T) (``logits[..., v]`` aligned with ``targets``)."""
+    """Log-prob of each target under softmax(logits / T), ``logits[..., :]`` the distribution of ``targets[...]``.
+
+    Arguments and results otherwise as in :func:`score_tokens` (no shift: the caller pairs them).
+    """
     scaled = logits.float() / temperature
     log_z = torch.logsumexp(scaled, dim=-1)
     # log softmax(z/T)[token]  (docs/algorithms.md eq. 4)

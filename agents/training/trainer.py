@@ -54,8 +54,10 @@ from agents.training.batch import PathBatch, collate
 from agents.training.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
 from agents.training.losses import LOSSES, TRAINER_INPUTS, LossFn
 from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog, plot_curves
-from agents.training.scoring import score_positions, score_tokens
+from agents.training.packing import PackedPaths, new_tokens, pack_paths
+from agents.training.scoring import score_logits, score_positions, score_states, score_tokens
 from agents.training.trainer_config import TrainerConfig
+from agents.training.tree_attention import choose_kernel, enable_tree_attention, tree_attention_calls
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -176,6 +178,10 @@ class Trainer:
             self._shard()
             # fully_shard replaced the parameters by sharded ones (DTensors): the optimiser takes those.
             self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
+        if cfg.packing == "tree":
+            for policy in (self.model, self.ref_model):
+                if policy is not None:
+                    enable_tree_attention(policy)
         self.loss_fn: LossFn = LOSSES[cfg.loss] if isinstance(cfg.loss, str) else cfg.loss
         self._loss_params = _loss_parameters(self.loss_fn, cfg, uses_reference=self._uses_reference)
         self._token_weighted = self._loss_params.get("agg") == "token-mean"
@@ -292,7 +298,9 @@ class Trainer:
         if cfg.mini_batches > n:
             raise ValueError(f"mini_batches={cfg.mini_batches} but the batch has only {n} sequences")
         lengths = batch.attention_mask.sum(-1)
-        micro_batches = [self._micro_batches(rows, lengths) for rows in torch.arange(n).tensor_split(cfg.mini_batches)]
+        micro_batches = [
+            self._micro_batches(rows, lengths, batch.ids) for rows in torch.arange(n).tensor_split(cfg.mini_batches)
+        ]
         # This rank's passes over each mini-batch: all of them in one process (see _rank_passes).
         passes = [self._rank_passes(mini_batch) for mini_batch in micro_batches]
         bar = tqdm(
@@ -427,7 +435,7 @@ class Trainer:
         """Log-probs of ``batch``'s action tokens (every token with ``actions_only=False``) under
         ``model`` ([batch, tokens], 0 elsewhere), micro-batched."""
         scores = torch.zeros(batch.ids.shape, dtype=torch.float32, device=self.device)
-        micro_batches = self._micro_batches(torch.arange(batch.ids.shape[0]), batch.attention_mask.sum(-1))
+        micro_batches = self._micro_batches(torch.arange(batch.ids.shape[0]), batch.attention_mask.sum(-1), batch.ids)
         for rows, real in self._rank_passes(micro_batches):
             width = int(batch.attention_mask[rows].sum(-1).max())
             scored = batch.mask[rows, :width] if actions_only else None
@@ -458,20 +466,36 @@ class Trainer:
         count = -(-len(micro_batches) // self.world_size)
         return [(rows, True) for rows in mine] + [(micro_batches[0][:1], False)] * (count - len(mine))
 
-    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """``rows`` split in order into micro-batches of at most ``micro_batch_size`` sequences and
-        ``micro_batch_tokens`` padded tokens (sequences × the longest); a longer sequence goes alone."""
+    def _micro_batches(
+        self, rows: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """``rows`` split in order into micro-batches.
+
+        Padded or flat: at most ``micro_batch_size`` sequences and ``micro_batch_tokens`` padded
+        tokens (sequences × the longest). Tree: at most ``micro_batch_tokens`` packed tokens, or
+        without that budget ``micro_batch_size`` × the batch's longest path (what a padded
+        micro-batch may hold); ``ids`` are the paths' tokens, which decide what they share. A
+        sequence longer than the budget goes alone.
+        """
         size, budget = self.config.micro_batch_size, self.config.micro_batch_tokens
+        tree = self.config.packing == "tree"
+        packed_budget = budget if budget is not None else size * int(lengths.max())
         groups: list[list[int]] = [[]]
-        longest = 0
+        longest = used = 0  # the group's longest sequence, and its tokens as counted against the budget
         for row in rows.tolist():
-            width = max(longest, int(lengths[row]))
-            full = len(groups[-1]) >= size or (budget is not None and width * (len(groups[-1]) + 1) > budget)
-            if groups[-1] and full:
+            length, group = int(lengths[row]), groups[-1]
+            if tree:
+                assert ids is not None, "tree packing splits by packed tokens, which need the ids"
+                tokens = used + new_tokens(ids, lengths, row, group)
+                full = tokens > packed_budget
+            else:
+                tokens = max(longest, length) * (len(group) + 1)
+                full = len(group) >= size or (budget is not None and tokens > budget)
+            if group and full:
                 groups.append([])
-                width = int(lengths[row])
+                longest, tokens = 0, length
             groups[-1].append(row)
-            longest = width
+            longest, used = max(longest, length), tokens
         return [torch.tensor(group, dtype=torch.long) for group in groups if group]
 
     @contextlib.contextmanager
@@ -523,39 +547,56 @@ class Trainer:
         entropy_grad: bool,
         scored: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        index = None
-        if self.config.packing:
-            row, positions, index = _pack(ids, attention_mask)
-            inputs = {"input_ids": row, "position_ids": positions}  # no mask: restarts delimit the sequences
-        else:
-            inputs = {"input_ids": ids, "attention_mask": attention_mask}
+        packing = self.config.packing
+        packed = None if packing == "padded" else pack_paths(ids, attention_mask, share=packing == "tree")
+        if packed is None:
+            inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": attention_mask}
+        else:  # flat: no mask, the position ids' restarts delimit the paths; tree: tree attention
+            inputs = {"input_ids": packed.ids, "position_ids": packed.positions}
+        if packing == "tree":
+            assert packed is not None
+            inputs.update(packed_paths=packed, tree_kernel=choose_kernel(packed))
+            calls = tree_attention_calls(model)
         parts = _decoder_and_head(model) if scored is not None and self.config.score_chunk else None
-        if parts is not None:
-            assert scored is not None
-            return self._score_chosen(parts, inputs, index, scored, attention_mask, entropy, entropy_grad)
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            logits = model(**inputs, use_cache=False).logits
-        token_logprobs, token_entropy = score_tokens(
-            logits, inputs["input_ids"], self.config.temperature, entropy=entropy, entropy_grad=entropy_grad
-        )
-        results: list[torch.Tensor | None] = []
-        for values in (token_logprobs, token_entropy):
-            if values is None:
-                results.append(None)
-                continue
-            values = torch.nn.functional.pad(values, (1, 0))  # position 0 has no context: 0
-            if self.config.packing:
-                values = values[0, index]  # back to [batch, tokens]; index 0 holds the row's leading 0
-            results.append(values * attention_mask)
-        logprobs = results[0]
-        assert logprobs is not None  # score_tokens always returns the log-probs
-        return logprobs, results[1]
+            if parts is not None:
+                assert scored is not None
+                scores = self._score_chosen(parts, inputs, packed, scored, attention_mask, entropy, entropy_grad)
+            else:
+                logits = model(**inputs, use_cache=False).logits
+        if packing == "tree" and tree_attention_calls(model) == calls:
+            raise ValueError(
+                f"{type(model).__name__}'s attention does not run through transformers' attention functions, so a "
+                "packed tree would attend across paths; set TrainerConfig.packing='flat' or 'padded'"
+            )
+        if parts is not None:
+            return scores
+        temperature = self.config.temperature
+        if packed is None:
+            token_logprobs, token_entropy = score_tokens(
+                logits, ids, temperature, entropy=entropy, entropy_grad=entropy_grad
+            )
+            pad = torch.nn.functional.pad  # position 0 has no context: 0
+            values = [None if v is None else pad(v, (1, 0)) for v in (token_logprobs, token_entropy)]
+        else:  # each place of the row scored once from the logits of the place before it in its path
+            after = (packed.previous >= 0).nonzero().squeeze(-1)
+            row_values = score_logits(
+                logits[0, packed.previous[after]],
+                packed.ids[0, after],
+                temperature,
+                entropy=entropy,
+                entropy_grad=entropy_grad,
+            )
+            values = [None if v is None else _unpacked(v, after, packed) for v in row_values]
+        logprobs, entropies = (None if v is None else v * attention_mask for v in values)
+        assert logprobs is not None  # the log-probs are always scored
+        return logprobs, entropies
 
     def _score_chosen(
         self,
         parts: tuple[torch.nn.Module, torch.nn.Module],
-        inputs: dict[str, torch.Tensor],
-        index: torch.Tensor | None,
+        inputs: dict[str, Any],
+        packed: PackedPaths | None,
         scored: torch.Tensor,
         attention_mask: torch.Tensor,
         entropy: bool,
@@ -568,26 +609,33 @@ class Trainer:
         chosen = scored.bool() & attention_mask.bool()
         chosen[:, 0] = False  # the first token has no context
         where = chosen.nonzero()  # [n, 2] (b, t)
-        # In a packed row, token (b, t) stands at index[b, t] of row 0.
-        positions = (
-            where
-            if index is None
-            else torch.stack([torch.zeros_like(where[:, 0]), index[where[:, 0], where[:, 1]]], -1)
-        )
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            hidden = decoder(**inputs, use_cache=False).last_hidden_state
-            logprobs, entropies = score_positions(
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        temperature = self.config.temperature
+        if packed is None:
+            scores = score_positions(
                 hidden,
                 head,
                 inputs["input_ids"],
-                positions,
-                self.config.temperature,
+                where,
+                temperature,
                 entropy=entropy,
                 entropy_grad=entropy_grad,
                 chunk_size=chunk,
             )
+        else:  # each chosen place of the row once, from the hidden state of the place before it in its path
+            places, copies = torch.unique(packed.where[where[:, 0], where[:, 1]], return_inverse=True)
+            row_scores = score_states(
+                hidden[0, packed.previous[places]],
+                head,
+                packed.ids[0, places],
+                temperature,
+                entropy=entropy,
+                entropy_grad=entropy_grad,
+                chunk_size=chunk,
+            )
+            scores = tuple(None if v is None else v[copies] for v in row_scores)  # type: ignore[assignment]
         results: list[torch.Tensor | None] = []
-        for values in (logprobs, entropies):
+        for values in scores:
             if values is None:
                 results.append(None)
                 continue
@@ -921,22 +969,10 @@ def _sum_over_ranks(values: Mapping[str, float]) -> dict[str, float]:
     return dict(total)
 
 
-def _pack(ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate right-padded sequences into one row.
-
-    Returns the row, its position ids (restarting at 0 for each sequence, which is how
-    transformers tells packed sequences apart) and, for each ``[b, t]``, the place in the row
-    whose score belongs there: 0 (the row's first place, scored 0) for ``t = 0`` and padding,
-    whose score in the row would come from the previous sequence or not exist.
-    """
-    lengths = attention_mask.sum(-1)
-    keep = attention_mask.bool()
-    row = ids[keep].unsqueeze(0)
-    positions = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths]).unsqueeze(0)
-    starts = lengths.cumsum(0) - lengths
-    columns = torch.arange(ids.shape[1], device=ids.device)
-    index = torch.where(keep & (columns > 0), starts.unsqueeze(-1) + columns, 0)
-    return row, positions, index
+def _unpacked(values: torch.Tensor, places: torch.Tensor, packed: PackedPaths) -> torch.Tensor:
+    """Scores of the row's ``places`` back to ``[paths, tokens]`` (0 at depth 0, which has no score)."""
+    row = values.new_zeros(packed.tokens).index_put((places,), values)
+    return row[packed.where]
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

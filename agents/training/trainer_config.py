@@ -53,7 +53,13 @@ class TrainerConfig:
     # vocabulary). None: the model's full logits (also used for models whose logits are more than
     # head(hidden), e.g. soft-capped). The same values up to float rounding.
     score_chunk: int | None = 2048
-    packing: bool = False  # pack a micro-batch into one row (position ids restart) instead of padding
+    # How a micro-batch's paths are laid out for the forward pass (docs/algorithms.md "Training on
+    # the tree"): "tree" packs them into one row holding every shared prefix once (the prompt of a
+    # prompt's chains, the shared turns of a tree) under tree attention, and bounds a micro-batch by
+    # its packed tokens instead of its paths (micro_batch_tokens, else micro_batch_size × the
+    # batch's longest path); "flat" packs each path whole into one row; "padded" right-pads the
+    # paths into [paths, tokens]. The same log-probs and gradients, up to float rounding.
+    packing: Literal["tree", "flat", "padded"] = "padded"
 
     # Loss: a name in LOSSES or a callable with the agents.training.losses signature, and its
     # hyper-parameters (each loss documents its own defaults and their sources).
@@ -135,6 +141,10 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.score_chunk must be an int >= 1 or None, got {self.score_chunk!r}")
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"TrainerConfig.total_steps must be >= 1 or None, got {self.total_steps!r}")
+        if isinstance(self.packing, bool):  # configs written when packing was on or off
+            self.packing = "flat" if self.packing else "padded"
+        if self.packing not in ("tree", "flat", "padded"):
+            raise ValueError(f"TrainerConfig.packing must be 'tree', 'flat' or 'padded', got {self.packing!r}")
         if self.old_logprobs not in ("recompute", "sampler"):
             raise ValueError(f"TrainerConfig.old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):

@@ -95,7 +95,7 @@ def config(**overrides) -> TrainerConfig:
     return TrainerConfig(**{"lr": 1e-3, "progress": False, "tensorboard": False, **overrides})
 
 
-@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("packing", ["padded", "flat", "tree"])
 def test_logprobs_equal_a_direct_forward_pass(packing):
     model, paths = tiny_model(), make_paths()
     trainer = Trainer(model, config(packing=packing, micro_batch_size=3))
@@ -107,7 +107,7 @@ def test_logprobs_equal_a_direct_forward_pass(packing):
         assert (scores[row, len(path.ids) :] == 0).all()
 
 
-@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("packing", ["padded", "flat", "tree"])
 async def test_entropy_metric_is_the_exact_token_mean_entropy_of_action_tokens(packing):
     model, paths = tiny_model(), make_paths()
     entropies = []
@@ -138,7 +138,7 @@ def gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("loss", ["ppo_clip", "atpo", "gspo"])
-@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("packing", ["padded", "flat", "tree"])
 async def test_gradient_accumulation_over_micro_batches_equals_one_big_batch(loss, packing):
     # Sampler log-probs off by ±0.3 so that ratios differ from 1 and some tokens clip.
     paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
@@ -526,7 +526,7 @@ async def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_g
         torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("packing", ["padded", "flat", "tree"])
 async def test_action_only_chunked_scoring_gives_the_full_logits_update(packing):
     # The output layer on action positions alone, 3 at a time and recomputed in the backward pass,
     # against the model's full logits: the same old log-probs, metrics and gradients.

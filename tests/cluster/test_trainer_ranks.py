@@ -152,7 +152,7 @@ async def test_two_ranks_train_resume_and_checkpoint_like_one_process(ray_local,
         # LoRA under FSDP, gradient checkpointing, the KL reference = adapters off, the sampler's log-probs.
         {"lora_rank": 4, "gradient_checkpointing": True, "kl_coef": 0.05, "old_logprobs": "sampler"},
         # Full fine-tuning with a KL penalty to a (sharded) frozen copy, packed micro-batches, no chunked head.
-        {"kl_coef": 0.05, "packing": True, "micro_batch_size": 2, "mini_batches": 1, "score_chunk": None},
+        {"kl_coef": 0.05, "packing": "tree", "micro_batch_size": 2, "mini_batches": 1, "score_chunk": None},
     ],
     ids=["lora-checkpointing-kl-sampler", "kl-copy-packing-full-logits"],
 )

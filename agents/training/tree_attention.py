@@ -1,0 +1,195 @@
+"""Attention over a packed row of paths: each token sees its own path up to itself, nothing else.
+
+Registered with transformers' ``AttentionInterface`` as ``"agents_tree"``, so any model that
+routes attention through that interface (Llama, Qwen2/3, Mistral, SmolLM, most current
+architectures) runs a packed row (:func:`agents.training.packing.pack_paths`) unchanged:
+:func:`enable_tree_attention` routes the model's attention through it, and a forward pass given
+``packed_paths=`` (the row's layout) and ``tree_kernel=`` runs it.
+
+Path ``b``'s own tokens (the places ``offsets[b]`` onwards) query the keys of its whole path
+(``where[b]``) under a causal mask aligned at their depth. Its shared prefix is computed by the
+path that owns it, so every token's query is computed once and the work is the sum over paths of
+own tokens × path length, never the row's length squared. Two ways run it, both exact:
+
+- ``per-path``: one ``scaled_dot_product_attention`` call per path with its own queries, and
+  ``is_causal`` for a path that owns all its tokens (the first of each tree);
+- ``batched``: one call for all paths, queries and keys padded to the longest: fewer calls,
+  more padded work. The cheaper by the count of query-key pairs, plus a fixed cost per call,
+  is chosen per micro-batch (:func:`choose_kernel`); the choice goes into the trainer's metrics.
+
+No mask larger than a path's own tokens × its length is built (FlexAttention block masks would
+skip the masked blocks of one large mask on a GPU; they need ``torch.compile`` and are not used).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+import torch
+import torch.nn.functional as F
+
+from agents.training.packing import PackedPaths
+
+__all__ = ["ATTENTION_NAME", "choose_kernel", "enable_tree_attention", "tree_attention_calls", "tree_attention_forward"]
+
+ATTENTION_NAME = "agents_tree"
+# A scaled_dot_product_attention call costs about as much as this many query-key pairs of work
+# besides them (measured on 2 CPU cores with SmolLM2-135M's 9 heads of 64; a GPU's kernel launch
+# is of the same order against its far higher throughput).
+CALL_COST_PAIRS = 16384
+
+Kernel = Literal["per-path", "batched"]
+
+
+def choose_kernel(packed: PackedPaths) -> Kernel:
+    """``per-path`` or ``batched``, whichever costs fewer query-key pairs plus calls (module docstring)."""
+    own = [length - start for start, length in zip(packed.starts, packed.lengths)]
+    paths = sum(n > 0 for n in own)
+    per_path = sum(n * length for n, length in zip(own, packed.lengths)) + paths * CALL_COST_PAIRS
+    batched = paths * max(own) * max(packed.lengths) + CALL_COST_PAIRS
+    return "batched" if batched < per_path else "per-path"
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: ``[1, heads, P, dim]`` in, ``[1, P, heads, dim]`` out."""
+    packed: PackedPaths | None = kwargs.get("packed_paths")
+    kernel: Kernel | None = kwargs.get("tree_kernel")
+    if packed is None or kernel is None:
+        raise ValueError("tree attention needs the forward pass's packed_paths= and tree_kernel= arguments")
+    for feature in ("sliding_window", "softcap", "s_aux", "position_bias"):
+        if kwargs.get(feature) is not None or getattr(module, feature, None) is not None:
+            raise ValueError(
+                f"{type(module).__name__} uses {feature}, which tree attention does not apply; "
+                "set TrainerConfig.packing='flat' for this model"
+            )
+    if dropout:
+        raise ValueError("tree attention has no dropout (the trainer runs the policy in eval mode)")
+    repeats = query.shape[1] // key.shape[1]  # grouped-query attention: each key head serves `repeats` query heads
+    key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    run = _batched if kernel == "batched" else _per_path
+    out = run(packed, query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _own_mask(start: int, own: int, length: int, device: torch.device) -> torch.Tensor:
+    """``[own, length]``: the query at depth ``start + i`` sees the keys at depths up to its own."""
+    return torch.arange(length, device=device)[None, :] <= torch.arange(start, start + own, device=device)[:, None]
+
+
+def _per_path(
+    packed: PackedPaths, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    outs = []
+    for row, (start, length, offset) in enumerate(zip(packed.starts, packed.lengths, packed.offsets)):
+        own = length - start
+        if not own:
+            continue  # every token of this path belongs to earlier ones
+        queries = query[:, :, offset : offset + own]
+        if start == 0:  # the path owns all its tokens, in order: plain causal attention
+            keys = slice(offset, offset + length)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    queries, key[:, :, keys], value[:, :, keys], is_causal=True, scale=scaling
+                )
+            )
+            continue
+        places = packed.where[row, :length]
+        mask = _own_mask(start, own, length, query.device)
+        outs.append(
+            F.scaled_dot_product_attention(
+                queries, key[:, :, places], value[:, :, places], attn_mask=mask, scale=scaling
+            )
+        )
+    return torch.cat(outs, dim=2)
+
+
+def _batched(
+    packed: PackedPaths, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    device = query.device
+    rows = [row for row, (s, n) in enumerate(zip(packed.starts, packed.lengths)) if n > s]
+    own = torch.tensor([packed.lengths[r] - packed.starts[r] for r in rows], device=device)
+    starts = torch.tensor([packed.starts[r] for r in rows], device=device)
+    offsets = torch.tensor([packed.offsets[r] for r in rows], device=device)
+    lengths = torch.tensor([packed.lengths[r] for r in rows], device=device)
+    width, span = int(own.max()), int(lengths.max())
+    i, d = torch.arange(width, device=device), torch.arange(span, device=device)
+    query_places = torch.where(i < own[:, None], offsets[:, None] + i, 0)  # [paths, width]
+    key_places = packed.where[rows, :span]  # [paths, span] (0 past a path's end: masked below)
+    mask = (d[None, None, :] <= (starts[:, None] + i)[:, :, None]) & (d < lengths[:, None])[:, None, :]
+    mask |= (i >= own[:, None])[:, :, None] & (d == 0)  # padded queries see one key: no row of -inf
+    q = query[0][:, query_places].transpose(0, 1)  # [paths, heads, width, dim]
+    k = key[0][:, key_places].transpose(0, 1)
+    v = value[0][:, key_places].transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scaling)
+    keep = i[None, :] < own[:, None]
+    return out.transpose(0, 1)[:, keep].unsqueeze(0)  # the paths' own queries, in row order
+
+
+class _Dispatch:
+    """The attention function registered for a model: tree attention for a packed row, the model's own otherwise."""
+
+    def __init__(self, own: Callable[..., Any]) -> None:
+        self.own, self.calls = own, 0
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("packed_paths") is None:
+            return self.own(module, *args, **kwargs)
+        self.calls += 1
+        return tree_attention_forward(module, *args, **kwargs)
+
+
+def enable_tree_attention(model: torch.nn.Module) -> None:
+    """Let ``model`` run packed rows: its attention becomes tree attention in a pass given ``packed_paths``.
+
+    Every other pass (an engine generating with the same model) runs the model's own attention,
+    masks included. The switch is permanent for the model: it holds through gradient
+    checkpointing, whose backward pass recomputes the attention after the forward pass returned.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    config = _text_config(model)
+    own = config._attn_implementation
+    if own is not None and own.startswith(ATTENTION_NAME):
+        return
+    if own not in AttentionInterface._global_mapping:
+        raise ValueError(
+            f"packing='tree' runs through transformers' attention functions, but {type(model).__name__} uses "
+            f"attn_implementation={own!r}; load it with attn_implementation='sdpa' (the default) or set "
+            "TrainerConfig.packing='flat'"
+        )
+    name = f"{ATTENTION_NAME}+{own}"
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _Dispatch(AttentionInterface._global_mapping[own]))
+        own_mask = cast("Callable[..., Any] | None", ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(own))
+        if own_mask is not None:  # the model's own passes build the masks its own attention expects
+            ALL_MASK_ATTENTION_FUNCTIONS.register(name, own_mask)
+    config._attn_implementation = name
+
+
+def tree_attention_calls(model: torch.nn.Module) -> int:
+    """How many attention calls of ``model`` have run as tree attention so far (0 if never enabled)."""
+    from transformers import AttentionInterface
+
+    dispatch = AttentionInterface._global_mapping.get(_text_config(model)._attn_implementation)
+    return dispatch.calls if isinstance(dispatch, _Dispatch) else 0
+
+
+def _text_config(model: torch.nn.Module) -> Any:
+    get_base = getattr(model, "get_base_model", None)  # peft: the transformers model inside
+    base = get_base() if callable(get_base) else model
+    config = getattr(base, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no transformers config, so tree attention cannot be set on it")
+    return config
