@@ -1,0 +1,282 @@
+"""Training on the packed tree: the same log-probs, losses and gradients as every path forwarded alone.
+
+Random rollout trees of many shapes (one leaf, chains sharing the prompt, single-child chains,
+deep and wide trees, leaves of very different lengths) go through the trainer with
+``packing="tree"`` and with ``packing="padded"`` (each path its own row); everything the loss
+sees must agree: per-token log-probs and entropies, every loss with every aggregation mode, the
+KL term and the entropy bonus, the gradients, and the weights after an AT²PO step.
+"""
+
+import copy
+import math
+import os
+import random
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agents.rollout.tree import RolloutTree, TrainingPath
+from agents.training.batch import collate
+from agents.training.losses import AGGREGATIONS, LOSSES
+from agents.training.packing import new_tokens, pack_paths
+from agents.training.trainer import Trainer, TrainerConfig
+from agents.training.tree_attention import choose_kernel
+
+VOCAB = 50
+# (depth, branching): one leaf, chains sharing the prompt, one long single-child chain, deep, wide.
+SHAPES = [(1, 1), (1, 6), (6, 1), (3, 3), (6, 2), (2, 6)]
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def random_tree(rng: random.Random, depth: int, branching: int, vocab: int = VOCAB) -> RolloutTree:
+    """A tree ``depth`` turns deep whose nodes have 1 to ``branching`` children; some branches end early.
+
+    Actions are 1-12 tokens, one in five 30-60 (leaves of very different lengths), observations 0-5;
+    sampler log-probs are off the model's so that ratios differ from 1 and some tokens clip.
+    """
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(n)]
+
+    tree = RolloutTree(ids(rng.randint(2, 12)))
+
+    def grow(node, level: int) -> None:
+        children = rng.randint(1, branching)
+        for _ in range(children):
+            n = rng.randint(30, 60) if rng.random() < 0.2 else rng.randint(1, 12)
+            last = level == depth or (level > 1 and rng.random() < 0.25)
+            child = tree.add_turn(
+                node,
+                obs_ids=ids(rng.randint(0, 5)) if level > 1 else [],
+                action_ids=ids(n),
+                logprobs=[-rng.uniform(0.5, 5.0) for _ in range(n)],
+                terminal=last,
+                reward=rng.choice([0.0, 1.0]) if last else None,
+            )
+            child.advantage = rng.gauss(0.0, 1.0)
+            if not last:
+                grow(child, level + 1)
+
+    grow(tree.root, 1)
+    return tree
+
+
+def random_trees(seed: int, depth: int, branching: int, trees: int = 2, vocab: int = VOCAB) -> list[RolloutTree]:
+    rng = random.Random(seed)
+    return [random_tree(rng, depth, branching, vocab) for _ in range(trees)]
+
+
+def tree_paths(seed: int, depth: int, branching: int, trees: int = 2, vocab: int = VOCAB) -> list[TrainingPath]:
+    return [path for tree in random_trees(seed, depth, branching, trees, vocab) for path in tree.paths()]
+
+
+def tree_tokens(tree: RolloutTree) -> int:
+    """Every node's tokens once: what a packed row of the tree holds (fewer where siblings begin alike)."""
+    return len(tree.root.obs_ids) + sum(len(node.obs_ids) + len(node.action_ids) for node in tree.nodes())
+
+
+def config(**overrides) -> TrainerConfig:
+    values = {
+        "lr": 1e-3,
+        "progress": False,
+        "tensorboard": False,
+        "old_logprobs": "sampler",
+        "max_grad_norm": 1e9,
+        "micro_batch_size": 64,
+        **overrides,
+    }
+    return TrainerConfig(**values)
+
+
+def gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+# -- the packed row ---------------------------------------------------------------------------
+
+
+def test_a_packed_row_holds_each_shared_prefix_once_with_positions_at_each_tokens_depth():
+    paths = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8, 4, 3], [2, 6]]
+    ids = torch.tensor([p + [0] * (6 - len(p)) for p in paths])
+    mask = torch.tensor([[1] * len(p) + [0] * (6 - len(p)) for p in paths])
+    packed = pack_paths(ids, mask)
+    # path 1 shares [5, 6] with path 0; path 2 all of path 0; path 3 nothing.
+    assert packed.ids.tolist() == [[5, 6, 7, 8, 9, 4, 3, 2, 6]]
+    assert packed.positions.tolist() == [[0, 1, 2, 3, 2, 4, 5, 0, 1]]
+    assert packed.where.tolist() == [[0, 1, 2, 3, 0, 0], [0, 1, 4, 0, 0, 0], [0, 1, 2, 3, 5, 6], [7, 8, 0, 0, 0, 0]]
+    assert packed.previous.tolist() == [-1, 0, 1, 2, 1, 3, 5, -1, 7]
+    assert (packed.starts, packed.lengths, packed.offsets) == ([0, 2, 4, 0], [4, 3, 6, 2], [0, 4, 5, 7])
+    assert packed.tokens == 9 and int(mask.sum()) == 15
+    assert new_tokens(ids, mask.sum(-1), 2, [0, 1]) == 2 and new_tokens(ids, mask.sum(-1), 3, [0]) == 2
+    flat = pack_paths(ids, mask, share=False)
+    assert flat.tokens == 15 and flat.positions.tolist()[0][:7] == [0, 1, 2, 3, 0, 1, 2]
+
+
+def test_the_kernel_is_the_cheaper_one_per_path_for_long_own_runs_batched_for_many_short_ones():
+    long_prompt = torch.tensor([[1] * 400 + [2] * 50, [1] * 400 + [3] * 50])
+    assert choose_kernel(pack_paths(long_prompt, torch.ones_like(long_prompt))) == "per-path"
+    short = torch.tensor([[1, 2, 3, k, k + 1] for k in range(4, 40)])
+    assert choose_kernel(pack_paths(short, torch.ones_like(short))) == "batched"
+
+
+# -- exactness on the tiny model ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("depth", "branching"), SHAPES)
+@pytest.mark.parametrize("kernel", ["per-path", "batched"])
+def test_every_leafs_logprobs_and_entropies_equal_the_padded_paths(depth, branching, kernel, monkeypatch):
+    import agents.training.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "choose_kernel", lambda packed: kernel)
+    trees = random_trees(10 * depth + branching, depth, branching)
+    paths = [path for tree in trees for path in tree.paths()]
+    batch = collate(paths, 0)
+    scores = {}
+    for packing in ("padded", "tree"):
+        trainer = Trainer(tiny_model(), config(packing=packing))
+        everything = trainer.compute_logprobs(batch)
+        actions, entropy = trainer._forward(trainer.model, batch.ids, batch.attention_mask, scored=batch.mask)
+        scores[packing] = (everything, actions, entropy)
+    for tree, padded in zip(scores["tree"], scores["padded"]):
+        torch.testing.assert_close(tree, padded, atol=1e-5, rtol=0)
+    packed = pack_paths(batch.ids, batch.attention_mask)
+    assert packed.tokens <= sum(tree_tokens(tree) for tree in trees) <= int(batch.attention_mask.sum())
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("regulariser", ["none", "kl", "entropy"])
+async def test_every_loss_aggregation_kl_and_entropy_bonus_gives_the_padded_loss_and_gradients(loss, agg, regulariser):
+    paths = tree_paths(7, 3, 3)
+    extra = {"kl": {"kl_coef": 0.05}, "entropy": {"entropy_coef": 0.01}, "none": {}}[regulariser]
+    results = {}
+    for packing in ("padded", "tree"):
+        trainer = Trainer(tiny_model(), config(packing=packing, loss=loss, loss_kwargs={"agg": agg}, **extra))
+        if regulariser == "kl":  # a reference that differs from the policy, so the KL term is not 0
+            trainer.ref_model.load_state_dict(tiny_model(1).state_dict())
+        metrics = await trainer.step(paths)
+        results[packing] = (metrics, gradients(trainer))
+    (tree_metrics, tree_grads), (padded_metrics, padded_grads) = results["tree"], results["padded"]
+    assert tree_metrics["policy/loss"] == pytest.approx(padded_metrics["policy/loss"], rel=1e-6, abs=1e-9)
+    for name in ("policy/entropy", "policy/kl_ref", "policy/pg_loss", "policy/clip_frac_low", "policy/clip_frac_high"):
+        if name in padded_metrics:
+            assert tree_metrics[name] == pytest.approx(padded_metrics[name], rel=1e-5, abs=1e-7), name
+    if regulariser == "kl":
+        assert padded_metrics["policy/kl_ref"] > 1e-3
+    assert tree_grads.keys() == padded_grads.keys() and len(tree_grads) > 10
+    for name in padded_grads:
+        torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-5, rtol=1e-4)
+
+
+async def test_trees_split_over_micro_batches_by_packed_tokens_give_the_same_update():
+    paths = tree_paths(3, 4, 3, trees=3)
+    lengths = collate(paths, 0).attention_mask.sum(-1)
+    weights, splits = [], []
+    for packing, budget in (("padded", None), ("tree", None), ("tree", 120)):
+        trainer = Trainer(tiny_model(), config(packing=packing, micro_batch_size=4, micro_batch_tokens=budget))
+        splits.append(trainer._micro_batches(torch.arange(len(paths)), lengths, collate(paths, 0).ids))
+        await trainer.step(paths)
+        weights.append({name: p.detach().clone() for name, p in trainer.model.named_parameters()})
+    padded_split, tree_split, budget_split = splits
+    assert len(tree_split) < len(padded_split) and len(budget_split) > len(tree_split)
+    ids, lengths = collate(paths, 0).ids, collate(paths, 0).attention_mask.sum(-1)
+    for group in budget_split:
+        packed = pack_paths(ids[group], (torch.arange(ids.shape[1]) < lengths[group, None]).long())
+        assert packed.tokens <= 120 or len(group) == 1
+    for other in weights[1:]:
+        for name, value in weights[0].items():
+            torch.testing.assert_close(other[name], value, atol=1e-6, rtol=0)
+
+
+async def test_an_at2po_step_on_the_packed_tree_leaves_the_weights_of_the_padded_step():
+    from agents.learners import AT2PO
+
+    paths = tree_paths(11, 4, 3, trees=3)
+    learner = AT2PO()
+    weights = []
+    for packing in ("padded", "tree"):
+        trainer_config = learner.trainer_config(lr=1e-3, progress=False, tensorboard=False, packing=packing)
+        trainer = Trainer(tiny_model(), trainer_config)
+        metrics = await trainer.step(paths)
+        weights.append({name: p.detach().clone() for name, p in trainer.model.named_parameters()})
+        assert math.isfinite(metrics["policy/loss"]) and trainer_config.loss == "atpo"
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, atol=1e-5, rtol=0)
+    assert any(not torch.equal(weights[0][name], tiny_model().state_dict()[name]) for name in weights[0])
+
+
+def test_a_model_whose_attention_bypasses_transformers_interface_is_refused():
+    model = tiny_model()
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attn_implementation='eager'.*attn_implementation='sdpa'"):
+        Trainer(model, config(packing="tree"))
+    with pytest.raises(ValueError, match="packing must be 'tree', 'flat' or 'padded', got 'trie'"):
+        config(packing="trie")
+    assert config(packing=True).packing == "flat" and config(packing=False).packing == "padded"
+
+
+def test_an_engine_sharing_the_model_generates_as_before_once_tree_attention_is_on():
+    model = tiny_model()
+    ids = torch.tensor([[3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 11, 12]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        Trainer(model, config(packing="tree"))
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert model.config._attn_implementation == "agents_tree+sdpa"
+    torch.testing.assert_close(after * mask[..., None], before * mask[..., None], atol=1e-6, rtol=0)
+
+
+async def test_gradient_checkpointing_recomputes_the_tree_attention():
+    paths = tree_paths(5, 3, 3)
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(tiny_model())
+        trainer = Trainer(model, config(packing="tree", gradient_checkpointing=checkpointing))
+        await trainer.step(paths)
+        grads.append(gradients(trainer))
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5)
+
+
+# -- the real model -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_smollm2_packed_tree_gives_the_padded_logprobs_loss_and_gradients():
+    from agents.models import load_model
+
+    model = load_model("smollm2-135m")
+    paths = tree_paths(2, 3, 3, trees=1, vocab=model.config.vocab_size)
+    results = {}
+    for packing in ("padded", "tree"):
+        trainer = Trainer(copy.deepcopy(model), config(packing=packing, loss="atpo"))
+        scores = trainer.compute_logprobs(paths)
+        metrics = await trainer.step(paths)
+        results[packing] = (scores, metrics, gradients(trainer))
+    (tree_scores, tree_metrics, tree_grads), (padded_scores, padded_metrics, padded_grads) = (
+        results["tree"],
+        results["padded"],
+    )
+    torch.testing.assert_close(tree_scores, padded_scores, atol=1e-5, rtol=0)
+    assert tree_metrics["policy/loss"] == pytest.approx(padded_metrics["policy/loss"], rel=1e-6)
+    for name in padded_grads:
+        torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-5, rtol=1e-4)
