@@ -22,7 +22,8 @@ out in one row in which every shared prefix stands once (``share=True``, the tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ class PackedPaths:
         lengths: per path, its number of tokens.
         offsets: per path, the place in the row of its first token of its own; its own tokens
             are ``ids[0, offsets[b] : offsets[b] + lengths[b] - starts[b]]``.
+        cache: what the attention derives from the layout once and every layer reuses.
     """
 
     ids: torch.Tensor
@@ -51,6 +53,7 @@ class PackedPaths:
     starts: list[int]
     lengths: list[int]
     offsets: list[int]
+    cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def tokens(self) -> int:

@@ -207,6 +207,7 @@ class Trainer:
         #: Steps (rollout batches) trained so far; checkpoints and metrics are numbered by it.
         self.step_count = 0
         self.metrics: MetricsLog | None = None  # opened by the first step, or by resume()
+        self._passes: defaultdict[str, int] = defaultdict(int)  # what the step's update passes forwarded
         self._steps_bar: tqdm | None = None
 
     @property
@@ -311,6 +312,7 @@ class Trainer:
             disable=self._progress_disabled,
         )
         mismatch = _Mismatch()
+        self._passes = defaultdict(int)
 
         # 2-3. Old log-probs: the current policy before this step's updates, and the reference's.
         start = time.perf_counter()
@@ -414,6 +416,13 @@ class Trainer:
             "tokens/trained": trained_tokens,
             "tokens/action": float(mask.sum()),
             "batch/sequences": float(n),
+            # What the update's forward passes ran on: padding included, each shared prefix once under tree packing.
+            "batch/tokens_forwarded": float(self._passes["tokens_forwarded"]),
+            **(
+                {"batch/tree_batched_passes": self._passes["batched_passes"] / max(self._passes["tree_passes"], 1)}
+                if cfg.packing == "tree"
+                else {}
+            ),
             "time/old_logprobs_s": time_old,
             "time/update_s": time_update,
             "throughput/update_tokens_per_s": trained_tokens * cfg.epochs / time_update,
@@ -553,10 +562,16 @@ class Trainer:
             inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": attention_mask}
         else:  # flat: no mask, the position ids' restarts delimit the paths; tree: tree attention
             inputs = {"input_ids": packed.ids, "position_ids": packed.positions}
+        if torch.is_grad_enabled():  # an update pass: counted in the step's batch/* metrics
+            self._passes["tokens_forwarded"] += ids.numel() if packed is None else packed.tokens
         if packing == "tree":
             assert packed is not None
-            inputs.update(packed_paths=packed, tree_kernel=choose_kernel(packed))
+            kernel = choose_kernel(packed)
+            inputs.update(packed_paths=packed, tree_kernel=kernel)
             calls = tree_attention_calls(model)
+            if torch.is_grad_enabled():
+                self._passes["tree_passes"] += 1
+                self._passes["batched_passes"] += kernel == "batched"
         parts = _decoder_and_head(model) if scored is not None and self.config.score_chunk else None
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             if parts is not None:

@@ -74,21 +74,41 @@ def tree_attention_forward(
             )
     if dropout:
         raise ValueError("tree attention has no dropout (the trainer runs the policy in eval mode)")
-    repeats = query.shape[1] // key.shape[1]  # grouped-query attention: each key head serves `repeats` query heads
-    key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     run = _batched if kernel == "batched" else _per_path
-    out = run(packed, query, key, value, scaling)
+    out = run(packed, query, key, value, scaling, query.shape[1] // key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
-def _own_mask(start: int, own: int, length: int, device: torch.device) -> torch.Tensor:
-    """``[own, length]``: the query at depth ``start + i`` sees the keys at depths up to its own."""
-    return torch.arange(length, device=device)[None, :] <= torch.arange(start, start + own, device=device)[:, None]
+def _heads(states: torch.Tensor, repeats: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head serves ``repeats`` query heads."""
+    return states if repeats == 1 else states.repeat_interleave(repeats, dim=1)
+
+
+def _own_masks(packed: PackedPaths, device: torch.device) -> dict[int, torch.Tensor]:
+    """Per path that shares a prefix, ``[own, length]``: the query at depth ``start + i`` sees depths up to its own.
+
+    Built once per packed row and kept on it: every layer (and a checkpointed layer's recomputation) reuses them.
+    """
+    masks = packed.cache.get("own_masks")
+    if masks is None:
+        masks = {
+            row: torch.arange(length, device=device)[None, :] <= torch.arange(start, length, device=device)[:, None]
+            for row, (start, length) in enumerate(zip(packed.starts, packed.lengths))
+            if 0 < start < length
+        }
+        packed.cache["own_masks"] = masks
+    return masks
 
 
 def _per_path(
-    packed: PackedPaths, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    packed: PackedPaths,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    repeats: int,
 ) -> torch.Tensor:
+    masks = _own_masks(packed, query.device)
     outs = []
     for row, (start, length, offset) in enumerate(zip(packed.starts, packed.lengths, packed.offsets)):
         own = length - start
@@ -97,26 +117,36 @@ def _per_path(
         queries = query[:, :, offset : offset + own]
         if start == 0:  # the path owns all its tokens, in order: plain causal attention
             keys = slice(offset, offset + length)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    queries, key[:, :, keys], value[:, :, keys], is_causal=True, scale=scaling
-                )
-            )
+            k, v = _heads(key[:, :, keys], repeats), _heads(value[:, :, keys], repeats)
+            outs.append(F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scaling))
             continue
         places = packed.where[row, :length]
-        mask = _own_mask(start, own, length, query.device)
-        outs.append(
-            F.scaled_dot_product_attention(
-                queries, key[:, :, places], value[:, :, places], attn_mask=mask, scale=scaling
-            )
-        )
+        k, v = _heads(key[:, :, places], repeats), _heads(value[:, :, places], repeats)
+        outs.append(F.scaled_dot_product_attention(queries, k, v, attn_mask=masks[row], scale=scaling))
     return torch.cat(outs, dim=2)
 
 
 def _batched(
-    packed: PackedPaths, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    packed: PackedPaths,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    repeats: int,
 ) -> torch.Tensor:
-    device = query.device
+    query_places, key_places, mask, keep = _batched_layout(packed, query.device)
+    q = query[0][:, query_places].transpose(0, 1)  # [paths, heads, width, dim]
+    k = _heads(key[0][:, key_places].transpose(0, 1), repeats)
+    v = _heads(value[0][:, key_places].transpose(0, 1), repeats)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return out.transpose(0, 1)[:, keep].unsqueeze(0)  # the paths' own queries, in row order
+
+
+def _batched_layout(packed: PackedPaths, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The batched call's query and key places, mask and kept queries (built once per packed row)."""
+    layout = packed.cache.get("batched")
+    if layout is not None:
+        return layout
     rows = [row for row, (s, n) in enumerate(zip(packed.starts, packed.lengths)) if n > s]
     own = torch.tensor([packed.lengths[r] - packed.starts[r] for r in rows], device=device)
     starts = torch.tensor([packed.starts[r] for r in rows], device=device)
@@ -128,12 +158,9 @@ def _batched(
     key_places = packed.where[rows, :span]  # [paths, span] (0 past a path's end: masked below)
     mask = (d[None, None, :] <= (starts[:, None] + i)[:, :, None]) & (d < lengths[:, None])[:, None, :]
     mask |= (i >= own[:, None])[:, :, None] & (d == 0)  # padded queries see one key: no row of -inf
-    q = query[0][:, query_places].transpose(0, 1)  # [paths, heads, width, dim]
-    k = key[0][:, key_places].transpose(0, 1)
-    v = value[0][:, key_places].transpose(0, 1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scaling)
     keep = i[None, :] < own[:, None]
-    return out.transpose(0, 1)[:, keep].unsqueeze(0)  # the paths' own queries, in row order
+    packed.cache["batched"] = layout = (query_places, key_places, mask[:, None], keep)
+    return layout
 
 
 class _Dispatch:
