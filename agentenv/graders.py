@@ -16,7 +16,6 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-
 __all__ = [
     "Grade",
     "cover_exact_match",

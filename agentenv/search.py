@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from agentenv.cache import cache_dir
 from agentenv.datasets import DatasetError, Paragraph, read_rows
 from agentenv.tools import Tool, tool

@@ -53,8 +53,8 @@ class TrainerConfig:
     # vocabulary). None: the model's full logits (also used for models whose logits are more than
     # head(hidden), e.g. soft-capped). The same values up to float rounding.
     score_chunk: int | None = 2048
-    # How a micro-batch's paths are laid out for the forward pass (docs/algorithms.md "Training on
-    # the tree"): "tree" packs them into one row holding every shared prefix once (the prompt of a
+    # How a micro-batch's paths are laid out for the forward pass, docs/algorithms.md "Training on the tree":
+    # "tree" packs them into one row holding every shared prefix once (the prompt of a
     # prompt's chains, the shared turns of a tree) under tree attention, and bounds a micro-batch by
     # its packed tokens instead of its paths (micro_batch_tokens, else micro_batch_size × the
     # batch's longest path); "flat" packs each path whole into one row; "padded" right-pads the
