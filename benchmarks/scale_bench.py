@@ -4,14 +4,15 @@
 
 (a) Real model on CPU. The same ``multihop-qa`` prompts (the ``cpu-demo`` preset's AT²PO trees
     on the embedded SmolLM2-135M, the same rollout seed) rolled out by one process (today's
-    ``agents train``), by one rollout worker, and by two (one core each), three times each in
+    ``agents train``), by one rollout worker, and by two (one core each), twice each in
     turn (median); rollout tokens per second and their ratio to the single process, and steps
     per hour (rollout + the trainer's update of those trees, measured once in this process, +
     the weight sync to the workers).
 (b) Simulated cluster. Rollout workers whose engine is a scripted one answering each turn after
     ``tokens × per-token latency``, 4 prompts of a four-turn toy environment per worker, at 1, 8,
     32 and 64 workers on this machine. Ideal throughput is M times one worker's alone; the table
-    gives the fraction the driver reaches, and the driver's CPU seconds per step.
+    gives the fraction the driver reaches, the driver's CPU seconds per step, and each worker's
+    memory (PSS, the median over the workers).
 (c) Weight sync. SmolLM2-135M's float32 weights through Ray's object store to two workers: put,
     load and total seconds, bytes, the share of a cpu-demo step it takes (from (a)), and the time
     projected at the measured bandwidth for the bfloat16 weights of 4B and 14B models.
@@ -39,9 +40,11 @@ from agents.config import build, resolve
 from agents.models import DEFAULT_MODEL, load_tokenizer
 from agents.rollout.strategies import Chain
 
-REAL_TASKS = [60, 61, 62, 63]  # four training prompts of multihop-qa (the first 50 are held out)
+# Eight training prompts of multihop-qa (the first 50 are held out): four a worker at M = 2, so that each
+# engine still batches several trees and one long tree does not decide the step alone.
+REAL_TASKS = list(range(60, 68))
 REAL_SEED = 7
-REAL_ROUNDS = 3  # rollouts of the same prompts per layout; the table gives the median
+REAL_ROUNDS = 2  # rollouts of the same prompts per layout, in turn; the table gives the median
 SIM_PROMPTS_PER_WORKER = 4
 # 200-token turns at 20 ms per token (a 4B model on a GPU): 4 s a turn. The papers' turns are longer (up to
 # 6192 response tokens over at most 6 tool calls); shorter turns make the workers' own CPU per turn, which
@@ -167,6 +170,7 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
         pool = RolloutPool(spec, workers, cpus=cpu_share(workers), restarts=0)
         tasks = list(range(workers * SIM_PROMPTS_PER_WORKER))
         await pool.rollout(tasks[:workers], 0)  # warm-up
+        memory = statistics.median(_pss_mib(info["pid"]) for info in pool.info)
         times, cpu = [], []
         for repeat in range(3):
             cpu_start, start = time.process_time(), time.perf_counter()
@@ -189,9 +193,13 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
                 "tokens_per_s": throughput,
                 "fraction_of_ideal": fraction,
                 "driver_cpu_s": statistics.median(cpu),
+                "worker_pss_mib": memory,
             }
         )
-        print(f"  {workers} workers: {throughput:.0f} tokens/s, {fraction:.2%} of ideal", flush=True)
+        print(
+            f"  {workers} workers: {throughput:.0f} tokens/s, {fraction:.2%} of ideal, {memory:.0f} MiB PSS a worker",
+            flush=True,
+        )
     results["simulated"] = {
         "rows": rows,
         "tokens_per_turn": SIM_TOKENS,
@@ -203,13 +211,29 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
         _table(
             f"(b) simulated cluster: {SIM_PROMPTS_PER_WORKER} prompts x 4 chains x {SIM_TURNS} turns per worker, "
             f"{SIM_TOKENS}-token turns at {SIM_TOKEN_LATENCY_S * 1000:.0f} ms/token",
-            ["workers", "prompts", "tokens/s", "of ideal", "driver CPU s/step", "step s"],
+            ["workers", "prompts", "tokens/s", "of ideal", "driver CPU s/step", "step s", "MiB/worker"],
             [
-                [r["workers"], r["prompts"], r["tokens_per_s"], r["fraction_of_ideal"], r["driver_cpu_s"], r["seconds"]]
+                [
+                    r["workers"],
+                    r["prompts"],
+                    r["tokens_per_s"],
+                    r["fraction_of_ideal"],
+                    r["driver_cpu_s"],
+                    r["seconds"],
+                    r["worker_pss_mib"],
+                ]
                 for r in rows
             ],
         )
     )
+
+
+def _pss_mib(pid: int) -> float:
+    """A process's proportional set size (its private memory plus its share of shared pages), in MiB."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no Pss line in /proc/{pid}/smaps_rollup")
 
 
 # -- (c) the weight sync ------------------------------------------------------------------------

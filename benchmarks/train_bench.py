@@ -160,6 +160,27 @@ def _forwarded_at_paper_scale(shape: str) -> dict[str, float]:
     }
 
 
+def _call_cost_pairs() -> float:
+    """What one causal SDPA call costs besides its work, in query-key pairs (tree attention's CALL_COST_PAIRS).
+
+    Forward and backward at SmolLM2-135M's 9 heads of 64: a 4-token call against the per-pair cost of 1024 tokens.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    def seconds(length: int, repeats: int) -> float:
+        q, k, v = (torch.randn(1, 9, length, 64, requires_grad=True) for _ in range(3))
+        for _ in range(2):  # warm-up
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        return (time.perf_counter() - start) / repeats
+
+    call, large = seconds(4, 200), seconds(1024, 5)
+    return call / ((large - call) / (1024 * 1025 / 2))
+
+
 def _table(rows: list[list[Any]], head: list[str]) -> str:
     cells = [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in [head, *rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
@@ -193,6 +214,8 @@ def main() -> None:
         "scale": args.scale,
         "shapes": {},
     }
+    results["call_cost_pairs"] = _call_cost_pairs()
+    print(f"one SDPA call costs as much as {results['call_cost_pairs']:.0f} query-key pairs besides its work")
     start = time.perf_counter()
     for shape in shapes:
         paths = _batch(shape, args.scale)

@@ -6,19 +6,22 @@ architectures) runs a packed row (:func:`agents.training.packing.pack_paths`) un
 :func:`enable_tree_attention` routes the model's attention through it, and a forward pass given
 ``packed_paths=`` (the row's layout) and ``tree_kernel=`` runs it.
 
-Path ``b``'s own tokens (the places ``offsets[b]`` onwards) query the keys of its whole path
-(``where[b]``) under a causal mask aligned at their depth. Its shared prefix is computed by the
-path that owns it, so every token's query is computed once and the work is the sum over paths of
-own tokens × path length, never the row's length squared. Two ways run it, both exact:
+Path ``b``'s own tokens (the places ``offsets[b]`` onwards) attend over the whole path: its
+places ``where[b]`` gathered into one sequence, under the plain causal mask, of whose outputs the
+own tokens' are kept. The shared prefix's queries, keys and values come from the path that owns
+them, so everything outside attention (the projections and MLPs, most of a forward pass) runs
+once per packed token; attention costs what each path alone costs, with causal kernels that skip
+the masked half, and never the row's length squared. Two ways run it, both exact:
 
-- ``per-path``: one ``scaled_dot_product_attention`` call per path with its own queries, and
-  ``is_causal`` for a path that owns all its tokens (the first of each tree);
-- ``batched``: one call for all paths, queries and keys padded to the longest: fewer calls,
-  more padded work. The cheaper by the count of query-key pairs, plus a fixed cost per call,
-  is chosen per micro-batch (:func:`choose_kernel`); the choice goes into the trainer's metrics.
+- ``per-path``: one causal ``scaled_dot_product_attention`` call per path (a path that owns all
+  its tokens, the first of each tree, is a slice of the row: nothing gathered);
+- ``batched``: one call for all paths, right-padded to the longest (a causal query never sees the
+  padding after it): fewer calls, more padded work. The cheaper by the count of query-key pairs,
+  plus a fixed cost per call, is chosen per micro-batch (:func:`choose_kernel`); the trainer's
+  metrics record the choice.
 
-No mask larger than a path's own tokens × its length is built (FlexAttention block masks would
-skip the masked blocks of one large mask on a GPU; they need ``torch.compile`` and are not used).
+No attention mask is built at all (FlexAttention block masks would let one call skip the
+masked blocks of a whole tree on a GPU; they need ``torch.compile`` and are not used).
 """
 
 from __future__ import annotations
@@ -35,19 +38,19 @@ __all__ = ["ATTENTION_NAME", "choose_kernel", "enable_tree_attention", "tree_att
 
 ATTENTION_NAME = "agents_tree"
 # A scaled_dot_product_attention call costs about as much as this many query-key pairs of work
-# besides them (measured on 2 CPU cores with SmolLM2-135M's 9 heads of 64; a GPU's kernel launch
-# is of the same order against its far higher throughput).
-CALL_COST_PAIRS = 16384
+# besides them: measured on 2 CPU cores with SmolLM2-135M's 9 heads of 64, forward and backward
+# (benchmarks/results/train_bench.json, "call_cost_pairs").
+CALL_COST_PAIRS = 1200
 
 Kernel = Literal["per-path", "batched"]
 
 
 def choose_kernel(packed: PackedPaths) -> Kernel:
-    """``per-path`` or ``batched``, whichever costs fewer query-key pairs plus calls (module docstring)."""
-    own = [length - start for start, length in zip(packed.starts, packed.lengths)]
-    paths = sum(n > 0 for n in own)
-    per_path = sum(n * length for n, length in zip(own, packed.lengths)) + paths * CALL_COST_PAIRS
-    batched = paths * max(own) * max(packed.lengths) + CALL_COST_PAIRS
+    """``per-path`` or ``batched``, whichever costs fewer causal query-key pairs plus calls (module docstring)."""
+    lengths = [length for start, length in zip(packed.starts, packed.lengths) if length > start]
+    per_path = sum(n * (n + 1) // 2 for n in lengths) + len(lengths) * CALL_COST_PAIRS
+    longest = max(lengths)
+    batched = len(lengths) * longest * (longest + 1) // 2 + CALL_COST_PAIRS
     return "batched" if batched < per_path else "per-path"
 
 
@@ -84,22 +87,6 @@ def _heads(states: torch.Tensor, repeats: int) -> torch.Tensor:
     return states if repeats == 1 else states.repeat_interleave(repeats, dim=1)
 
 
-def _own_masks(packed: PackedPaths, device: torch.device) -> dict[int, torch.Tensor]:
-    """Per path that shares a prefix, ``[own, length]``: the query at depth ``start + i`` sees depths up to its own.
-
-    Built once per packed row and kept on it: every layer (and a checkpointed layer's recomputation) reuses them.
-    """
-    masks = packed.cache.get("own_masks")
-    if masks is None:
-        masks = {
-            row: torch.arange(length, device=device)[None, :] <= torch.arange(start, length, device=device)[:, None]
-            for row, (start, length) in enumerate(zip(packed.starts, packed.lengths))
-            if 0 < start < length
-        }
-        packed.cache["own_masks"] = masks
-    return masks
-
-
 def _per_path(
     packed: PackedPaths,
     query: torch.Tensor,
@@ -108,21 +95,15 @@ def _per_path(
     scaling: float | None,
     repeats: int,
 ) -> torch.Tensor:
-    masks = _own_masks(packed, query.device)
     outs = []
     for row, (start, length, offset) in enumerate(zip(packed.starts, packed.lengths, packed.offsets)):
-        own = length - start
-        if not own:
+        if start == length:
             continue  # every token of this path belongs to earlier ones
-        queries = query[:, :, offset : offset + own]
-        if start == 0:  # the path owns all its tokens, in order: plain causal attention
-            keys = slice(offset, offset + length)
-            k, v = _heads(key[:, :, keys], repeats), _heads(value[:, :, keys], repeats)
-            outs.append(F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scaling))
-            continue
-        places = packed.where[row, :length]
-        k, v = _heads(key[:, :, places], repeats), _heads(value[:, :, places], repeats)
-        outs.append(F.scaled_dot_product_attention(queries, k, v, attn_mask=masks[row], scale=scaling))
+        # The path as one sequence: a slice of the row when it owns all its tokens, else gathered.
+        places = slice(offset, offset + length) if start == 0 else packed.where[row, :length]
+        q, k, v = query[:, :, places], _heads(key[:, :, places], repeats), _heads(value[:, :, places], repeats)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+        outs.append(out[:, :, start:])  # its own tokens' outputs
     return torch.cat(outs, dim=2)
 
 
@@ -134,32 +115,28 @@ def _batched(
     scaling: float | None,
     repeats: int,
 ) -> torch.Tensor:
-    query_places, key_places, mask, keep = _batched_layout(packed, query.device)
-    q = query[0][:, query_places].transpose(0, 1)  # [paths, heads, width, dim]
-    k = _heads(key[0][:, key_places].transpose(0, 1), repeats)
-    v = _heads(value[0][:, key_places].transpose(0, 1), repeats)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    return out.transpose(0, 1)[:, keep].unsqueeze(0)  # the paths' own queries, in row order
+    places, keep = _batched_layout(packed, query.device)
+    q = query[0][:, places].transpose(0, 1)  # [paths, heads, longest, dim]
+    k = _heads(key[0][:, places].transpose(0, 1), repeats)
+    v = _heads(value[0][:, places].transpose(0, 1), repeats)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+    return out.transpose(0, 1)[:, keep].unsqueeze(0)  # the paths' own tokens, in row order
 
 
-def _batched_layout(packed: PackedPaths, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The batched call's query and key places, mask and kept queries (built once per packed row)."""
+def _batched_layout(packed: PackedPaths, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batched call's places (``[paths, longest]``, right-padded) and which outputs are own tokens.
+
+    Built once per packed row and kept on it: every layer (and a checkpointed layer's recomputation) reuses it.
+    """
     layout = packed.cache.get("batched")
-    if layout is not None:
-        return layout
-    rows = [row for row, (s, n) in enumerate(zip(packed.starts, packed.lengths)) if n > s]
-    own = torch.tensor([packed.lengths[r] - packed.starts[r] for r in rows], device=device)
-    starts = torch.tensor([packed.starts[r] for r in rows], device=device)
-    offsets = torch.tensor([packed.offsets[r] for r in rows], device=device)
-    lengths = torch.tensor([packed.lengths[r] for r in rows], device=device)
-    width, span = int(own.max()), int(lengths.max())
-    i, d = torch.arange(width, device=device), torch.arange(span, device=device)
-    query_places = torch.where(i < own[:, None], offsets[:, None] + i, 0)  # [paths, width]
-    key_places = packed.where[rows, :span]  # [paths, span] (0 past a path's end: masked below)
-    mask = (d[None, None, :] <= (starts[:, None] + i)[:, :, None]) & (d < lengths[:, None])[:, None, :]
-    mask |= (i >= own[:, None])[:, :, None] & (d == 0)  # padded queries see one key: no row of -inf
-    keep = i[None, :] < own[:, None]
-    packed.cache["batched"] = layout = (query_places, key_places, mask[:, None], keep)
+    if layout is None:
+        rows = [row for row, (s, n) in enumerate(zip(packed.starts, packed.lengths)) if n > s]
+        starts = torch.tensor([packed.starts[r] for r in rows], device=device)
+        lengths = torch.tensor([packed.lengths[r] for r in rows], device=device)
+        depth = torch.arange(int(lengths.max()), device=device)
+        places = packed.where[rows, : len(depth)]  # 0 past a path's end: after every real query, so never seen
+        keep = (depth >= starts[:, None]) & (depth < lengths[:, None])
+        packed.cache["batched"] = layout = (places, keep)
     return layout
 
 

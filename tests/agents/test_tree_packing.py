@@ -42,6 +42,9 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         pad_token_id=0,
+        # Larger weights than the default 0.02 give peaked, varied next-token distributions: AEPO
+        # standardises the entropies (eq. 36), which amplifies float rounding when they are all ≈ log V.
+        initializer_range=0.5,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -130,11 +133,11 @@ def test_a_packed_row_holds_each_shared_prefix_once_with_positions_at_each_token
     assert flat.tokens == 15 and flat.positions.tolist()[0][:7] == [0, 1, 2, 3, 0, 1, 2]
 
 
-def test_the_kernel_is_the_cheaper_one_per_path_for_long_own_runs_batched_for_many_short_ones():
-    long_prompt = torch.tensor([[1] * 400 + [2] * 50, [1] * 400 + [3] * 50])
-    assert choose_kernel(pack_paths(long_prompt, torch.ones_like(long_prompt))) == "per-path"
-    short = torch.tensor([[1, 2, 3, k, k + 1] for k in range(4, 40)])
-    assert choose_kernel(pack_paths(short, torch.ones_like(short))) == "batched"
+def test_the_kernel_is_per_path_for_paths_of_very_different_lengths_and_batched_for_alike_ones():
+    uneven = torch.tensor([[1] * 400 + [2] * 50, [1] * 20 + [3] * 40 + [0] * 390])
+    assert choose_kernel(pack_paths(uneven, (uneven > 0).long())) == "per-path"  # 101k + 1.8k + 2 calls < 2 × 101k
+    alike = torch.tensor([[1, 2, 3, k, k + 1] for k in range(4, 40)])
+    assert choose_kernel(pack_paths(alike, torch.ones_like(alike))) == "batched"
 
 
 # -- exactness on the tiny model ----------------------------------------------------------------
@@ -188,22 +191,24 @@ async def test_every_loss_aggregation_kl_and_entropy_bonus_gives_the_padded_loss
 
 async def test_trees_split_over_micro_batches_by_packed_tokens_give_the_same_update():
     paths = tree_paths(3, 4, 3, trees=3)
-    lengths = collate(paths, 0).attention_mask.sum(-1)
-    weights, splits = [], []
+    batch = collate(paths, 0)
+    lengths = batch.attention_mask.sum(-1)
+    results, splits = [], []
     for packing, budget in (("padded", None), ("tree", None), ("tree", 120)):
         trainer = Trainer(tiny_model(), config(packing=packing, micro_batch_size=4, micro_batch_tokens=budget))
-        splits.append(trainer._micro_batches(torch.arange(len(paths)), lengths, collate(paths, 0).ids))
-        await trainer.step(paths)
-        weights.append({name: p.detach().clone() for name, p in trainer.model.named_parameters()})
+        splits.append(trainer._micro_batches(torch.arange(len(paths)), lengths, batch.ids))
+        metrics = await trainer.step(paths)
+        results.append((metrics["policy/loss"], gradients(trainer)))
     padded_split, tree_split, budget_split = splits
     assert len(tree_split) < len(padded_split) and len(budget_split) > len(tree_split)
-    ids, lengths = collate(paths, 0).ids, collate(paths, 0).attention_mask.sum(-1)
     for group in budget_split:
-        packed = pack_paths(ids[group], (torch.arange(ids.shape[1]) < lengths[group, None]).long())
+        packed = pack_paths(batch.ids[group], batch.attention_mask[group])
         assert packed.tokens <= 120 or len(group) == 1
-    for other in weights[1:]:
-        for name, value in weights[0].items():
-            torch.testing.assert_close(other[name], value, atol=1e-6, rtol=0)
+    (loss, grads), *others = results
+    for other_loss, other_grads in others:
+        assert other_loss == pytest.approx(loss, rel=1e-6)
+        for name, value in grads.items():
+            torch.testing.assert_close(other_grads[name], value, atol=1e-5, rtol=1e-4)
 
 
 async def test_an_at2po_step_on_the_packed_tree_leaves_the_weights_of_the_padded_step():
@@ -276,7 +281,8 @@ async def test_smollm2_packed_tree_gives_the_padded_logprobs_loss_and_gradients(
         results["tree"],
         results["padded"],
     )
-    torch.testing.assert_close(tree_scores, padded_scores, atol=1e-5, rtol=0)
+    # Random ids make log-probs of about -14, where float32 over 30 layers keeps about 6 digits.
+    torch.testing.assert_close(tree_scores, padded_scores, atol=1e-5, rtol=2e-6)
     assert tree_metrics["policy/loss"] == pytest.approx(padded_metrics["policy/loss"], rel=1e-6)
     for name in padded_grads:
         torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-5, rtol=1e-4)
