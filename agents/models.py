@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock
 
@@ -44,6 +44,7 @@ __all__ = [
     "load_tokenizer",
     "resolve_model",
     "resolve_tokenizer",
+    "tiny_llama",
 ]
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,32 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype or torch.float32)
     # transformers wraps `to` with functools.wraps, whose typeshed type does not bind `self` on instances
     return model.to(device).eval()  # type: ignore[arg-type]
+
+
+def tiny_llama(seed: int = 0, **config: Any) -> PreTrainedModel:
+    """A randomly initialised Llama small enough to train in milliseconds, for tests of a loss, learner or trainer.
+
+    2 layers, width 32, 4 query and 2 key/value heads, a 50-token vocabulary and tied embeddings
+    (as SmolLM2), in eval mode; ``config`` overrides any ``LlamaConfig`` field. The same ``seed``
+    gives the same weights.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    values = {
+        "vocab_size": 50,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        **config,
+    }
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**values)).eval()
 
 
 def _gguf_file(name: str) -> Path:

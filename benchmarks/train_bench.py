@@ -1,7 +1,7 @@
 """Training on the packed tree beside the per-path layouts: time, memory and tokens of one training step.
 
     python -m benchmarks.train_bench [--json PATH] [--shapes at2po,grpo,real] [--scale S]
-                                     [--packings tree,padded,flat] [--repeats R]
+                                     [--packings tree,padded[,flat]] [--repeats R]
 
 Batches, the same for every layout:
 
@@ -20,7 +20,10 @@ from the packing alone. Token ids are random; the model is SmolLM2-135M in float
 Each layout (``TrainerConfig.packing``) runs one ``Trainer.step`` per batch (old log-probs
 recomputed, one mini-batch, micro-batches of 4 paths or their packed tokens, AT²PO's loss) in
 its own process, so that its peak memory (maximum RSS) is its own; the layouts run in turn
-``--repeats`` times and the median is reported. Columns: old-log-prob seconds, update seconds,
+``--repeats`` times (3; these machines are shared and a single run can be off by 20%) and the
+median is reported. ``flat`` is not run by default: transformers gives a row of packed
+sequences one dense mask over the whole row, so it is slower than ``padded`` (1.5× on the AT²PO
+shape at scale 0.25, benchmarks/results/train_bench.json). Columns: old-log-prob seconds, update seconds,
 peak RSS, tokens forwarded by the update, and each beside ``padded`` (today's default) and
 ``flat`` (each path whole in one row).
 """
@@ -193,8 +196,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--scale", type=float, default=0.25, help="synthetic lengths × this (1: the papers')")
-    parser.add_argument("--packings", default=",".join(PACKINGS), help=f"of {', '.join(PACKINGS)}")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each layout, in turn (median)")
+    parser.add_argument("--packings", default="tree,padded", help=f"of {', '.join(PACKINGS)}")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each layout, in turn (median)")
     parser.add_argument("--worker", nargs=2, metavar=("JOB", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -223,7 +226,7 @@ def main() -> None:
             pickle.dump(paths, f)
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in packings}
         for repeat in range(args.repeats):
-            for packing in packings:
+            for packing in packings if repeat % 2 == 0 else packings[::-1]:  # alternate who goes first
                 runs[packing].append(_run(f.name, packing))
                 print(
                     f"  {shape} {packing} #{repeat + 1}: update {runs[packing][-1]['update_s']:.1f} s "

@@ -82,11 +82,6 @@ def tree_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _heads(states: torch.Tensor, repeats: int) -> torch.Tensor:
-    """Grouped-query attention: each key/value head serves ``repeats`` query heads."""
-    return states if repeats == 1 else states.repeat_interleave(repeats, dim=1)
-
-
 def _per_path(
     packed: PackedPaths,
     query: torch.Tensor,
@@ -101,8 +96,8 @@ def _per_path(
             continue  # every token of this path belongs to earlier ones
         # The path as one sequence: a slice of the row when it owns all its tokens, else gathered.
         places = slice(offset, offset + length) if start == 0 else packed.where[row, :length]
-        q, k, v = query[:, :, places], _heads(key[:, :, places], repeats), _heads(value[:, :, places], repeats)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+        q, k, v = query[:, :, places], key[:, :, places], value[:, :, places]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=repeats > 1)
         outs.append(out[:, :, start:])  # its own tokens' outputs
     return torch.cat(outs, dim=2)
 
@@ -117,9 +112,8 @@ def _batched(
 ) -> torch.Tensor:
     places, keep = _batched_layout(packed, query.device)
     q = query[0][:, places].transpose(0, 1)  # [paths, heads, longest, dim]
-    k = _heads(key[0][:, places].transpose(0, 1), repeats)
-    v = _heads(value[0][:, places].transpose(0, 1), repeats)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+    k, v = key[0][:, places].transpose(0, 1), value[0][:, places].transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=repeats > 1)
     return out.transpose(0, 1)[:, keep].unsqueeze(0)  # the paths' own tokens, in row order
 
 

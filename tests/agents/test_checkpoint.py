@@ -6,8 +6,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, get_scheduler
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, get_scheduler
 
+from agents.models import tiny_llama
 from agents.training.checkpoint import (
     checkpoint_name,
     get_rng_state,
@@ -19,17 +20,17 @@ from agents.training.checkpoint import (
 
 
 def tiny_model(seed: int, layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    return tiny_llama(
+        seed,
         vocab_size=40,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
-        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        pad_token_id=None,
     )
-    return LlamaForCausalLM(config).eval()
 
 
 def trained(model):

@@ -111,3 +111,14 @@ def test_tokenizer_alone_converts_without_the_weights(monkeypatch, tmp_path):
         "smollm2-135m-tokenizer"
     ]
     assert tokenizer("</search>").input_ids == [9617, 7916, 46]
+
+
+def test_tiny_llama_is_a_seeded_two_layer_llama_whose_config_can_be_changed():
+    from agents.models import tiny_llama
+
+    a, b, other = tiny_llama(3), tiny_llama(3), tiny_llama(4, vocab_size=40, num_hidden_layers=1)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.model.layers[0].mlp.up_proj.weight, tiny_llama(4).model.layers[0].mlp.up_proj.weight)
+    assert (a.config.num_hidden_layers, a.config.vocab_size, a.config.tie_word_embeddings) == (2, 50, True)
+    assert (other.config.vocab_size, len(other.model.layers), a.training) == (40, 1, False)
+    assert sum(p.numel() for p in a.parameters()) < 40_000

@@ -8,8 +8,9 @@ import re
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from agents.models import tiny_llama
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
 from agents.training.losses import aepo_loss
@@ -20,19 +21,7 @@ VOCAB = 50
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer Llama with tied embeddings (like SmolLM2), identical for the same seed."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(seed, vocab_size=VOCAB)
 
 
 def make_paths(seed: int = 1) -> list[TrainingPath]:

@@ -16,8 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from agents.models import tiny_llama
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
 from agents.training.losses import AGGREGATIONS, LOSSES
@@ -31,22 +32,9 @@ SHAPES = [(1, 1), (1, 6), (6, 1), (3, 3), (6, 2), (2, 6)]
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        # Larger weights than the default 0.02 give peaked, varied next-token distributions: AEPO
-        # standardises the entropies (eq. 36), which amplifies float rounding when they are all ≈ log V.
-        initializer_range=0.5,
-    )
-    return LlamaForCausalLM(config).eval()
+    # Larger weights than the default 0.02 give peaked, varied next-token distributions: AEPO
+    # standardises the entropies (eq. 36), which amplifies float rounding when they are all ≈ log V.
+    return tiny_llama(seed, vocab_size=VOCAB, max_position_embeddings=1024, initializer_range=0.5)
 
 
 def random_tree(rng: random.Random, depth: int, branching: int, vocab: int = VOCAB) -> RolloutTree:

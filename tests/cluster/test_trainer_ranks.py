@@ -10,9 +10,10 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from agents.cluster.trainer_ranks import TrainerGroup
+from agents.models import tiny_llama
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.trainer import Trainer, TrainerConfig
 
@@ -20,20 +21,7 @@ VOCAB = 50
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
-    """A 2-layer Llama with tied embeddings (as in tests/agents/test_trainer.py)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(seed, vocab_size=VOCAB)
 
 
 def make_paths(seed: int, trees: int = 2, vocab: int = VOCAB, length: int = 5) -> list[TrainingPath]:
