@@ -6,22 +6,24 @@ architectures) runs a packed row (:func:`agents.training.packing.pack_paths`) un
 :func:`enable_tree_attention` routes the model's attention through it, and a forward pass given
 ``packed_paths=`` (the row's layout) and ``tree_kernel=`` runs it.
 
-Path ``b``'s own tokens (the places ``offsets[b]`` onwards) attend over the whole path: its
-places ``where[b]`` gathered into one sequence, under the plain causal mask, of whose outputs the
-own tokens' are kept. The shared prefix's queries, keys and values come from the path that owns
-them, so everything outside attention (the projections and MLPs, most of a forward pass) runs
-once per packed token; attention costs what each path alone costs, with causal kernels that skip
-the masked half, and never the row's length squared. Two ways run it, both exact:
+Path ``b``'s own tokens (the places ``offsets[b]`` onwards, contiguous in the row) are its
+queries; its keys and values are those of its whole path (the places ``where[b]``); a query at
+depth ``d`` sees the keys at depths up to ``d``. The shared prefix's queries, keys and values
+come from the path that owns it, so everything outside attention (the projections and MLPs,
+most of a forward pass) runs once per packed token, attention once per own token against its
+path, and nothing is of the row's length squared. Two ways run it, both exact:
 
-- ``per-path``: one causal ``scaled_dot_product_attention`` call per path (a path that owns all
-  its tokens, the first of each tree, is a slice of the row: nothing gathered);
-- ``batched``: one call for all paths, right-padded to the longest (a causal query never sees the
-  padding after it): fewer calls, more padded work. The cheaper by the count of query-key pairs,
-  plus a fixed cost per call, is chosen per micro-batch (:func:`choose_kernel`); the trainer's
-  metrics record the choice.
+- ``per-path``: one ``scaled_dot_product_attention`` call per path: plain causal for a path that
+  owns all its tokens (the first of each tree: a slice of the row), else its own queries against
+  its gathered keys under a ``[own, length]`` mask;
+- ``batched``: one call for all paths, own queries and keys right-padded to the longest: fewer
+  calls, more padded work. The cheaper by the count of query-key pairs computed, plus a fixed
+  cost per call, is chosen per micro-batch (:func:`choose_kernel`); the trainer's metrics record
+  the choice.
 
-No attention mask is built at all (FlexAttention block masks would let one call skip the
-masked blocks of a whole tree on a GPU; they need ``torch.compile`` and are not used).
+Masks are built once per packed row and reused by every layer. (FlexAttention block masks would
+let one call over the whole row skip its masked blocks on a GPU; they need ``torch.compile`` and
+are not used.)
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ Kernel = Literal["per-path", "batched"]
 
 
 def choose_kernel(packed: PackedPaths) -> Kernel:
-    """``per-path`` or ``batched``, whichever costs fewer causal query-key pairs plus calls (module docstring)."""
-    lengths = [length for start, length in zip(packed.starts, packed.lengths) if length > start]
-    per_path = sum(n * (n + 1) // 2 for n in lengths) + len(lengths) * CALL_COST_PAIRS
-    longest = max(lengths)
-    batched = len(lengths) * longest * (longest + 1) // 2 + CALL_COST_PAIRS
+    """``per-path`` or ``batched``, whichever computes fewer query-key pairs plus calls (module docstring)."""
+    paths = [(s, n) for s, n in zip(packed.starts, packed.lengths) if n > s]
+    # A causal call skips the masked half; a masked one computes every pair.
+    per_path = sum(n * (n + 1) // 2 if s == 0 else (n - s) * n for s, n in paths) + len(paths) * CALL_COST_PAIRS
+    batched = len(paths) * max(n - s for s, n in paths) * max(n for _, n in paths) + CALL_COST_PAIRS
     return "batched" if batched < per_path else "per-path"
 
 
@@ -78,7 +80,7 @@ def tree_attention_forward(
     if dropout:
         raise ValueError("tree attention has no dropout (the trainer runs the policy in eval mode)")
     run = _batched if kernel == "batched" else _per_path
-    out = run(packed, query, key, value, scaling, query.shape[1] // key.shape[1])
+    out = run(packed, query, key, value, scaling, query.shape[1] != key.shape[1])  # grouped-query attention
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -88,18 +90,36 @@ def _per_path(
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: float | None,
-    repeats: int,
+    gqa: bool,
 ) -> torch.Tensor:
+    masks = _own_masks(packed, query.device)
     outs = []
     for row, (start, length, offset) in enumerate(zip(packed.starts, packed.lengths, packed.offsets)):
         if start == length:
             continue  # every token of this path belongs to earlier ones
-        # The path as one sequence: a slice of the row when it owns all its tokens, else gathered.
-        places = slice(offset, offset + length) if start == 0 else packed.where[row, :length]
-        q, k, v = query[:, :, places], key[:, :, places], value[:, :, places]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=repeats > 1)
-        outs.append(out[:, :, start:])  # its own tokens' outputs
+        queries = query[:, :, offset : offset + length - start]
+        # A path that owns all its tokens (in order): plain causal attention on a slice of the row.
+        keys = slice(offset, offset + length) if start == 0 else packed.where[row, :length]
+        mask = None if start == 0 else masks[row]
+        outs.append(
+            F.scaled_dot_product_attention(
+                queries, key[:, :, keys], value[:, :, keys], mask, is_causal=start == 0, scale=scaling, enable_gqa=gqa
+            )
+        )
     return torch.cat(outs, dim=2)
+
+
+def _own_masks(packed: PackedPaths, device: torch.device) -> dict[int, torch.Tensor]:
+    """Per path that shares a prefix, ``[own, length]``: the query at depth ``start + i`` sees depths up to its own."""
+    masks = packed.cache.get("own_masks")
+    if masks is None:
+        masks = {
+            row: torch.arange(length, device=device)[None, :] <= torch.arange(start, length, device=device)[:, None]
+            for row, (start, length) in enumerate(zip(packed.starts, packed.lengths))
+            if 0 < start < length
+        }
+        packed.cache["own_masks"] = masks
+    return masks
 
 
 def _batched(
@@ -108,29 +128,32 @@ def _batched(
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: float | None,
-    repeats: int,
+    gqa: bool,
 ) -> torch.Tensor:
-    places, keep = _batched_layout(packed, query.device)
-    q = query[0][:, places].transpose(0, 1)  # [paths, heads, longest, dim]
-    k, v = key[0][:, places].transpose(0, 1), value[0][:, places].transpose(0, 1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=repeats > 1)
+    query_places, key_places, mask, keep = _batched_layout(packed, query.device)
+    q = query[0][:, query_places].transpose(0, 1)  # [paths, heads, own, dim]
+    k, v = key[0][:, key_places].transpose(0, 1), value[0][:, key_places].transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(0, 1)[:, keep].unsqueeze(0)  # the paths' own tokens, in row order
 
 
-def _batched_layout(packed: PackedPaths, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batched call's places (``[paths, longest]``, right-padded) and which outputs are own tokens.
-
-    Built once per packed row and kept on it: every layer (and a checkpointed layer's recomputation) reuses it.
-    """
+def _batched_layout(packed: PackedPaths, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The batched call's query and key places, its mask, and which outputs are own tokens (built once per row)."""
     layout = packed.cache.get("batched")
     if layout is None:
         rows = [row for row, (s, n) in enumerate(zip(packed.starts, packed.lengths)) if n > s]
+        own = torch.tensor([packed.lengths[r] - packed.starts[r] for r in rows], device=device)
         starts = torch.tensor([packed.starts[r] for r in rows], device=device)
+        offsets = torch.tensor([packed.offsets[r] for r in rows], device=device)
         lengths = torch.tensor([packed.lengths[r] for r in rows], device=device)
-        depth = torch.arange(int(lengths.max()), device=device)
-        places = packed.where[rows, : len(depth)]  # 0 past a path's end: after every real query, so never seen
-        keep = (depth >= starts[:, None]) & (depth < lengths[:, None])
-        packed.cache["batched"] = layout = (places, keep)
+        i = torch.arange(int(own.max()), device=device)
+        d = torch.arange(int(lengths.max()), device=device)
+        query_places = torch.where(i < own[:, None], offsets[:, None] + i, 0)  # [paths, own]
+        key_places = packed.where[rows, : len(d)]  # [paths, length] (0 past a path's end: masked)
+        mask = (d[None, None, :] <= (starts[:, None] + i)[:, :, None]) & (d < lengths[:, None])[:, None, :]
+        mask |= (i >= own[:, None])[:, :, None] & (d == 0)  # a padded query sees one key: no row of -inf
+        keep = i[None, :] < own[:, None]
+        packed.cache["batched"] = layout = (query_places, key_places, mask[:, None], keep)
     return layout
 
 

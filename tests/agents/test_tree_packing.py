@@ -123,7 +123,7 @@ def test_a_packed_row_holds_each_shared_prefix_once_with_positions_at_each_token
 
 def test_the_kernel_is_per_path_for_paths_of_very_different_lengths_and_batched_for_alike_ones():
     uneven = torch.tensor([[1] * 400 + [2] * 50, [1] * 20 + [3] * 40 + [0] * 390])
-    assert choose_kernel(pack_paths(uneven, (uneven > 0).long())) == "per-path"  # 101k + 1.8k + 2 calls < 2 × 101k
+    assert choose_kernel(pack_paths(uneven, (uneven > 0).long())) == "per-path"  # 101k + 40·60 + 2 calls < 2·450·450
     alike = torch.tensor([[1, 2, 3, k, k + 1] for k in range(4, 40)])
     assert choose_kernel(pack_paths(alike, torch.ones_like(alike))) == "batched"
 
