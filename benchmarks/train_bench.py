@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import resource
@@ -221,7 +222,8 @@ def main() -> None:
     print(f"one SDPA call costs as much as {results['call_cost_pairs']:.0f} query-key pairs besides its work")
     start = time.perf_counter()
     for shape in shapes:
-        paths = _batch(shape, args.scale)
+        # Without their leaf nodes, whose environments hold what does not pickle (a search index's stemmer).
+        paths = [dataclasses.replace(path, leaf=None) for path in _batch(shape, args.scale)]
         with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
             pickle.dump(paths, f)
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in packings}
@@ -282,8 +284,9 @@ def main() -> None:
         if shape != "real":
             at_one = entry["tokens_forwarded_at_scale_1"]
             print(f"tokens forwarded at scale 1: tree / flat = {at_one['tree'] / at_one['flat']:.3f}")
+        if args.json:  # after every shape, so that an interrupted run keeps what it measured
+            args.json.write_text(json.dumps(results, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
         print(f"\nwrote {args.json}")
 
 

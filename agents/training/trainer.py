@@ -57,7 +57,12 @@ from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog, 
 from agents.training.packing import PackedPaths, new_tokens, pack_paths
 from agents.training.scoring import score_logits, score_positions, score_states, score_tokens
 from agents.training.trainer_config import TrainerConfig
-from agents.training.tree_attention import choose_kernel, enable_tree_attention, tree_attention_calls
+from agents.training.tree_attention import (
+    check_tree_attention,
+    choose_kernel,
+    enable_tree_attention,
+    tree_attention_calls,
+)
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -178,10 +183,10 @@ class Trainer:
             self._shard()
             # fully_shard replaced the parameters by sharded ones (DTensors): the optimiser takes those.
             self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
-        if cfg.packing == "tree":
+        if cfg.packing == "tree":  # switched on at the first packed pass (enable_tree_attention says why)
             for policy in (self.model, self.ref_model):
                 if policy is not None:
-                    enable_tree_attention(policy)
+                    check_tree_attention(policy)
         self.loss_fn: LossFn = LOSSES[cfg.loss] if isinstance(cfg.loss, str) else cfg.loss
         self._loss_params = _loss_parameters(self.loss_fn, cfg, uses_reference=self._uses_reference)
         self._token_weighted = self._loss_params.get("agg") == "token-mean"
@@ -566,6 +571,7 @@ class Trainer:
             self._passes["tokens_forwarded"] += ids.numel() if packed is None else packed.tokens
         if packing == "tree":
             assert packed is not None
+            enable_tree_attention(model)
             kernel = choose_kernel(packed)
             inputs.update(packed_paths=packed, tree_kernel=kernel)
             calls = tree_attention_calls(model)

@@ -58,8 +58,10 @@ class TrainerConfig:
     # prompt's chains, the shared turns of a tree) under tree attention, and bounds a micro-batch by
     # its packed tokens instead of its paths (micro_batch_tokens, else micro_batch_size × the
     # batch's longest path); "flat" packs each path whole into one row; "padded" right-pads the
-    # paths into [paths, tokens]. The same log-probs and gradients, up to float rounding.
-    packing: Literal["tree", "flat", "padded"] = "padded"
+    # paths into [paths, tokens]. The same log-probs and gradients, up to float rounding. Tree is
+    # the default: 0.48x the padded update time on real cpu-demo AT2PO trees, 0.80x on the AT2PO
+    # paper shape and 0.93x on the GRPO one (benchmarks/results/train_bench.json).
+    packing: Literal["tree", "flat", "padded"] = "tree"
 
     # Loss: a name in LOSSES or a callable with the agents.training.losses signature, and its
     # hyper-parameters (each loss documents its own defaults and their sources).

@@ -36,7 +36,14 @@ import torch.nn.functional as F
 
 from agents.training.packing import PackedPaths
 
-__all__ = ["ATTENTION_NAME", "choose_kernel", "enable_tree_attention", "tree_attention_calls", "tree_attention_forward"]
+__all__ = [
+    "ATTENTION_NAME",
+    "check_tree_attention",
+    "choose_kernel",
+    "enable_tree_attention",
+    "tree_attention_calls",
+    "tree_attention_forward",
+]
 
 ATTENTION_NAME = "agents_tree"
 # A scaled_dot_product_attention call costs about as much as this many query-key pairs of work
@@ -170,26 +177,36 @@ class _Dispatch:
         return tree_attention_forward(module, *args, **kwargs)
 
 
-def enable_tree_attention(model: torch.nn.Module) -> None:
-    """Let ``model`` run packed rows: its attention becomes tree attention in a pass given ``packed_paths``.
-
-    Every other pass (an engine generating with the same model) runs the model's own attention,
-    masks included. The switch is permanent for the model: it holds through gradient
-    checkpointing, whose backward pass recomputes the attention after the forward pass returned.
-    """
+def check_tree_attention(model: torch.nn.Module) -> None:
+    """Raise unless ``model``'s attention runs through transformers' attention functions (tree attention can wrap it)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    config = _text_config(model)
-    own = config._attn_implementation
-    if own is not None and own.startswith(ATTENTION_NAME):
-        return
-    if own not in AttentionInterface._global_mapping:
+    own = _text_config(model)._attn_implementation
+    if own not in AttentionInterface._global_mapping and not (own or "").startswith(ATTENTION_NAME):
         raise ValueError(
             f"packing='tree' runs through transformers' attention functions, but {type(model).__name__} uses "
             f"attn_implementation={own!r}; load it with attn_implementation='sdpa' (the default) or set "
             "TrainerConfig.packing='flat'"
         )
+
+
+def enable_tree_attention(model: torch.nn.Module) -> None:
+    """Let ``model`` run packed rows: its attention becomes tree attention in a pass given ``packed_paths``.
+
+    Every other pass (an engine generating with the same model) runs the model's own attention,
+    masks included: the attention it has when this is called, so the trainer calls it at its
+    first packed pass, after an engine sharing the model has chosen its kernels. The switch stays:
+    it holds through gradient checkpointing, whose backward pass recomputes the attention after
+    the forward pass returned. Calling it again does nothing.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    check_tree_attention(model)
+    config = _text_config(model)
+    own = config._attn_implementation
+    if own.startswith(ATTENTION_NAME):
+        return
     name = f"{ATTENTION_NAME}+{own}"
     if name not in AttentionInterface._global_mapping:
         AttentionInterface.register(name, _Dispatch(AttentionInterface._global_mapping[own]))

@@ -459,14 +459,14 @@ async def test_a_registered_loss_is_chosen_by_name_in_the_trainer_the_learner_an
 
 
 def test_micro_batches_by_token_budget_hold_at_most_that_many_padded_tokens():
-    trainer = Trainer(tiny_model(), config(micro_batch_size=4, micro_batch_tokens=40))
+    trainer = Trainer(tiny_model(), config(micro_batch_size=4, micro_batch_tokens=40, packing="padded"))
     lengths = torch.tensor([18, 21, 13, 6, 30, 50, 5])
     groups = [g.tolist() for g in trainer._micro_batches(torch.arange(7), lengths)]
     # 18+21 -> 2 x 21 = 42 > 40 splits; 21, 13 -> 42 again; 13, 6 -> 26; +30 -> 90; 50 alone; 5.
     assert groups == [[0], [1], [2, 3], [4], [5], [6]]
     assert [
         g.tolist()
-        for g in Trainer(tiny_model(), config(micro_batch_size=2))._micro_batches(
+        for g in Trainer(tiny_model(), config(micro_batch_size=2, packing="padded"))._micro_batches(
             torch.arange(5), torch.ones(5, dtype=torch.long)
         )
     ] == [[0, 1], [2, 3], [4]]
@@ -479,7 +479,9 @@ async def test_token_budget_micro_batches_give_the_same_update_as_sequence_count
     paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
     weights = []
     for split in ({"micro_batch_size": 4}, {"micro_batch_size": 4, "micro_batch_tokens": 26}):
-        trainer = Trainer(tiny_model(), config(loss=loss, old_logprobs="sampler", max_grad_norm=1e9, **split))
+        trainer = Trainer(
+            tiny_model(), config(loss=loss, old_logprobs="sampler", max_grad_norm=1e9, packing="padded", **split)
+        )
         assert len(trainer._micro_batches(torch.arange(4), collate(paths, 0).attention_mask.sum(-1))) == (
             1 if len(split) == 1 else 3
         )

@@ -232,7 +232,7 @@ def test_an_engine_sharing_the_model_generates_as_before_once_tree_attention_is_
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
     with torch.no_grad():
         before = model(input_ids=ids, attention_mask=mask).logits
-        Trainer(model, config(packing="tree"))
+        Trainer(model, config(packing="tree")).compute_logprobs(tree_paths(1, 2, 2))
         after = model(input_ids=ids, attention_mask=mask).logits
     assert model.config._attn_implementation == "agents_tree+sdpa"
     torch.testing.assert_close(after * mask[..., None], before * mask[..., None], atol=1e-6, rtol=0)
