@@ -23,7 +23,7 @@ its own process, so that its peak memory (maximum RSS) is its own; the layouts r
 ``--repeats`` times (3; these machines are shared and a single run can be off by 20%) and the
 median is reported. ``flat`` is not run by default: transformers gives a row of packed
 sequences one dense mask over the whole row, so it is slower than ``padded`` (1.5× on the AT²PO
-shape at scale 0.25, benchmarks/results/train_bench.json). Columns: old-log-prob seconds, update seconds,
+shape at scale 0.25, benchmarks/results/train_bench.json, "flat_scale_0.25"). Columns: old-log-prob seconds, update seconds,
 peak RSS, tokens forwarded by the update, and each beside ``padded`` (today's default) and
 ``flat`` (each path whole in one row).
 """
