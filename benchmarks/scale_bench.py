@@ -163,7 +163,8 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
     )
     parts = build(config)
     strategy = Chain(n=4)  # 4 chains a prompt, SIM_TURNS loop steps
-    ensure_ray("local", processes=max(counts))
+    ray = ensure_ray("local", processes=max(counts))
+    ray_cpus = ray.cluster_resources()["CPU"]
     rows, per_worker_alone = [], None
     for workers in counts:
         spec = WorkerSpec(config, agentenv.spec(config.env), strategy, parts.tree, engine=scripted_engine)
@@ -178,6 +179,7 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - cpu_start)
         await pool.close()
+        _released(ray_cpus)  # the next pool is placed only once Ray has the killed workers' CPUs back
         tokens = sum(prompt.tokens for prompt in prompts)
         seconds = statistics.median(times)
         throughput = tokens / seconds
@@ -226,6 +228,15 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
             ],
         )
     )
+
+
+def _released(cpus: float, patience_s: float = 60.0) -> None:
+    """Wait until Ray reports ``cpus`` CPUs free again (a killed actor's are returned a moment later)."""
+    import ray
+
+    deadline = time.monotonic() + patience_s
+    while ray.available_resources().get("CPU", 0.0) < cpus - 1e-9 and time.monotonic() < deadline:
+        time.sleep(0.5)  # nothing else runs on the driver between two pools
 
 
 def _pss_mib(pid: int) -> float:
