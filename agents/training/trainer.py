@@ -213,6 +213,7 @@ class Trainer:
         self.step_count = 0
         self.metrics: MetricsLog | None = None  # opened by the first step, or by resume()
         self._passes: defaultdict[str, int] = defaultdict(int)  # what the step's update passes forwarded
+        self._last_pass: dict[str, int] = {}
         self._steps_bar: tqdm | None = None
 
     @property
@@ -356,6 +357,9 @@ class Trainer:
                             scored=batch.mask[cut],
                         )
                     assert entropy is not None  # _forward computes the entropy unless asked not to (entropy=False)
+                    if real:
+                        for name, count in self._last_pass.items():
+                            self._passes[name] += count
                     if cfg.old_logprobs == "sampler" and epoch == update == 0 and real:
                         mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask[cut])
                     optional = {
@@ -404,6 +408,8 @@ class Trainer:
         time_update = time.perf_counter() - start
         if self.world_size > 1 and cfg.old_logprobs == "sampler":  # each rank compared its own micro-batches
             mismatch.combine_ranks()
+        if self.world_size > 1:  # each rank counted its own passes
+            self._passes = defaultdict(int, {k: int(v) for k, v in _sum_over_ranks(self._passes).items()})
 
         trained_tokens = float(batch.attention_mask.sum())
         rewards = batch.rewards.double()
@@ -567,17 +573,15 @@ class Trainer:
             inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": attention_mask}
         else:  # flat: no mask, the position ids' restarts delimit the paths; tree: tree attention
             inputs = {"input_ids": packed.ids, "position_ids": packed.positions}
-        if torch.is_grad_enabled():  # an update pass: counted in the step's batch/* metrics
-            self._passes["tokens_forwarded"] += ids.numel() if packed is None else packed.tokens
+        # What this pass ran on; _update counts it into the step's batch/* metrics when the pass is real.
+        self._last_pass = {"tokens_forwarded": ids.numel() if packed is None else packed.tokens}
         if packing == "tree":
             assert packed is not None
             enable_tree_attention(model)
             kernel = choose_kernel(packed)
             inputs.update(packed_paths=packed, tree_kernel=kernel)
             calls = tree_attention_calls(model)
-            if torch.is_grad_enabled():
-                self._passes["tree_passes"] += 1
-                self._passes["batched_passes"] += kernel == "batched"
+            self._last_pass.update(tree_passes=1, batched_passes=int(kernel == "batched"))
         parts = _decoder_and_head(model) if scored is not None and self.config.score_chunk else None
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             if parts is not None:
