@@ -110,11 +110,30 @@ def resolve_tokenizer(name: str = DEFAULT_MODEL) -> Path:
     return _local_or_hub(name)
 
 
+#: ``tokenizer_class`` values naming transformers' generic tokenizer over a ``tokenizer.json``.
+_GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
     """Load the tokenizer of ``name`` (see :func:`resolve_model` for what names mean)."""
+    path = resolve_tokenizer(name)
+    if _tokenizer_class(path) in _GENERIC_TOKENIZERS:
+        # The class AutoTokenizer would pick, without importing AutoTokenizer: that import pulls in
+        # torch, scikit-learn and sympy through transformers' generation config (~400 MiB in every
+        # rollout worker that only tokenizes).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_tokenizer(name))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _tokenizer_class(path: Path | str) -> str | None:
+    config = Path(path) / "tokenizer_config.json"
+    if not (Path(path) / "tokenizer.json").is_file() or not config.is_file():
+        return None  # a hub id, or a tokenizer without a fast file: AutoTokenizer decides
+    return json.loads(config.read_text()).get("tokenizer_class")
 
 
 def load_model(

@@ -172,12 +172,14 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
         tasks = list(range(workers * SIM_PROMPTS_PER_WORKER))
         await pool.rollout(tasks[:workers], 0)  # warm-up
         memory = statistics.median(_pss_mib(info["pid"]) for info in pool.info)
-        times, cpu = [], []
+        pids = [info["pid"] for info in pool.info]
+        times, cpu, worker_cpu = [], [], []
         for repeat in range(3):
-            cpu_start, start = time.process_time(), time.perf_counter()
+            cpu_start, workers_start, start = time.process_time(), _cpu_s(pids), time.perf_counter()
             prompts = await pool.rollout(tasks, repeat)
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - cpu_start)
+            worker_cpu.append(_cpu_s(pids) - workers_start)
         await pool.close()
         _released(ray_cpus)  # the next pool is placed only once Ray has the killed workers' CPUs back
         tokens = sum(prompt.tokens for prompt in prompts)
@@ -195,6 +197,7 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
                 "tokens_per_s": throughput,
                 "fraction_of_ideal": fraction,
                 "driver_cpu_s": statistics.median(cpu),
+                "workers_cpu_s": statistics.median(worker_cpu),
                 "worker_pss_mib": memory,
             }
         )
@@ -213,7 +216,16 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
         _table(
             f"(b) simulated cluster: {SIM_PROMPTS_PER_WORKER} prompts x 4 chains x {SIM_TURNS} turns per worker, "
             f"{SIM_TOKENS}-token turns at {SIM_TOKEN_LATENCY_S * 1000:.0f} ms/token",
-            ["workers", "prompts", "tokens/s", "of ideal", "driver CPU s/step", "step s", "MiB/worker"],
+            [
+                "workers",
+                "prompts",
+                "tokens/s",
+                "of ideal",
+                "driver CPU s/step",
+                "workers CPU s/step",
+                "step s",
+                "MiB/worker",
+            ],
             [
                 [
                     r["workers"],
@@ -221,6 +233,7 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
                     r["tokens_per_s"],
                     r["fraction_of_ideal"],
                     r["driver_cpu_s"],
+                    r["workers_cpu_s"],
                     r["seconds"],
                     r["worker_pss_mib"],
                 ]
@@ -237,6 +250,16 @@ def _released(cpus: float, patience_s: float = 60.0) -> None:
     deadline = time.monotonic() + patience_s
     while ray.available_resources().get("CPU", 0.0) < cpus - 1e-9 and time.monotonic() < deadline:
         time.sleep(0.5)  # nothing else runs on the driver between two pools
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User and system CPU seconds the processes ``pids`` have used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime and stime (fields 14 and 15 of proc(5))
+    return total / ticks
 
 
 def _pss_mib(pid: int) -> float:

@@ -113,6 +113,29 @@ def test_tokenizer_alone_converts_without_the_weights(monkeypatch, tmp_path):
     assert tokenizer("</search>").input_ids == [9617, 7916, 46]
 
 
+def test_generic_tokenizer_loads_without_torch_and_equals_autotokenizer(tokenizer):
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    # A rollout worker that only tokenizes must not pay for torch (AutoTokenizer's import pulls it in).
+    code = (
+        "import sys; from agents.models import load_tokenizer; t = load_tokenizer(); "
+        "print(type(t).__name__, 'torch' in sys.modules, 'sklearn' in sys.modules, t.encode('</search>'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 3)
+    assert out[:3] == ["TokenizersBackend", "False", "False"] and json.loads(out[3]) == [9617, 7916, 46]
+    auto = AutoTokenizer.from_pretrained(models.resolve_tokenizer(DEFAULT_MODEL))
+    assert type(auto) is type(tokenizer) and auto.get_vocab() == tokenizer.get_vocab()
+    assert auto.special_tokens_map == tokenizer.special_tokens_map
+    text = "Who wrote <search>the Iliad</search>? \u00e9\u00e8 12345"
+    chat = [*CHAT, {"role": "assistant", "content": text}]
+    assert auto.apply_chat_template(chat) == tokenizer.apply_chat_template(chat)
+    assert auto.encode(text) == tokenizer.encode(text) and auto.decode(auto.encode(text)) == text
+
+
 def test_tiny_llama_is_a_seeded_two_layer_llama_whose_config_can_be_changed():
     from agents.models import tiny_llama
 

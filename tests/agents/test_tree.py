@@ -122,6 +122,10 @@ def test_add_turn_rejects_bad_input_with_clear_errors():
         tree.add_turn(a, obs_ids=[1, -3], action_ids=[1], logprobs=[-1.0])
     with pytest.raises(ValueError, match="action_ids\\[0\\] = 1.5 is not a token id"):
         tree.add_turn(a, action_ids=[1.5], logprobs=[-1.0])
+    with pytest.raises(ValueError, match="action_ids\\[1\\] = True is not a token id"):
+        tree.add_turn(a, action_ids=[1, True], logprobs=[-1.0, -1.0])
+    with pytest.raises(ValueError, match="token_entropies\\[0\\] must be a finite number, got nan"):
+        tree.add_turn(a, action_ids=[1], logprobs=[-1.0], token_entropies=[float("nan")])
     with pytest.raises(ValueError, match="token_entropies has 2 values"):
         tree.add_turn(a, action_ids=[1], logprobs=[-1.0], token_entropies=[0.1, 0.2])
     with pytest.raises(ValueError, match="node 3 ended its episode"):
@@ -153,6 +157,8 @@ def test_add_turn_accepts_tensors_and_numpy_and_rounds_tiny_positive_logprobs():
     assert tree.prompt_ids == [5, 6] and node.action_ids == [3, 4]
     assert node.logprobs == [-0.5, 0.0] and node.reward == 1.0
     assert all(type(x) is int for x in node.action_ids)
+    mixed = tree.add_turn(tree.root, action_ids=[7, np.int64(8)], logprobs=[-1.0, np.float32(-0.5)])
+    assert [type(x) for x in mixed.action_ids] == [int, int] and [type(x) for x in mixed.logprobs] == [float, float]
 
 
 async def test_concurrent_coroutines_grow_one_tree_consistently():
