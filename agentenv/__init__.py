@@ -13,6 +13,7 @@ import agentenv.envs  # noqa: F401  (registers the shipped environments)
 from agentenv.core import Env, ForkStrategy, Text
 from agentenv.datasets import Example, Paragraph, load_examples
 from agentenv.graders import Grade, grade
+from agentenv.mcp_client import MCPHttpServer, MCPStdioServer, mcp_tools
 from agentenv.parsers import Action, JSONToolCallParser, ToolCall, ToolCallParser, XMLTagParser
 from agentenv.registration import EnvSpec, UnknownEnvError, make, register, registry, spec
 from agentenv.search import BM25Search, Passage, SearchBackend
@@ -32,6 +33,8 @@ __all__ = [
     "ForkStrategy",
     "Grade",
     "JSONToolCallParser",
+    "MCPHttpServer",
+    "MCPStdioServer",
     "Paragraph",
     "Passage",
     "SearchBackend",
@@ -48,6 +51,7 @@ __all__ = [
     "grade",
     "load_examples",
     "make",
+    "mcp_tools",
     "register",
     "registry",
     "spec",

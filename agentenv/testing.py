@@ -11,7 +11,8 @@ It raises :class:`EnvCheckError` (an ``AssertionError``) naming the violated rul
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gymnasium.utils.env_checker import check_env as gymnasium_check_env
@@ -66,6 +67,20 @@ def _default_actions(env: Env) -> list[str]:
     return [env.action_space.sample() for _ in range(3)]
 
 
+def _fork_policies(env: Env) -> dict[str, str]:
+    """The ``fork_policy`` the env's tools declare (see :mod:`agentenv.tools`), by tool name."""
+    tools = getattr(env, "tools", None)
+    if not isinstance(tools, Mapping):
+        return {}
+    return {
+        name: policy for name, t in tools.items() if (policy := getattr(getattr(t, "fn", None), "fork_policy", None))
+    }
+
+
+def _tools(names: list[str]) -> str:
+    return ("tool " if len(names) == 1 else "tools ") + ", ".join(f"`{n}`" for n in names)
+
+
 def _expect(condition: bool, name: str, rule: str, detail: str) -> None:
     if not condition:
         raise EnvCheckError(f"{name}: {rule}\n  {detail}")
@@ -83,8 +98,10 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
 
     Fork rules checked: a fork made mid-episode diverges without touching its parent; the same
     actions on two forks give equal observations and rewards (unless the spec is marked
-    ``nondeterministic``); a fork made after the end is a usable environment that leaves the
-    ended parent as it was; ``areset``/``astep`` agree with ``reset``/``step``.
+    ``nondeterministic``, or a tool declares ``fork_policy="share"``: a warning then says so); a
+    fork made after the end is a usable environment that leaves the ended parent as it was;
+    ``areset``/``astep`` agree with ``reset``/``step``. A tool declaring ``fork_policy="refuse"``
+    fails the check.
     Call it from synchronous code (it drives the sync API).
     """
     base = env.unwrapped
@@ -94,6 +111,23 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
     if not skip_gymnasium:
         gymnasium_check_env(env, skip_render_check=False)
     deterministic = not (env.spec is not None and env.spec.nondeterministic)
+    policies = _fork_policies(base)
+    refused = [t for t, policy in policies.items() if policy == "refuse"]
+    _expect(
+        not refused,
+        name,
+        "fork() must give an independent copy",
+        f"fork_policy='refuse' is declared by {_tools(refused)} (state that cannot be forked), so fork() "
+        "raises; give it a policy that forks to check the env",
+    )
+    shared = [t for t, policy in policies.items() if policy == "share"]
+    if shared:
+        warnings.warn(
+            f"{name}: fork_policy='share' is declared by {_tools(shared)} (forks share its state): "
+            "fork results are not checked for independence",
+            stacklevel=2,
+        )
+    independent = deterministic and not shared
 
     env.reset(seed=SEED)
     actions = list(actions) if actions is not None else _default_actions(base)
@@ -126,7 +160,7 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
         "the parent's transcript changed after its fork was stepped",
     )
     parent_rest = _run(base, rest)
-    if deterministic:
+    if independent:
         _expect(
             parent_rest == reference[1:],
             name,
@@ -140,7 +174,7 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
     _run(base, [first])
     a, b = base.fork(), base.fork()
     results_a, results_b = _run(a, rest), _run(b, rest)
-    if deterministic:
+    if independent:
         _expect(
             results_a == results_b == reference[1:],
             name,

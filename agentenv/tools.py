@@ -17,7 +17,10 @@ validation error becomes an observation for the model, never an exception out of
 
 An object tool keeps per-episode state. It is forked with the environment that owns it: by its
 own ``fork()`` method when it has one, else by ``copy.deepcopy``; its ``reset()`` method, when
-it has one, is called at the start of every episode.
+it has one, is called at the start of every episode. A tool whose state lives outside the process
+(a server's) declares what its forks do with it in a ``fork_policy`` attribute: ``"share"`` (forks
+see each other's effects) or ``"refuse"`` (its ``fork()`` raises); :func:`agentenv.testing.check_env`
+reads it.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Tool:
     fn: Callable[..., Any]
     stateful: bool = False
     blocking: bool = False
-    _model: type[pydantic.BaseModel] = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
+    _model: type[pydantic.BaseModel] | None = field(repr=False, compare=False, default=None)
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -77,9 +80,15 @@ class Tool:
         return next(iter(self.parameters["properties"]), None)
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
-        """Check and coerce arguments; raises :class:`ToolError` naming what is wrong."""
+        """Check and coerce arguments; raises :class:`ToolError` naming what is wrong.
+
+        A tool built from a JSON schema alone (no model, as an MCP server's) passes them on as they
+        are: its ``fn`` validates them.
+        """
         if not isinstance(arguments, Mapping):
             raise ToolError(f"arguments of `{self.name}` must be a JSON object, got {type(arguments).__name__}")
+        if self._model is None:
+            return dict(arguments)
         try:
             model = self._model.model_validate(dict(arguments))
         except pydantic.ValidationError as e:

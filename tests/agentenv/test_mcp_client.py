@@ -1,0 +1,264 @@
+"""MCP servers' tools as agentenv tools, against the real server of mcp_server.py over stdio and streamable HTTP."""
+
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+import agentenv
+from agentenv import MCPHttpServer, MCPStdioServer, ToolEnv, mcp_tools
+from agentenv.datasets import Example
+from agentenv.testing import EnvCheckError, check_env
+
+SERVER_FILE = Path(__file__).with_name("mcp_server.py")
+STDIO = MCPStdioServer(sys.executable, [str(SERVER_FILE)])
+TASK = Example("count", "How many hops?", ("3",))
+INCR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "key": {"title": "Key", "type": "string"},
+        "by": {"default": 1, "title": "By", "type": "integer"},
+    },
+    "required": ["key"],
+    "title": "incrArguments",
+}
+NAME = "MCP server `agentenv-test`"
+LOST = (
+    "the connection to the server was lost (the server process exited or closed the connection); "
+    "its tools are unavailable until the next episode"
+)
+
+
+@pytest.fixture(scope="module")
+def http_url():
+    """The test server over streamable HTTP on a free loopback port (its counters are shared by all sessions)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, str(SERVER_FILE), "http", str(port)])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, "the HTTP test server did not start"
+            time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/mcp"
+    process.terminate()
+    process.wait(10)
+
+
+@pytest.fixture(params=["stdio", "http"])
+def server(request):
+    return STDIO if request.param == "stdio" else MCPHttpServer(request.getfixturevalue("http_url"))
+
+
+def counter_env(fork="replay", **options):
+    """A one-task ToolEnv over the server's tools (builds in milliseconds, unlike the QA envs' index)."""
+    return ToolEnv([TASK], mcp_tools(STDIO, fork=fork, **options), require_boxed=False)
+
+
+def test_the_servers_schemas_and_descriptions_come_through(server):
+    tools = {t.name: t for t in mcp_tools(server, fork="replay")}
+    assert list(tools) == ["incr", "get", "media", "fail", "crash", "sleep"]
+    incr = tools["incr"]
+    assert incr.parameters == INCR_SCHEMA
+    assert incr.description == "Add `by` to the counter `key` and return its new value."
+    assert incr.schema["function"]["parameters"] == INCR_SCHEMA
+    assert incr.primary_parameter == "key"
+    assert tools["sleep"].parameters["properties"] == {"seconds": {"title": "Seconds", "type": "number"}}
+    assert tools["get"].description == "The value of the counter `key` (0 if it was never incremented)."
+    assert (incr.stateful, incr.fn.fork_policy) == (True, "replay")
+    incr.fn.close()
+
+
+async def test_a_call_returns_the_servers_text(server):
+    tools = {t.name: t for t in mcp_tools(server, fork="share")}
+    key = f"calls-over-{'stdio' if server is STDIO else 'http'}"
+    assert await tools["incr"].acall({"key": key, "by": "2"}) == f"{key}=2"  # the server coerces "2"
+    assert await tools["get"].acall({"key": key}) == f"{key}=2"
+    assert await tools["media"].acall({"key": key}) == f"{key}=2\n[image content]\nnote on {key}"
+    tools["incr"].fn.close()
+
+
+def test_an_error_result_and_a_timeout_are_observations(server):
+    env = ToolEnv([TASK], mcp_tools(server, fork="replay", timeout_s=0.5))
+    env.reset()
+    assert env.step("<fail>no key</fail>")[0] == (
+        f"Error: {NAME}, tool `fail`: the tool reported an error: Error executing tool fail: refused: no key"
+    )
+    assert env.step('<incr>{"key": "k", "by": "many"}</incr>')[0].startswith(
+        f"Error: {NAME}, tool `incr`: the tool reported an error: Error executing tool incr: 1 validation error"
+    )
+    obs, reward, terminated, truncated, _ = env.step("<sleep>30</sleep>")
+    assert obs == f"Error: {NAME}, tool `sleep`: no answer within 0.5 s; the call was cancelled"
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    assert env.step("<sleep>0</sleep>")[0] == "slept 0.0"  # the session survives a timeout
+    env.close()
+
+
+def test_a_crash_of_the_server_is_an_observation_until_the_next_episode():
+    env = counter_env()
+    env.reset()
+    assert env.step("<incr>k</incr>")[0] == "k=1"
+    assert env.step("<crash>4</crash>")[0] == f"Error: {NAME}, tool `crash`: {LOST}"
+    not_called = (
+        f"Error: {NAME}, tool `get`: not called: the connection to the server was lost earlier in this episode "
+        "(it reconnects at the next episode)"
+    )
+    assert env.step("<get>k</get>")[0] == not_called
+    lost_fork = env.fork()  # replaying the parent's calls would crash its server too: it starts lost
+    assert lost_fork.step("<get>k</get>")[0] == not_called
+    env.reset()
+    assert env.step("<get>k</get>")[0] == "k=0"  # a new process, fresh counters
+    env.close()
+    lost_fork.close()
+
+
+def test_replay_forks_see_the_branch_point_and_diverge():
+    env = counter_env()
+    env.reset()
+    assert env.step("<incr>a</incr>")[0] == "a=1"
+    assert env.step('<incr>{"key": "a", "by": 2}</incr>')[0] == "a=3"
+    child = env.fork()
+    assert env.step("<incr>a</incr>")[0] == "a=4"  # the parent moves on after the branch point
+    assert child.step("<get>a</get>")[0] == "a=3"  # its own session, where the two calls before the fork were replayed
+    assert child.step("<incr>a</incr>")[0] == "a=4"
+    grandchild = child.fork()  # replays the parent's two calls and the child's one
+    assert grandchild.step("<incr>a</incr>")[0] == "a=5"
+    assert child.step("<get>a</get>")[0] == "a=4"
+    assert env.step("<get>a</get>")[0] == "a=4"
+    for e in (env, child, grandchild):
+        e.close()
+
+
+def test_two_forks_at_one_point_are_independent_and_each_has_one_session():
+    env = counter_env()
+    env.reset()
+    assert env.step("<incr>a</incr>")[0] == "a=1"
+    twin_a, twin_b = env.fork(), env.fork()
+    assert twin_a.step("<incr>a</incr>")[0] == "a=2"
+    assert twin_a.step("<get>a</get>")[0] == "a=2"  # all the server's tools of a fork call one session
+    assert twin_b.step("<get>a</get>")[0] == "a=1"
+    assert env.step("<get>a</get>")[0] == "a=1"
+    for e in (env, twin_a, twin_b):
+        e.close()
+
+
+def test_share_forks_see_each_others_effects_and_warn_once():
+    env = counter_env(fork="share")
+    env.reset()
+    assert env.step("<incr>a</incr>")[0] == "a=1"
+    message = (
+        "the MCP tools of server `agentenv-test` were made with fork='share': forks of the environment share "
+        "one server session, so branches see each other's effects"
+    )
+    with pytest.warns(UserWarning) as record:
+        child = env.fork()
+    assert [str(w.message) for w in record] == [message]
+    assert child.step("<incr>a</incr>")[0] == "a=2"
+    assert env.step("<get>a</get>")[0] == "a=2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = env.fork()
+    second.close()  # the others keep the session
+    assert child.step("<get>a</get>")[0] == "a=2"
+    child.reset()  # a new episode leaves the shared session
+    assert child.step("<get>a</get>")[0] == "a=0"
+    assert env.step("<get>a</get>")[0] == "a=2"
+    env.close()
+    child.close()
+
+
+def test_refuse_forks_raise_and_check_env_says_why():
+    env = counter_env(fork="refuse")
+    env.reset()
+    assert env.step("<incr>a</incr>")[0] == "a=1"
+    with pytest.raises(RuntimeError) as raised:
+        env.fork()
+    assert str(raised.value) == (
+        "the MCP tool `incr` of server `agentenv-test` was made with fork='refuse': the server's state cannot be "
+        "copied, so this environment cannot be forked. Make the tools with mcp_tools(..., fork='replay') to give "
+        "each fork its own session that replays the episode's calls, or fork='share' to let forks share one session."
+    )
+    assert env.step("<get>a</get>")[0] == "a=1"  # the failed fork left the episode as it was
+    with pytest.raises(EnvCheckError) as failed:
+        check_env(env, skip_gymnasium=True)
+    assert str(failed.value) == (
+        "ToolEnv: fork() must give an independent copy\n  fork_policy='refuse' is declared by tools `incr`, `get`, "
+        "`media`, `fail`, `crash`, `sleep` (state that cannot be forked), so fork() raises; give it a policy that "
+        "forks to check the env"
+    )
+    env.close()
+
+
+@pytest.mark.slow
+def test_check_env_passes_with_replay_and_notes_share():
+    counting = ["<incr>a</incr>", "<incr>a</incr>", "<get>a</get>", "<answer>3</answer>"]
+    replay = counter_env()
+    check_env(replay, actions=counting, skip_gymnasium=True)
+    replay.close()
+    share = counter_env(fork="share")
+    with pytest.warns(UserWarning) as record:
+        check_env(share, actions=counting, skip_gymnasium=True)
+    note = (
+        "ToolEnv: fork_policy='share' is declared by tools `incr`, `get`, `media`, `fail`, `crash`, `sleep` "
+        "(forks share its state): fork results are not checked for independence"
+    )
+    assert note in [str(w.message) for w in record]
+    share.close()
+
+
+def test_mcp_tools_in_a_multihop_qa_episode():
+    env = agentenv.make("multihop-qa", tools=mcp_tools(STDIO, fork="replay"))
+    obs, _ = env.reset(options={"index": 0})
+    assert "- <incr> key </incr>: Add `by` to the counter `key` and return its new value." in obs
+    assert env.stop_strings == ["</search>", "</incr>", "</get>", "</media>", "</fail>", "</crash>", "</sleep>"]
+    assert env.step("<think>Count the hops.</think>\n<incr>hops</incr>")[0] == "hops=1"
+    assert env.step("<search>Kiss and Tell 1945 Shirley Temple</search>")[0].startswith("Page 1: Kiss and Tell")
+    assert env.step('<incr>{"key": "hops", "by": 2}</incr>')[0] == "hops=3"
+    obs, reward, terminated, truncated, info = env.step("<answer>\\boxed{Chief of Protocol}</answer>")
+    assert (obs, reward, terminated, truncated, info["tool_calls"]) == ("", 1.0, True, False, 3)
+    env.close()
+
+
+def test_mcp_tools_in_a_tool_qa_episode_with_json_calls():
+    env = agentenv.make("tool-qa", parser="json", tools=mcp_tools(STDIO, fork="replay"))
+    obs, _ = env.reset(options={"index": 0})
+    assert '{"type": "function", "function": {"name": "incr", "description": "Add `by` to the counter' in obs
+    call = '<tool_call>{"name": "incr", "arguments": {"key": "hops", "by": 2}}</tool_call>'
+    assert env.step(call)[0] == "hops=2"
+    assert env.step('<tool_call>{"name": "get", "arguments": {"key": "hops"}}</tool_call>')[0] == "hops=2"
+    assert env.step('<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')[0] == "42"
+    search = '<tool_call>{"name": "search", "arguments": {"query": "Kiss and Tell 1945"}}</tool_call>'
+    assert env.step(search)[0].startswith("Page 1: Kiss and Tell")
+    obs, reward, terminated, truncated, _ = env.step("<answer>\\boxed{Chief of Protocol}</answer>")
+    assert (obs, terminated, truncated) == ("", True, False) and reward == pytest.approx(1.1)  # AEPO: both tools
+    env.close()
+
+
+def test_bad_servers_and_options_fail_at_mcp_tools():
+    with pytest.raises(ConnectionError) as raised:
+        mcp_tools(MCPStdioServer("/nonexistent/mcp-server"), fork="replay")
+    assert str(raised.value) == (
+        "MCP server `/nonexistent/mcp-server`: could not connect to the server: FileNotFoundError: "
+        "[Errno 2] No such file or directory: '/nonexistent/mcp-server'"
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(ConnectionError, match=r"could not connect to the server: ConnectError: All connection"):
+        mcp_tools(f"http://127.0.0.1:{port}/mcp", fork="share")
+    with pytest.raises(ValueError, match="fork must be one of 'replay', 'share', 'refuse', got 'copy'"):
+        mcp_tools(STDIO, fork="copy")
+    with pytest.raises(ValueError, match="an MCP server URL starts with http:// or https://, got 'ftp://x'"):
+        mcp_tools("ftp://x", fork="share")
+    with pytest.raises(
+        TypeError, match=r"args is a sequence of arguments, got the string 'server.py': pass \['server.py'\]"
+    ):
+        MCPStdioServer("python", "server.py")
