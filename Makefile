@@ -36,7 +36,7 @@ endif
 	touch $(STAMP)
 
 # The main job: AT2PO trains the embedded model on multihop-qa for a few steps at a small tree budget
-# (the cpu-demo preset, about ten minutes on 2 cores), prints the held-out before/after table and
+# (the cpu-demo preset, about seven minutes on 2 cores), prints the held-out before/after table and
 # writes the curves; then `agents eval` scores the saved checkpoint on the first four held-out questions
 # with the training prompt (worked example, plain <answer>) and the papers' tool settings (top-3
 # passages of 1000 characters).
