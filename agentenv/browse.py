@@ -111,11 +111,41 @@ class Document:
 # -- SSRF protection -------------------------------------------------------------------------
 
 
+# IPv6 forms that carry an IPv4 address in their last 32 bits (besides ::ffff:0:0/96, mapped, and
+# 2002::/16, 6to4, which ipaddress decodes): a socket or a translator may deliver them to that address.
+_IPV4_IN_LOW_BITS = (
+    ipaddress.IPv6Network("::/96"),  # IPv4-compatible (deprecated): ::127.0.0.1
+    ipaddress.IPv6Network("::ffff:0:0:0/96"),  # IPv4-translated (SIIT): ::ffff:0:127.0.0.1
+    ipaddress.IPv6Network("64:ff9b::/96"),  # NAT64 well-known prefix: 64:ff9b::127.0.0.1
+)
+# Local-use NAT64 (RFC 8215): translated inside some network, never global (Python 3.11 says it is).
+_LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv4-in-IPv6 form (mapped, compatible, translated, NAT64, 6to4) stands for."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if any(ip in network for network in _IPV4_IN_LOW_BITS):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def is_public_address(address: str) -> bool:
-    """Whether an IP address is globally routable (not private, loopback, link-local, reserved...)."""
+    """Whether an IP address is globally routable (not private, loopback, link-local, reserved...).
+
+    An IPv6 address that embeds an IPv4 address (``::ffff:127.0.0.1``, ``::127.0.0.1``,
+    ``64:ff9b::10.0.0.1``, ``2002:7f00:1::``...) is judged by the IPv4 address it embeds.
+    """
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone index
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _LOCAL_NAT64:
+            return False
+        embedded = _embedded_ipv4(ip)
+        if embedded is not None:
+            ip = embedded
     return ip.is_global and not ip.is_multicast
 
 
@@ -371,7 +401,8 @@ class Browser:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         timeouts = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
-        resolver = _GuardedResolver(self._trusted_names)
+        # allow_private_urls opens host names that resolve to private addresses too, not only literal IPs
+        resolver = ThreadedResolver() if self.allow_private_urls else _GuardedResolver(self._trusted_names)
         connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False)
         headers = {"User-Agent": USER_AGENT, "Accept": "text/html,application/xhtml+xml,text/plain;q=0.9,*/*;q=0.5"}
         display = URL(url)

@@ -107,7 +107,11 @@ class Env(gym.Env[str, str]):
     - ``fork() -> Env``: an independent copy of the current state (mid-episode or after the end).
       Stepping either copy never changes the other; the same actions on two forks give the same
       observations and rewards when the tools are deterministic.
-    - ``close()``: release resources; calling it twice is allowed.
+    - ``close()``: release resources; calling it twice is allowed. A closed environment is done
+      for good: ``reset``, ``step``, their async forms and ``fork`` raise ``RuntimeError``
+      rather than quietly start new sandboxes or sessions that nothing would close. The base
+      methods and :meth:`reset_rng` check this; a subclass that overrides ``step``, ``astep`` or
+      ``fork`` calls :meth:`check_open` first.
 
     Stepping an environment whose episode is over raises ``RuntimeError``; a malformed action
     never does (it becomes an observation explaining the problem).
@@ -119,6 +123,7 @@ class Env(gym.Env[str, str]):
 
     observation_space = Text()
     action_space = Text()
+    _closed = False  # a class default: subclasses need not call __init__ for it
 
     def __init__(self, render_mode: str | None = None) -> None:
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
@@ -144,6 +149,7 @@ class Env(gym.Env[str, str]):
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Apply one model turn; returns ``(obs, reward, terminated, truncated, info)``."""
+        self.check_open()
         if type(self).astep is Env.astep:
             raise TypeError(f"{type(self).__name__} must implement step() or astep()")
         return run_sync(self.astep(action))
@@ -158,6 +164,7 @@ class Env(gym.Env[str, str]):
 
     async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Coroutine form of :meth:`step`."""
+        self.check_open()
         if type(self).step is Env.step:
             raise TypeError(f"{type(self).__name__} must implement step() or astep()")
         return self.step(action)
@@ -171,12 +178,38 @@ class Env(gym.Env[str, str]):
         correct for any picklable state but costs time proportional to that state. Environments
         with long episodes override it to share immutable history.
         """
+        self.check_open()
         return copy.deepcopy(self)
 
     def reset_rng(self, seed: int | None) -> None:
-        """Seed ``self.np_random`` as Gymnasium's ``reset`` does (call at the start of ``areset``)."""
+        """Seed ``self.np_random`` as Gymnasium's ``reset`` does (call at the start of ``areset``).
+
+        Raises ``RuntimeError`` if the environment was closed, so an ``areset`` that calls it first
+        never starts an episode on a closed environment.
+        """
+        self.check_open()
         gym.Env.reset(self, seed=seed)
 
     def _fork_rng(self) -> np.random.Generator | None:
         """A copy of the RNG in its current state, for forks (so both copies draw the same)."""
         return copy.deepcopy(self._np_random)
+
+    # -- closing ------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called; a closed environment cannot be reset, stepped or forked."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release resources and mark the environment closed (calling it twice is allowed)."""
+        self._closed = True
+        super().close()
+
+    def check_open(self) -> None:
+        """Raise ``RuntimeError`` if :meth:`close` was called."""
+        if self._closed:
+            raise RuntimeError(
+                f"this {type(self).__name__} was closed: create a new environment with agentenv.make(...), "
+                "or fork() it before closing"
+            )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,6 +67,27 @@ class ToolCallParser(ABC):
         """Instructions for the prompt: how to call each tool and how to answer."""
 
 
+class _UnreadableJSON(ValueError):
+    """Valid JSON that Python's parser gives up on; the message says why, for the model."""
+
+
+def _load_json(text: str) -> Any:
+    """``json.loads``, with the limits of Python's parser raised as :class:`_UnreadableJSON`.
+
+    Syntax errors stay :class:`json.JSONDecodeError` (each caller words those itself).
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:  # the parser recurses per level: about 1,000 levels exhaust the stack
+        raise _UnreadableJSON("it is nested too deeply") from None
+    except ValueError:  # the only other failure: an integer past the int-string conversion limit
+        raise _UnreadableJSON(
+            f"it has a number that is too long (more than {sys.get_int_max_str_digits()} digits)"
+        ) from None
+
+
 def _answer_text(text: str) -> str | None:
     """Content of the last complete ``<answer>`` tag, or None."""
     found = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
@@ -97,16 +119,21 @@ class XMLTagParser(ToolCallParser):
                 error=f"The <{tag}> tag is empty: put the {tools[tag].primary_parameter or 'input'} "
                 f"between <{tag}> and </{tag}>."
             )
-        return Action(call=ToolCall(tag, self._arguments(tools[tag], body)))
+        try:
+            arguments = self._arguments(tools[tag], body)
+        except _UnreadableJSON as e:
+            return Action(error=f"The JSON arguments of <{tag}> cannot be read: {e}.")
+        return Action(call=ToolCall(tag, arguments))
 
     @staticmethod
     def _arguments(tool: Tool, body: str) -> Mapping[str, Any]:
+        """The call's arguments; raises :class:`_UnreadableJSON` for JSON beyond the parser's limits."""
         params = tool.parameters["properties"]
         if len(params) > 1 and body.startswith("{"):
             try:
-                parsed = json.loads(body)
+                parsed = _load_json(body)
             except json.JSONDecodeError:
-                parsed = None
+                parsed = None  # not JSON after all: the whole body is the first argument
             if isinstance(parsed, dict):
                 return parsed
         return {tool.primary_parameter: body} if tool.primary_parameter else {}
@@ -158,17 +185,21 @@ class JSONToolCallParser(ToolCallParser):
                 )
             return Action(error=f"No tool call or answer was found in your turn. {self._syntax()}")
         try:
-            payload = json.loads(call.group(1).strip())
+            payload = _load_json(call.group(1).strip())
         except json.JSONDecodeError as e:
             return Action(error=f"The tool call is not valid JSON ({e.msg} at character {e.pos}). {self._syntax()}")
+        except _UnreadableJSON as e:
+            return Action(error=f"The tool call's JSON cannot be read: {e}. {self._syntax()}")
         if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
             return Action(error=f'A tool call must be a JSON object with a "name" string. {self._syntax()}')
         arguments = payload.get("arguments", {})
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = _load_json(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as e:
                 return Action(error=f'"arguments" is a string that is not valid JSON ({e.msg}).')
+            except _UnreadableJSON as e:
+                return Action(error=f'"arguments" is a string whose JSON cannot be read: {e}.')
         if not isinstance(arguments, dict):
             return Action(error='"arguments" must be a JSON object of named arguments.')
         return Action(call=ToolCall(payload["name"], arguments))

@@ -188,6 +188,7 @@ class ToolEnv(Env):
         return self.state.prompt, self._info(self.state)
 
     async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.check_open()
         state = self.state
         if state is None:
             raise RuntimeError("call reset() before step()")
@@ -285,6 +286,7 @@ class ToolEnv(Env):
 
     def fork(self) -> ToolEnv:
         """Copy-on-write: the immutable episode state and history are shared, O(1)."""
+        self.check_open()
         child = copy.copy(self)
         child.tools = {name: t.fork() for name, t in self.tools.items()}
         child._np_random = self._fork_rng()
@@ -327,8 +329,8 @@ class ToolEnv(Env):
         return f"<think>I will use {tool.name}.</think>\n<{tool.name}>{argument}</{tool.name}>"
 
     def close(self) -> None:
+        super().close()  # closed first: a tool that fails to close still leaves the env unusable
         for t in self.tools.values():
             close = getattr(t.fn, "close", None)
             if t.stateful and callable(close):
                 close()
-        super().close()

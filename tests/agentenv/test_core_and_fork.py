@@ -1,5 +1,6 @@
 import asyncio
 import copy
+import re
 
 import pytest
 
@@ -154,3 +155,54 @@ def test_check_env_catches_fork_returning_self():
 def test_check_env_needs_a_first_action_that_does_not_end_the_episode():
     with pytest.raises(EnvCheckError, match="the first check action must not end the episode"):
         check_env(agentenv.make("multihop-qa"), actions=["<answer>\\boxed{x}</answer>", "<search>y</search>"])
+
+
+def closed_message(env: Env) -> str:
+    return (
+        f"this {type(env).__name__} was closed: create a new environment with agentenv.make(...), "
+        "or fork() it before closing"
+    )
+
+
+def assert_closed_refuses_everything(env: Env, action: str, *, own_astep: bool = True) -> None:
+    message = f"^{re.escape(closed_message(env))}$"
+    assert env.closed
+    calls = [lambda: env.step(action), lambda: env.reset(seed=0), lambda: asyncio.run(env.areset(seed=0)), env.fork]
+    if own_astep:
+        calls.append(lambda: asyncio.run(env.astep(action)))
+    for call in calls:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    env.close()  # closing twice is allowed
+
+
+def test_a_closed_qa_env_refuses_step_reset_and_fork():
+    env = agentenv.make("multihop-qa")
+    env.reset(options={"index": 0})
+    env.step("<search>Kiss and Tell</search>")
+    child = env.fork()
+    assert not env.closed
+    env.close()
+    assert_closed_refuses_everything(env, "<search>Kiss and Tell</search>")
+    assert env.state.turns == 1  # nothing ran
+    # A fork made before closing lives on, and closing it does not touch the parent's copy.
+    assert child.step("<answer>\\boxed{Chief of Protocol}</answer>")[1:3] == (1.0, True)
+
+
+def test_a_closed_python_math_env_starts_no_new_sandbox():
+    env = agentenv.make("python-math")
+    env.reset(seed=0)
+    assert env.step("<python>6 * 7</python>")[0] == "42"
+    session = env.tools["python"].fn
+    env.close()
+    assert session.sandbox is None
+    assert_closed_refuses_everything(env, "<python>6 * 7</python>")
+    assert session.sandbox is None  # neither step nor reset started one
+
+
+def test_a_closed_custom_env_refuses_through_the_base_class():
+    env = AsyncOnly()
+    env.reset(seed=0)
+    env.close()
+    # Its own astep() does not call check_open(), so only what goes through the base class is checked.
+    assert_closed_refuses_everything(env, "3", own_astep=False)

@@ -1,6 +1,8 @@
 import pytest
 
+import agentenv
 from agentenv import tool
+from agentenv.browse import Browser, browse_tool
 from agentenv.parsers import Action, JSONToolCallParser, ToolCall, XMLTagParser, get_parser
 
 
@@ -131,3 +133,70 @@ def test_get_parser():
     assert get_parser(js) is js
     with pytest.raises(ValueError, match=r"unknown tool-call parser 'yaml'; choose one of \['json', 'xml'\]"):
         get_parser("yaml")
+
+
+# Valid JSON that Python's parser gives up on: nesting past its recursion limit (about 1,000
+# levels) raises RecursionError, an integer past 4,300 digits ValueError. Both must become errors.
+DEEP = "[" * 5000 + "]" * 5000
+LONG_NUMBER = "1" * 4301
+NESTED = "it is nested too deeply"
+TOO_LONG = "it has a number that is too long (more than 4300 digits)"
+JSON_SYNTAX = (
+    'Call a tool with <tool_call>{"name": "…", "arguments": {…}}</tool_call>, '
+    "or give the final answer with <answer>…</answer>."
+)
+UNREADABLE = [
+    (xml, f'<calc>{{"a": {DEEP}, "b": 1}}</calc>', f"The JSON arguments of <calc> cannot be read: {NESTED}."),
+    (xml, f'<calc>{{"a": {LONG_NUMBER}, "b": 1}}</calc>', f"The JSON arguments of <calc> cannot be read: {TOO_LONG}."),
+    (
+        js,
+        f'<tool_call>{{"name": "calc", "arguments": {{"a": {DEEP}, "b": 1}}}}</tool_call>',
+        f"The tool call's JSON cannot be read: {NESTED}. {JSON_SYNTAX}",
+    ),
+    (
+        js,
+        f'<tool_call>{{"name": "calc", "arguments": {{"a": {LONG_NUMBER}, "b": 1}}}}</tool_call>',
+        f"The tool call's JSON cannot be read: {TOO_LONG}. {JSON_SYNTAX}",
+    ),
+    (
+        js,
+        f'<tool_call>{{"name": "calc", "arguments": "{DEEP}"}}</tool_call>',
+        f'"arguments" is a string whose JSON cannot be read: {NESTED}.',
+    ),
+    (
+        js,
+        f'<tool_call>{{"name": "calc", "arguments": "{{\\"a\\": {LONG_NUMBER}, \\"b\\": 1}}"}}</tool_call>',
+        f'"arguments" is a string whose JSON cannot be read: {TOO_LONG}.',
+    ),
+]
+
+
+@pytest.mark.parametrize("parser, text, error", UNREADABLE)
+def test_json_beyond_the_parsers_limits_is_an_error_not_an_exception(parser, text, error):
+    assert parser.parse(text, TOOLS) == Action(error=error)
+
+
+def test_browse_arguments_nested_too_deeply_are_an_error():
+    tools = {"browse": browse_tool(Browser())}
+    assert xml.parse(f'<browse>{{"url": {DEEP}}}</browse>', tools) == Action(
+        error=f"The JSON arguments of <browse> cannot be read: {NESTED}."
+    )
+    assert xml.parse(f'<browse>{{"url": "http://x", "page": {LONG_NUMBER}}}</browse>', tools) == Action(
+        error=f"The JSON arguments of <browse> cannot be read: {TOO_LONG}."
+    )
+
+
+@pytest.mark.parametrize("parser, text, error", UNREADABLE)
+def test_step_turns_unreadable_json_into_an_observation_and_the_episode_goes_on(parser, text, error):
+    env = agentenv.make("multihop-qa", parser=parser.name, tools=[calc])
+    env.reset(options={"index": 0})
+    obs, reward, terminated, truncated, info = env.step(text)
+    assert (obs, reward, terminated, truncated) == (error, 0.0, False, False)
+    assert info["error"] == error and info["tool"] is None and info["tool_calls"] == 0
+    call = (
+        '<calc>{"a": 2, "b": 3}</calc>'
+        if parser is xml
+        else '<tool_call>{"name": "calc", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    )
+    assert env.step(call)[:4] == ("5", 0.0, False, False)
+    assert env.step("<answer>\\boxed{Chief of Protocol}</answer>")[1:3] == (1.0, True)

@@ -1,11 +1,23 @@
 """The browse tool against a real server of pathological pages on 127.0.0.1."""
 
 import asyncio
+import socket
 
 import pytest
 from aiohttp import web
+from aiohttp.resolver import ThreadedResolver
 
-from agentenv.browse import BrowseError, Browser, UnsafeURLError, browse_tool, check_url, decode_text, split_pages
+import agentenv
+from agentenv.browse import (
+    BrowseError,
+    Browser,
+    UnsafeURLError,
+    browse_tool,
+    check_url,
+    decode_text,
+    is_public_address,
+    split_pages,
+)
 
 ARTICLE = """<!DOCTYPE html><html><head><title>Eiffel Tower</title></head><body>
 <nav><a href="/">Home</a> | <a href="/about">About</a></nav>
@@ -332,6 +344,35 @@ async def test_plain_text_http_errors_and_broken_connections(site, closed_port):
             "http://[::ffff:127.0.0.1]/",
             "http://[::ffff:127.0.0.1]/ points to the private or local address ::ffff:7f00:1; only public web addresses can be opened",
         ),
+        # IPv6 forms that embed a private or loopback IPv4 address are judged by that address
+        (
+            "http://[::127.0.0.1]/",  # IPv4-compatible
+            "http://[::127.0.0.1]/ points to the private or local address ::7f00:1; only public web addresses can be opened",
+        ),
+        (
+            "http://[::ffff:0:127.0.0.1]/",  # IPv4-translated
+            "http://[::ffff:0:127.0.0.1]/ points to the private or local address ::ffff:0:7f00:1; only public web addresses can be opened",
+        ),
+        (
+            "http://[64:ff9b::10.0.0.1]/",  # NAT64
+            "http://[64:ff9b::10.0.0.1]/ points to the private or local address 64:ff9b::a00:1; only public web addresses can be opened",
+        ),
+        (
+            "http://[64:ff9b::127.0.0.1]:8000/",  # NAT64
+            "http://[64:ff9b::127.0.0.1]:8000/ points to the private or local address 64:ff9b::7f00:1; only public web addresses can be opened",
+        ),
+        (
+            "http://[64:ff9b:1::8.8.8.8]/",  # local-use NAT64: never global, whatever it embeds
+            "http://[64:ff9b:1::8.8.8.8]/ points to the private or local address 64:ff9b:1::808:808; only public web addresses can be opened",
+        ),
+        (
+            "http://[2002:7f00:1::1]/",  # 6to4 of 127.0.0.1
+            "http://[2002:7f00:1::1]/ points to the private or local address 2002:7f00:1::1; only public web addresses can be opened",
+        ),
+        (
+            "http://[2002:a9fe:a9fe::]/latest/meta-data",  # 6to4 of 169.254.169.254
+            "http://[2002:a9fe:a9fe::]/latest/meta-data points to the private or local address 2002:a9fe:a9fe::; only public web addresses can be opened",
+        ),
         (
             "http://0.0.0.0/",
             "http://0.0.0.0/ points to the private or local address 0.0.0.0; only public web addresses can be opened",
@@ -353,9 +394,48 @@ async def test_unsafe_urls_are_refused_before_any_connection(url, message):
     assert await read(browser(allow_private_urls=False), url) == f"Error: {message}"
 
 
+def test_ipv6_forms_embedding_a_public_ipv4_address_stay_public():
+    for address in ("::ffff:8.8.8.8", "::8.8.8.8", "::ffff:0:8.8.8.8", "64:ff9b::8.8.8.8", "2002:808:808::1"):
+        assert is_public_address(address), address
+    assert is_public_address("2606:4700:4700::1111") and not is_public_address("fe80::1%eth0")
+
+
 async def test_host_names_are_checked_when_resolved(site):
     port = site.rsplit(":", 1)[1]
     assert await read(browser(allow_private_urls=False), f"http://localhost:{port}/article") == (
+        "Error: localhost resolves to the private or local address 127.0.0.1; only public web addresses can be opened"
+    )
+
+
+@pytest.mark.parametrize("address", ["::ffff:127.0.0.1", "::127.0.0.1", "64:ff9b::10.0.0.1", "2002:7f00:1::"])
+async def test_host_names_resolving_to_embedded_private_addresses_are_refused(monkeypatch, address):
+    async def resolve(self, host, port=0, family=socket.AF_INET):
+        return [{"hostname": host, "host": address, "port": port, "family": socket.AF_INET6, "proto": 0, "flags": 0}]
+
+    monkeypatch.setattr(ThreadedResolver, "resolve", resolve)
+    assert await read(browser(allow_private_urls=False), "http://rebind.test/") == (
+        f"Error: rebind.test resolves to the private or local address {address}; "
+        "only public web addresses can be opened"
+    )
+
+
+async def test_allow_private_urls_opens_loopback_by_address_and_by_name(site):
+    port = site.rsplit(":", 1)[1]
+    b = browser(allow_private_urls=True)
+    for url in (f"http://127.0.0.1:{port}/article", f"http://localhost:{port}/article"):
+        obs = await read(b, url)
+        assert obs.startswith(f"Title: Eiffel Tower\nURL: {url}\nPage 1 of 1\n\n"), obs
+        assert "The Eiffel Tower is a wrought-iron lattice tower" in obs
+
+
+async def test_web_research_allow_private_urls_reaches_the_tool(site):
+    url = f"http://localhost:{site.rsplit(':', 1)[1]}/article"
+    opened = agentenv.make("web-research", allow_private_urls=True)
+    await opened.areset(options={"index": 0})
+    assert (await opened.astep(f"<browse>{url}</browse>"))[0].startswith(f"Title: Eiffel Tower\nURL: {url}\n")
+    default = agentenv.make("web-research")
+    await default.areset(options={"index": 0})
+    assert (await default.astep(f"<browse>{url}</browse>"))[0] == (
         "Error: localhost resolves to the private or local address 127.0.0.1; only public web addresses can be opened"
     )
 
