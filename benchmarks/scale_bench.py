@@ -171,8 +171,8 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
         pool = RolloutPool(spec, workers, cpus=cpu_share(workers), restarts=0)
         tasks = list(range(workers * SIM_PROMPTS_PER_WORKER))
         await pool.rollout(tasks[:workers], 0)  # warm-up
-        memory = statistics.median(_pss_mib(info["pid"]) for info in pool.info)
         pids = [info["pid"] for info in pool.info]
+        memory = statistics.median(_pss_mib(pid) for pid in pids)
         times, cpu, worker_cpu = [], [], []
         for repeat in range(3):
             cpu_start, workers_start, start = time.process_time(), _cpu_s(pids), time.perf_counter()
