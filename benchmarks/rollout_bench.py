@@ -6,7 +6,9 @@
     engine whose cost does not grow with the batch. Episodes are real ``multihop-qa`` episodes
     (a BM25 search, then an answer: two turns, tools and tokenisation included). At C concurrent
     episodes the ideal throughput is C / (turns x latency) episodes per second; the table gives
-    the fraction of it the loop reaches, at C = 1, 16, 64 and 256.
+    the fraction of it the loop reaches, at C = 1, 16, 64, 256 and 1,024, and the CPU a turn costs:
+    on the event loop's thread (the loop, the env, the search, the scripted engine) and in worker
+    threads (tokenising long texts off the loop), measured at latency 0.
 (b) Real engines. The same greedy ``multihop-qa`` episodes run through the loop all at once
     (concurrency = episodes) and one after another (concurrency 1), on HFEngine and VLLMEngine on
     CPU; the table gives sampled tokens per second of each, their ratio, and the share of prompt
@@ -43,7 +45,7 @@ if __name__ != "__mp_main__":
     from agents.rollout import RolloutConfig, Trajectory, episodes_for, run_episodes
 
 ENV_ID = "multihop-qa"
-CONCURRENCY = (1, 16, 64, 256)
+CONCURRENCY = (1, 16, 64, 256, 1024)
 ROUNDS = 2  # episodes per concurrency slot in (a)
 SCRIPTED_LATENCY_S = 1.0  # one short engine turn: ~50 tokens at 20 ms per decode step (a 4B model on a GPU)
 REAL_EPISODES = 32  # (b): the episodes of a training step or an eval in flight together (HFEngine's batch cap)
@@ -92,35 +94,38 @@ def scripted_engine(tokenizer: Any, latency_s: float, call: str, answer: str) ->
     return ScriptedEngine(script, tokenizer=tokenizer, latency_s=latency_s, eos_token_ids=[tokenizer.eos_token_id])
 
 
-async def run_scripted(tokenizer: Any, env_name: str, latency_s: float, concurrency: int, episodes: int) -> float:
-    """Wall seconds of ``episodes`` two-turn scripted episodes at ``concurrency``."""
+async def run_scripted(
+    tokenizer: Any, env_name: str, latency_s: float, concurrency: int, episodes: int
+) -> tuple[float, float, float]:
+    """Wall seconds of ``episodes`` two-turn scripted episodes at ``concurrency``, and the CPU
+    seconds they took on the event loop's thread and in the whole process."""
     base = overhead_env(env_name, tokenizer)
     tasks = len(base.tasks)
     engine = scripted_engine(tokenizer, latency_s, *OVERHEAD_ENVS[env_name])
-    start = time.perf_counter()
+    start, loop_cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
     trajectories = await run_episodes(
         engine, episodes_for(base, [i % tasks for i in range(episodes)]), RolloutConfig(concurrency=concurrency)
     )
     wall = time.perf_counter() - start
+    loop_cpu, process_cpu = time.thread_time() - loop_cpu, time.process_time() - process_cpu
     odd = [t for t in trajectories if t.status != "terminated" or len(t.turns) != 2]
     if odd:
         raise RuntimeError(
             f"{len(odd)} scripted episodes did not end after their two turns, e.g. episode "
             f"{odd[0].index}: {odd[0].status} after {len(odd[0].turns)} turns ({odd[0].error})"
         )
-    return wall
+    return wall, loop_cpu, process_cpu
 
 
 async def loop_overhead(tokenizer: Any, latency_s: float) -> list[dict[str, Any]]:
     rows = []
     for env_name in OVERHEAD_ENVS:
         # CPU cost of one turn: scripted episodes at latency 0, as many as the largest run of the table.
-        cost_episodes = max(CONCURRENCY) * ROUNDS
-        turn_ms = (
-            1e3 * await run_scripted(tokenizer, env_name, 0.0, max(CONCURRENCY), cost_episodes) / (2 * cost_episodes)
-        )
+        cost_turns = 2 * max(CONCURRENCY) * ROUNDS
+        _, loop_cpu, process_cpu = await run_scripted(tokenizer, env_name, 0.0, max(CONCURRENCY), cost_turns // 2)
+        loop_ms, off_loop_ms = 1e3 * loop_cpu / cost_turns, 1e3 * (process_cpu - loop_cpu) / cost_turns
         for concurrency in CONCURRENCY:
-            wall = await run_scripted(tokenizer, env_name, latency_s, concurrency, concurrency * ROUNDS)
+            wall, _, _ = await run_scripted(tokenizer, env_name, latency_s, concurrency, concurrency * ROUNDS)
             ideal = ROUNDS * 2 * latency_s  # each slot runs ROUNDS episodes of 2 turns back to back
             rows.append(
                 {
@@ -130,7 +135,8 @@ async def loop_overhead(tokenizer: Any, latency_s: float) -> list[dict[str, Any]
                     "wall_s": wall,
                     "ideal_s": ideal,
                     "fraction_of_ideal": ideal / wall,
-                    "cpu_ms_per_turn": turn_ms,
+                    "loop_cpu_ms_per_turn": loop_ms,
+                    "off_loop_cpu_ms_per_turn": off_loop_ms,
                 }
             )
     return rows
@@ -263,7 +269,16 @@ def main() -> None:
         )
         print(
             table(
-                ["env", "concurrency", "episodes", "wall s", "ideal s", "fraction of ideal", "CPU ms/turn"],
+                [
+                    "env",
+                    "concurrency",
+                    "episodes",
+                    "wall s",
+                    "ideal s",
+                    "fraction of ideal",
+                    "loop CPU ms/turn",
+                    "off-loop CPU ms/turn",
+                ],
                 [
                     [
                         r["env"],
@@ -272,7 +287,8 @@ def main() -> None:
                         r["wall_s"],
                         r["ideal_s"],
                         r["fraction_of_ideal"],
-                        r["cpu_ms_per_turn"],
+                        r["loop_cpu_ms_per_turn"],
+                        r["off_loop_cpu_ms_per_turn"],
                     ]
                     for r in overhead
                 ],

@@ -178,11 +178,11 @@ class Engine(abc.ABC):
         """Validate a request the same way in every engine; returns the prompt as a list of ints."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = [int(i) for i in prompt_ids]
+        ids = list(map(int, prompt_ids))  # map, min and max run in C: this is on every turn's path
         if not ids:
             raise ValueError("prompt_ids is empty; an engine needs at least one prompt token")
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            bad = [i for i in ids if not 0 <= i < vocab_size]
             raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
         if params.return_entropy and not self.supports_entropy:
             raise ValueError(

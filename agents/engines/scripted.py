@@ -87,20 +87,37 @@ class ScriptedEngine(Engine):
         stop_reason: str | int | None = None
         overshoot = ""
         end = min(len(token_ids), params.max_new_tokens)
-        for n, token in enumerate(token_ids[:end], start=1):
-            if token in params.stop_token_ids:
-                reason, stop_reason, end = "stop", token, n
-                break
-            if token in self.eos_token_ids:
-                reason, end = "eos", n
-                break
-            if params.stop:
-                text = self._tokenizer("stop strings").decode(token_ids[:n], skip_special_tokens=True)
+        # A stop or end-of-sequence token ends the turn at its position; a stop string before it
+        # wins. The prefixes' texts only grow, so the first prefix holding a stop string is found
+        # by bisection: O(log n) decodes instead of one per token.
+        first_token = next(
+            (n for n, t in enumerate(token_ids[:end], 1) if t in params.stop_token_ids or t in self.eos_token_ids), None
+        )
+        text_end = end if first_token is None else first_token - 1
+        match = None
+        if params.stop and text_end:
+            decode = self._tokenizer("stop strings").decode
+            low, high = 1, text_end
+            if find_stop(decode(token_ids[:high], skip_special_tokens=True), params.stop) is None:
+                low = high + 1
+            while low < high:
+                middle = (low + high) // 2
+                if find_stop(decode(token_ids[:middle], skip_special_tokens=True), params.stop) is None:
+                    low = middle + 1
+                else:
+                    high = middle
+            if low <= text_end:
+                text = decode(token_ids[:low], skip_special_tokens=True)
                 match = find_stop(text, params.stop)
-                if match is not None:
-                    reason, stop_reason, overshoot, end = "stop", match[0], text[match[1] :], n
-                    break
-        else:
+                assert match is not None
+                reason, stop_reason, overshoot, end = "stop", match[0], text[match[1] :], low
+        if match is None and first_token is not None:
+            token = token_ids[first_token - 1]
+            if token in params.stop_token_ids:
+                reason, stop_reason, end = "stop", token, first_token
+            else:
+                reason, end = "eos", first_token
+        elif match is None:
             # A script that ends before max_new_tokens ends like an end-of-sequence.
             reason = "length" if end == params.max_new_tokens else "eos"
         top_logprobs = entropies = None

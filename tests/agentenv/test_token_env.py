@@ -181,3 +181,59 @@ def test_system_prompt_and_errors(tok):
         TokenEnv(agentenv.make("multihop-qa"), tok, observations="xml")
     with pytest.raises(RuntimeError, match=r"call reset\(\) before step\(\)"):
         TokenEnv(agentenv.make("multihop-qa"), tok).step([1])
+
+
+@pytest.mark.slow
+async def test_long_texts_are_tokenised_off_the_loop_exactly_as_encode_does(tok):
+    """Prompts and long observations are encoded in worker threads, each with its own copy of the
+    Rust tokenizer: the ids equal ``tokenizer.encode``'s, special-token text included, and 64
+    episodes encoding at once never collide on the shared tokenizer ("Already borrowed")."""
+    import asyncio
+    import random
+    import threading
+
+    from agentenv import Example, ToolEnv, tool
+    from agentenv.wrappers import token_env
+
+    rng = random.Random(0)
+    words = ["Kiss", " and", " Tell", "<|im_end|>", "<think>", "é", "中文", "\n\n", " 3.14", "🙂", "  "]
+    texts = ["".join(rng.choice(words) for _ in range(rng.randint(1, 400))) for _ in range(64)]
+
+    @tool
+    def echo(text: str) -> str:
+        """Repeat it.
+
+        Args:
+            text: what to repeat.
+        """
+        return texts[int(text)]
+
+    threads: set[str] = set()
+    encode = token_env._OffLoopEncoder._encode
+
+    def spy(self, text):
+        threads.add(threading.current_thread().name)
+        return encode(self, text)
+
+    tasks = [Example(id=str(i), question=f"Echo {i}.", answers=("x",)) for i in range(64)]
+    base = TokenEnv(ToolEnv(tasks, [echo]), tok)
+    token_env._OffLoopEncoder._encode = spy
+    try:
+
+        async def episode(i):
+            env = base.fork()
+            prompt, _ = await env.areset(options={"index": i})
+            obs, *_ = await env.astep(tok.encode(f"<echo>{i}</echo>", add_special_tokens=False))
+            return env, prompt, obs
+
+        results = await asyncio.gather(*(episode(i) for i in range(64)))
+    finally:
+        token_env._OffLoopEncoder._encode = encode
+    assert threads and all(name.startswith("agentenv-tokenize") for name in threads)
+    for i, (env, prompt, obs) in enumerate(results):
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": env.env.prompt(tasks[i])}], tokenize=False, add_generation_prompt=True
+        )
+        assert prompt == tok.encode(text, add_special_tokens=False)
+        long = len(texts[i]) + 20 >= token_env.OFF_LOOP_MIN_CHARS
+        assert obs == tok.encode(f"\n<result>\n{texts[i]}\n</result>\n", add_special_tokens=False), (i, long)
