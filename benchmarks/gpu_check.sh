@@ -17,7 +17,8 @@
 #      the plan's update phase;
 #   3. two steps with one rollout worker (a Ray actor owning a vLLM engine on this GPU) and the
 #      trainer in the driver, the weights through the object store;
-#   4. the GPU-sensitive tests of the suite (engine suite, trainer, cluster) on CUDA.
+#   4. the GPU-sensitive tests of the suite (engine suite, trainer, tree packing with FlexAttention's
+#      compiled kernel and its backward pass, cluster) on CUDA.
 # At the end, a table of the results (also OUT/summary.txt). About 10 minutes on one H100/H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -93,7 +94,7 @@ test -d "$OUT/workers/checkpoints/step_000002/model"
 
 echo "== 4. the suite's engine, trainer and cluster tests on this machine"
 "$PY" -m pytest -q -p no:cacheprovider tests/agents/test_engine_suite.py tests/agents/test_trainer.py \
-  tests/agents/test_memory_plan.py tests/cluster 2>&1 | tee "$OUT/tests.log"
+  tests/agents/test_memory_plan.py tests/agents/test_tree_packing.py tests/cluster 2>&1 | tee "$OUT/tests.log"
 
 "$PY" - "$OUT" <<'SUMMARY' | tee "$OUT/summary.txt"
 import json, sys

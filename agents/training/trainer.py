@@ -430,7 +430,11 @@ class Trainer:
             # What the update's forward passes ran on: padding included, each shared prefix once under tree packing.
             "batch/tokens_forwarded": float(self._passes["tokens_forwarded"]),
             **(
-                {"batch/tree_batched_passes": self._passes["batched_passes"] / max(self._passes["tree_passes"], 1)}
+                {
+                    f"batch/tree_{kernel}_passes": self._passes[f"{kernel}_passes"]
+                    / max(self._passes["tree_passes"], 1)
+                    for kernel in ("batched", "flex")
+                }
                 if cfg.packing == "tree"
                 else {}
             ),
@@ -578,10 +582,12 @@ class Trainer:
         if packing == "tree":
             assert packed is not None
             enable_tree_attention(model)
-            kernel = choose_kernel(packed)
+            kernel = choose_kernel(packed, ids.device)
             inputs.update(packed_paths=packed, tree_kernel=kernel)
             calls = tree_attention_calls(model)
-            self._last_pass.update(tree_passes=1, batched_passes=int(kernel == "batched"))
+            self._last_pass.update(
+                tree_passes=1, batched_passes=int(kernel == "batched"), flex_passes=int(kernel == "flex")
+            )
         parts = _decoder_and_head(model) if scored is not None and self.config.score_chunk else None
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             if parts is not None:

@@ -17,13 +17,16 @@ path, and nothing is of the row's length squared. Two ways run it, both exact:
   owns all its tokens (the first of each tree: a slice of the row), else its own queries against
   its gathered keys under a ``[own, length]`` mask;
 - ``batched``: one call for all paths, own queries and keys right-padded to the longest: fewer
-  calls, more padded work. The cheaper by the count of query-key pairs computed, plus a fixed
-  cost per call, is chosen per micro-batch (:func:`choose_kernel`); the trainer's metrics record
-  the choice.
+  calls, more padded work;
+- ``flex``: on a GPU, one FlexAttention call over the whole row under a block mask (a token sees
+  the places of its own path at depths up to its own), which skips the row's fully masked
+  blocks: no gather, no padding. Compiled with ``torch.compile``; FlexAttention has been slower
+  than SDPA below about 1K tokens, so rows shorter than :data:`FLEX_MIN_TOKENS` keep SDPA.
 
-Masks are built once per packed row and reused by every layer. (FlexAttention block masks would
-let one call over the whole row skip its masked blocks on a GPU; they need ``torch.compile`` and
-are not used.)
+:func:`choose_kernel` picks one per micro-batch: ``flex`` on CUDA for long rows, else the
+cheaper of the other two by the count of query-key pairs computed plus a fixed cost per call;
+the trainer's metrics record the choice. Masks are built once per packed row and reused by every
+layer. (On CPU, PyTorch's FlexAttention runs forward only, which is how the tests check it.)
 """
 
 from __future__ import annotations
@@ -50,12 +53,17 @@ ATTENTION_NAME = "agents_tree"
 # besides them: 1,200 to 2,100 in runs of benchmarks.train_bench ("call_cost_pairs": 2 CPU cores,
 # SmolLM2-135M's 9 heads of 64, forward and backward).
 CALL_COST_PAIRS = 1600
+#: Rows at least this long run FlexAttention on a GPU (below it FlexAttention has been slower than SDPA).
+FLEX_MIN_TOKENS = 1024
 
-Kernel = Literal["per-path", "batched"]
+Kernel = Literal["per-path", "batched", "flex"]
 
 
-def choose_kernel(packed: PackedPaths) -> Kernel:
-    """``per-path`` or ``batched``, whichever computes fewer query-key pairs plus calls (module docstring)."""
+def choose_kernel(packed: PackedPaths, device: torch.device | str = "cpu") -> Kernel:
+    """``flex`` for a long row on CUDA, else ``per-path`` or ``batched``, whichever computes fewer
+    query-key pairs plus calls (module docstring)."""
+    if torch.device(device).type == "cuda" and packed.tokens >= FLEX_MIN_TOKENS:
+        return "flex"
     paths = [(s, n) for s, n in zip(packed.starts, packed.lengths) if n > s]
     # A causal call skips the masked half; a masked one computes every pair.
     per_path = sum(n * (n + 1) // 2 if s == 0 else (n - s) * n for s, n in paths) + len(paths) * CALL_COST_PAIRS
@@ -86,7 +94,7 @@ def tree_attention_forward(
             )
     if dropout:
         raise ValueError("tree attention has no dropout (the trainer runs the policy in eval mode)")
-    run = _batched if kernel == "batched" else _per_path
+    run = {"batched": _batched, "flex": _flex}.get(kernel, _per_path)
     out = run(packed, query, key, value, scaling, query.shape[1] != key.shape[1])  # grouped-query attention
     return out.transpose(1, 2).contiguous(), None
 
@@ -162,6 +170,57 @@ def _batched_layout(packed: PackedPaths, device: torch.device) -> tuple[torch.Te
         keep = i[None, :] < own[:, None]
         packed.cache["batched"] = layout = (query_places, key_places, mask[:, None], keep)
     return layout
+
+
+def _flex(
+    packed: PackedPaths,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    out = _flex_attention(query.device)(
+        query, key, value, block_mask=_flex_block_mask(packed, query.device), scale=scaling, enable_gqa=gqa
+    )
+    return cast(torch.Tensor, out)  # every place of the row is some path's own token, in row order
+
+
+def _flex_block_mask(packed: PackedPaths, device: torch.device) -> Any:
+    """The row's block mask (built once per row): the query at place q sees the place k when k is on
+    q's own path at a depth up to q's."""
+    block_mask = packed.cache.get("flex")
+    if block_mask is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        own = torch.tensor([n - s for s, n in zip(packed.starts, packed.lengths)], device=device)
+        owner = torch.repeat_interleave(torch.arange(len(own), device=device), own)  # [P] the path owning each place
+        on_path = torch.zeros(len(own), packed.tokens, dtype=torch.bool, device=device)  # [paths, P]
+        for row, length in enumerate(packed.lengths):
+            on_path[row, packed.where[row, :length]] = True
+        depth = packed.positions[0]
+
+        def sees(batch: torch.Tensor, head: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            return on_path[owner[q], k] & (depth[k] <= depth[q])
+
+        places = packed.tokens
+        block_mask = create_block_mask(sees, None, None, places, places, device=device, _compile=device.type == "cuda")
+        packed.cache["flex"] = block_mask
+    return block_mask
+
+
+_COMPILED_FLEX: dict[str, Callable[..., Any]] = {}
+
+
+def _flex_attention(device: torch.device) -> Callable[..., Any]:
+    """FlexAttention, compiled on a GPU (uncompiled it materialises every score); eager on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type == "cpu":
+        return flex_attention
+    if device.type not in _COMPILED_FLEX:  # rows differ in length every micro-batch: dynamic shapes
+        _COMPILED_FLEX[device.type] = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED_FLEX[device.type]
 
 
 class _Dispatch:

@@ -128,6 +128,48 @@ def test_the_kernel_is_per_path_for_paths_of_very_different_lengths_and_batched_
     assert choose_kernel(pack_paths(alike, torch.ones_like(alike))) == "batched"
 
 
+def test_long_rows_on_cuda_run_flex_attention():
+    long = torch.ones(2, 600, dtype=torch.long)
+    long[1, 300:] = 2  # the rows share 300 tokens: 900 packed
+    short = pack_paths(long, torch.ones_like(long))
+    longer = pack_paths(torch.cat([long, long + 2]), torch.ones(4, 600, dtype=torch.long))
+    assert (short.tokens, longer.tokens) == (900, 1800)
+    assert choose_kernel(short, "cuda") != "flex" and choose_kernel(longer, "cuda") == "flex"
+    assert choose_kernel(longer, "cpu") != "flex" and choose_kernel(longer) != "flex"
+
+
+@pytest.mark.parametrize(("depth", "branching"), [(1, 6), (6, 1), (3, 3), (2, 6)])
+def test_flex_attentions_logprobs_equal_the_padded_paths(depth, branching, monkeypatch):
+    """FlexAttention's block mask over the whole row (the GPU kernel; on CPU PyTorch runs it
+    forward only, so this checks the old log-probs' pass) gives every leaf's log-probs."""
+    import agents.training.trainer as trainer_module
+
+    trees = random_trees(10 * depth + branching, depth, branching)
+    batch = collate([path for tree in trees for path in tree.paths()], 0)
+    padded = Trainer(tiny_model(), config(packing="padded")).compute_logprobs(batch)
+    monkeypatch.setattr(trainer_module, "choose_kernel", lambda packed, device: "flex")
+    trainer = Trainer(tiny_model(), config(packing="tree"))
+    # 1e-5 plus float32 rounding of the value (|log-probs| ≈ 12 on random weights): FlexAttention
+    # sums the softmax in another order than SDPA.
+    torch.testing.assert_close(trainer.compute_logprobs(batch), padded, atol=1e-5, rtol=2e-6)
+    assert trainer._last_pass["flex_passes"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass needs a GPU")
+async def test_on_cuda_a_long_rows_flex_update_gives_the_padded_loss_and_gradients():
+    paths = tree_paths(4, 6, 3, trees=6)  # more than FLEX_MIN_TOKENS packed
+    results = {}
+    for packing in ("padded", "tree"):
+        trainer = Trainer(tiny_model().cuda(), config(packing=packing, loss="atpo"))
+        metrics = await trainer.step(paths)
+        results[packing] = (metrics, {k: v.cpu() for k, v in gradients(trainer).items()})
+    (tree_metrics, tree_grads), (padded_metrics, padded_grads) = results["tree"], results["padded"]
+    assert tree_metrics["batch/tree_flex_passes"] == 1.0
+    assert tree_metrics["policy/loss"] == pytest.approx(padded_metrics["policy/loss"], rel=1e-5)
+    for name in padded_grads:
+        torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-4, rtol=1e-3)
+
+
 # -- exactness on the tiny model ----------------------------------------------------------------
 
 
@@ -136,7 +178,7 @@ def test_the_kernel_is_per_path_for_paths_of_very_different_lengths_and_batched_
 def test_every_leafs_logprobs_and_entropies_equal_the_padded_paths(depth, branching, kernel, monkeypatch):
     import agents.training.trainer as trainer_module
 
-    monkeypatch.setattr(trainer_module, "choose_kernel", lambda packed: kernel)
+    monkeypatch.setattr(trainer_module, "choose_kernel", lambda packed, device: kernel)
     trees = random_trees(10 * depth + branching, depth, branching)
     paths = [path for tree in trees for path in tree.paths()]
     batch = collate(paths, 0)
