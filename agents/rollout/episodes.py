@@ -14,7 +14,8 @@ log-prob. A trainer can recompute log-probs on exactly these ids.
 The loop bounds how many episodes run at once (an :class:`asyncio.Semaphore`; with a batching
 engine this is the largest batch it can form), gives each episode an optional wall-clock
 timeout, and records a failing episode (an exception in the env or the engine, a timeout) with
-its error instead of stopping the others. Cancelling the caller cancels every running episode.
+its error instead of stopping the others; a tool call hung past the timeout is abandoned to its
+thread (see :meth:`agentenv.Tool.acall`). Cancelling the caller cancels every running episode.
 
 Token budget (the papers' limits, docs/algorithms.md "Token budgets"): a prompt longer than
 ``max_prompt_tokens`` (2000) is an error; the response, tool results included, is capped at
@@ -349,7 +350,9 @@ async def run_episode(
     """Run one episode to its end; never raises for a failure of the env or the engine.
 
     An exception becomes ``status="error"`` and a timeout ``status="timeout"``, with the turns
-    recorded so far. Cancellation (:class:`asyncio.CancelledError`) propagates.
+    recorded so far. Cancellation of the task running the episode propagates; a stray
+    :class:`asyncio.CancelledError` that the env or the engine raises while nothing cancels that
+    task (an aborted request, say) is an ``"error"`` like any other exception.
     """
     config = config or RolloutConfig()
     trajectory = Trajectory(index=index, key=episode.key, prompt_ids=[], turns=[], status="error")
@@ -363,6 +366,13 @@ async def run_episode(
     except Exception as error:  # a failing episode is recorded and never stops the others
         trajectory.status = "error"
         trajectory.error = f"{type(error).__name__}: {error}"
+    except asyncio.CancelledError as error:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        # Not a cancellation of this episode: propagated, it would end the whole run.
+        trajectory.status = "error"
+        trajectory.error = f"CancelledError: {error}"
     trajectory.seconds = time.perf_counter() - start
     return trajectory
 

@@ -7,11 +7,14 @@ and records every request it received.
 
 import asyncio
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from agentenv import Env, TokenEnv, ToolEnv
+import agentenv.tools
+from agentenv import Env, TokenEnv, ToolEnv, tool
 from agentenv.datasets import Example
 from agents.engines.base import Completion, Engine, SamplingParams
 from agents.rollout import (
@@ -90,7 +93,7 @@ SEARCH_THEN_ANSWER = ["<lookup>x</lookup>", "<answer> \\boxed{42} </answer>"]
 class ScriptEngine(Engine):
     """Replies with the scripted actions in turn (by the number of turns in the prompt); records requests.
 
-    ``script(prompt_text, turn) -> text | Exception | None``; ``None`` never answers (hangs);
+    ``script(prompt_text, turn) -> text | BaseException | None``; ``None`` never answers (hangs);
     an exception is raised. ``delay`` seconds of latency per call (``asyncio.sleep``).
     """
 
@@ -115,7 +118,7 @@ class ScriptEngine(Engine):
             reply = self.script(prompt, turn)
             if reply is None:
                 await asyncio.Event().wait()
-            if isinstance(reply, Exception):
+            if isinstance(reply, BaseException):
                 raise reply
             ids = ids_of(reply)[: params.max_new_tokens]
             logprobs = [-0.5 - 0.01 * k for k in range(len(ids))]
@@ -503,3 +506,173 @@ async def test_the_state_forked_for_a_failing_turn_is_closed():
         ScriptEngine(), Episode(TokenEnv(FailingStep(), TOK)), RolloutConfig(keep_states=True)
     )
     assert trajectory.error == "OSError: tool crashed" and closed == ["fork"]
+
+
+# -- one tool's failure stays in its episode ---------------------------------------------------
+
+FAILING = {3, 17, 25, 38, 44, 59}  # the episodes (of 60) whose tool call fails or hangs
+MANY_TASKS = [Example(id=f"q{i}", question=f"What is x{i}?", answers=("42",)) for i in range(60)]
+
+
+def env_with(lookup_fn) -> TokenEnv:
+    """An env over 60 tasks whose only tool, called `lookup`, is ``lookup_fn`` (a function or a Tool)."""
+    return TokenEnv(ToolEnv(MANY_TASKS, [tool(lookup_fn, name="lookup")], prompt_template="Q: {question}"), TOK)
+
+
+def failing_script(prompt, turn):
+    """Episodes in FAILING look up "fail", the others "x"; everyone answers on the next turn."""
+    if turn:
+        return SEARCH_THEN_ANSWER[1]
+    index = int(prompt.split("What is x")[1].split("?")[0])
+    return "<lookup>fail</lookup>" if index in FAILING else SEARCH_THEN_ANSWER[0]
+
+
+def sixty_episodes(lookup_fn) -> list[Episode]:
+    return [Episode(env_with(lookup_fn), options={"index": i}) for i in range(60)]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_tool_raising_cancelled_error_fails_only_its_own_episode(kind):
+    def sync_lookup(term: str) -> str:
+        """Look a term up.
+
+        Args:
+            term: what to look up.
+        """
+        if term == "fail":
+            raise asyncio.CancelledError("the tool's own cancellation")
+        return f"{term} is 42"
+
+    async def async_lookup(term: str) -> str:
+        """Look a term up.
+
+        Args:
+            term: what to look up.
+        """
+        return sync_lookup(term)
+
+    lookup_fn = sync_lookup if kind == "sync" else async_lookup
+    trajectories = await run_episodes(ScriptEngine(failing_script), sixty_episodes(lookup_fn))
+
+    assert len(trajectories) == 60 and all(t.status == "terminated" for t in trajectories)
+    for t in trajectories:
+        observation = TOK.decode(t.turns[0].obs_ids)
+        if t.index in FAILING:  # the failure is the model's observation, as any tool exception is
+            assert "Error: the tool `lookup` failed: CancelledError: the tool's own cancellation" in observation
+        else:
+            assert "x is 42" in observation
+
+
+async def test_a_cancelled_error_from_the_engine_is_that_episodes_error():
+    def script(prompt, turn):
+        return asyncio.CancelledError("request aborted") if "x2?" in prompt else SEARCH_THEN_ANSWER[min(turn, 1)]
+
+    trajectories = await run_episodes(
+        ScriptEngine(script), [Episode(make_env(), options={"index": i}) for i in range(4)]
+    )
+    assert [t.status for t in trajectories] == ["terminated", "terminated", "error", "terminated"]
+    assert trajectories[2].error == "CancelledError: request aborted"
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+async def test_hanging_sync_tools_time_out_their_episodes_and_never_stall_the_others(blocking):
+    release = threading.Event()
+
+    def hanging_lookup(term: str) -> str:
+        """Look a term up.
+
+        Args:
+            term: what to look up.
+        """
+        if term == "fail":
+            release.wait(10)  # hangs until the test releases it (a sync wait: no await lets the loop run)
+        return f"{term} is 42"
+
+    if blocking:
+        with pytest.warns(DeprecationWarning, match="blocking"):
+            hanging_lookup = tool(hanging_lookup, name="lookup", blocking=True)
+    try:
+        start = time.perf_counter()
+        trajectories = await run_episodes(
+            ScriptEngine(failing_script), sixty_episodes(hanging_lookup), RolloutConfig(episode_timeout=1.0)
+        )
+        elapsed = time.perf_counter() - start
+    finally:
+        release.set()
+
+    assert len(trajectories) == 60 and elapsed < 3.0
+    for t in trajectories:
+        if t.index in FAILING:
+            assert t.status == "timeout"
+            assert t.error == "TimeoutError: the episode took longer than episode_timeout=1.0 s"
+        else:
+            assert t.status == "terminated" and t.reward == 1.0 and t.seconds < 0.5
+
+
+async def test_abandoned_hung_calls_leave_the_tool_threads_to_the_next_episodes(monkeypatch):
+    # The probe's case: 6 hung calls filled the loop's default executor (6 workers on 2 cores), and
+    # every later call waited behind them. With 6 tool threads, 6 hung calls fill them just the same.
+    monkeypatch.setattr(agentenv.tools, "_THREADS", agentenv.tools._ToolThreads(6))
+    release = threading.Event()
+
+    def hanging_lookup(term: str) -> str:
+        """Look a term up.
+
+        Args:
+            term: what to look up.
+        """
+        if term == "fail":
+            release.wait(10)
+        return f"{term} is 42"
+
+    try:
+        config = RolloutConfig(episode_timeout=0.5)
+        hung = await run_episodes(
+            ScriptEngine(failing_script),
+            [Episode(env_with(hanging_lookup), options={"index": i}) for i in FAILING],
+            config,
+        )
+        others = [Episode(env_with(hanging_lookup), options={"index": i}) for i in range(60) if i not in FAILING]
+        trajectories = await run_episodes(ScriptEngine(failing_script), others, config)
+    finally:
+        release.set()
+    assert [t.status for t in hung] == ["timeout"] * 6
+    assert len(trajectories) == 54 and all(t.status == "terminated" and t.seconds < 0.4 for t in trajectories)
+
+
+async def test_cancelling_the_caller_during_tool_calls_still_cancels_the_run():
+    release, entered = threading.Event(), []
+
+    def hanging_lookup(term: str) -> str:
+        """Look a term up.
+
+        Args:
+            term: what to look up.
+        """
+        entered.append(term)
+        release.wait(10)
+        return f"{term} is 42"
+
+    async def async_hanging_lookup(term: str) -> str:
+        """Look a term up.
+
+        Args:
+            term: what to look up.
+        """
+        entered.append(term)
+        await asyncio.Event().wait()
+        return f"{term} is 42"
+
+    try:
+        for lookup_fn in (hanging_lookup, async_hanging_lookup):
+            entered.clear()
+            episodes = [Episode(env_with(lookup_fn), options={"index": i}) for i in range(6)]
+            task = asyncio.create_task(run_episodes(ScriptEngine(), episodes, RolloutConfig(concurrency=4)))
+            while len(entered) < 4:
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert len(entered) == 4
+    finally:
+        release.set()
