@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from agentenv.wrappers.token_env import skip_special_decoder
 from agents.engines.base import Completion, Engine, FinishReason, SamplingParams, find_stop
 
 __all__ = ["ScriptedEngine", "ScriptedTurn"]
@@ -67,6 +68,7 @@ class ScriptedEngine(Engine):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.calls: list[tuple[list[int], SamplingParams]] = []
+        self._decode: Callable[[list[int]], str] | None = None
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         ids = self._check_request(prompt_ids, params, self.vocab_size)
@@ -96,18 +98,18 @@ class ScriptedEngine(Engine):
         text_end = end if first_token is None else first_token - 1
         match = None
         if params.stop and text_end:
-            decode = self._tokenizer("stop strings").decode
+            decode = self._decoder("stop strings")
             low, high = 1, text_end
-            if find_stop(decode(token_ids[:high], skip_special_tokens=True), params.stop) is None:
+            if find_stop(decode(token_ids[:high]), params.stop) is None:
                 low = high + 1
             while low < high:
                 middle = (low + high) // 2
-                if find_stop(decode(token_ids[:middle], skip_special_tokens=True), params.stop) is None:
+                if find_stop(decode(token_ids[:middle]), params.stop) is None:
                     low = middle + 1
                 else:
                     high = middle
             if low <= text_end:
-                text = decode(token_ids[:low], skip_special_tokens=True)
+                text = decode(token_ids[:low])
                 match = find_stop(text, params.stop)
                 assert match is not None
                 reason, stop_reason, overshoot, end = "stop", match[0], text[match[1] :], low
@@ -140,6 +142,11 @@ class ScriptedEngine(Engine):
             top_logprobs=top_logprobs,
             entropies=entropies,
         )
+
+    def _decoder(self, purpose: str) -> Callable[[list[int]], str]:
+        if self._decode is None:
+            self._decode = skip_special_decoder(self._tokenizer(purpose))
+        return self._decode
 
     def _tokenizer(self, purpose: str):
         if self.tokenizer is None:
