@@ -323,7 +323,11 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and after the last)")
     p.add_argument("--device", help="device of the trainer's model (default: cuda if present, else cpu)")
     p.add_argument("--out", type=Path, help="the run folder (default runs/ALGO-ENV-TIME)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its newest intact checkpoint (a damaged one is skipped, with a note)",
+    )
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     p.add_argument(
         "--plan",

@@ -15,9 +15,11 @@ One step (read :func:`train` top to bottom):
    the held-out evaluation (:mod:`agents.heldout`).
 
 ``resume=True`` continues a run folder from its latest checkpoint: weights, optimiser, schedule,
-random generators, step and task position; every step's rollout seed derives from the run's
-seed and the step number, so the continued run draws the same tasks and the same seeds as an
-uninterrupted one. (An engine that batches concurrent requests, as ``HFEngine`` does, may round
+random generators, step and task position. A checkpoint with a damaged file is skipped for the
+newest intact one before it (a logged line names it and the file), the temporary folders of
+interrupted saves are removed, and the algorithm must be the run's. Every step's rollout seed
+derives from the run's seed and the step number, so the continued run draws the same tasks and
+the same seeds as an uninterrupted one. (An engine that batches concurrent requests, as ``HFEngine`` does, may round
 a logit differently when batches form differently; samples are unaffected unless a draw falls
 within that rounding, and the trainer's own computation is deterministic.)
 
@@ -55,7 +57,12 @@ from agents.rollout.diagnostics import rollout_metrics
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import TrainingPath
 from agents.rollout.tree_loop import TreeConfig, rollout_trees
-from agents.training.checkpoint import latest_checkpoint
+from agents.training.checkpoint import (
+    CorruptCheckpointError,
+    latest_checkpoint,
+    latest_valid_checkpoint,
+    remove_stale_temporaries,
+)
 from agents.training.metrics import read_jsonl
 from agents.training.trainer import Trainer
 
@@ -166,16 +173,18 @@ async def train(
         out_dir: The run folder; must not hold another run unless ``resume``.
         learner: Your own learner instead of ``config.algo``'s; the config's ``strategy``,
             ``credit`` and ``loss`` sections still apply to it.
-        resume: Continue the run in ``out_dir`` from its latest checkpoint. Only
+        resume: Continue the run in ``out_dir`` from its newest intact checkpoint. Only
             :data:`~agents.config.RESUMABLE` values (``steps``, evaluation and checkpoint
-            cadence) may differ from the saved configuration.
+            cadence) may differ from the saved configuration; another ``algo`` is refused first.
         progress: Progress bars (``None``: when writing to a terminal).
         log: Where one-line notes go (checkpoints, evaluations).
     """
     out = Path(out_dir)
+    if resume:
+        _require_the_runs_algorithm(out, learner.name if learner is not None else config.algo)
     parts = build(config, learner)
     effective = effective_config(config, parts)
-    checkpoint = _prepare_run_folder(out, effective, resume)
+    checkpoint = _prepare_run_folder(out, effective, resume, log)
     (out / CONFIG_FILE).write_text(json.dumps(effective.to_dict(), indent=2) + "\n", encoding="utf-8")
     _warn_if_it_cannot_fit(config, parts, log)
 
@@ -192,7 +201,7 @@ async def train(
     try:
         position: dict[str, Any] = {}
         if checkpoint is not None:
-            position = trainer.resume(checkpoint)
+            checkpoint, position = _resume(trainer, checkpoint, log)
             await trainer.sync_weights()
             log(f"resumed {out} at step {trainer.step_count} from {checkpoint}")
         heldout = HeldOutLog(
@@ -419,11 +428,35 @@ def saved_config(out_dir: str | Path) -> dict[str, Any]:
     path = Path(out_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{out_dir} holds no {CONFIG_FILE}, so there is no run to resume there")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{path}, the run's configuration, is not valid JSON ({error}); repair it (the flags that started "
+            "the run print it again with --print-config), or start a new run in another folder"
+        ) from None
 
 
-def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path | None:
-    """Check ``out`` for a new run or a resume; returns the checkpoint to resume from (``None``: new run)."""
+def _require_the_runs_algorithm(out: Path, algo: str) -> None:
+    """Refuse to resume ``out`` with another learner (before building anything: the saved strategy,
+    credit and loss sections are its own learner's, and another learner's would reject them)."""
+    if not (out / CONFIG_FILE).is_file():
+        return  # _prepare_run_folder says that there is no run to resume
+    saved = saved_config(out).get("algo")
+    if saved != algo:
+        raise ValueError(
+            f"--resume continues the run in {out}, trained with algo {saved!r}, but this run asks for {algo!r}; "
+            f"the algorithm differs, and a checkpoint continues only its own: resume with --algo {saved} "
+            "(or without --algo), or train the other algorithm in a new run folder (another --out)"
+        )
+
+
+def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool, log: Callable[[str], None]) -> Path | None:
+    """Check ``out`` for a new run or a resume; returns the checkpoint to resume from (``None``: new run).
+
+    For a resume: removes what interrupted checkpoint saves left, and returns the newest checkpoint
+    whose files pass :func:`~agents.training.checkpoint.verify_checkpoint`, logging each one skipped.
+    """
     saved_path = out / CONFIG_FILE
     if not resume:
         if saved_path.exists() or (out / "checkpoints").exists() or (out / "metrics.jsonl").exists():
@@ -432,8 +465,8 @@ def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path
             )
         out.mkdir(parents=True, exist_ok=True)
         return None
-    checkpoint = latest_checkpoint(out / "checkpoints")
-    if checkpoint is None or not saved_path.is_file():
+    root = out / "checkpoints"
+    if latest_checkpoint(root) is None or not saved_path.is_file():
         raise FileNotFoundError(
             f"{out} holds no checkpoint and {CONFIG_FILE} to resume from; start the run without --resume"
         )
@@ -445,7 +478,45 @@ def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool) -> Path
             f"{', '.join(changed)}; drop them (only {', '.join(sorted(RESUMABLE))} may change), "
             "or start a new run in another folder"
         )
+    # No trainer exists yet, so no process of this run is writing a checkpoint.
+    for folder in remove_stale_temporaries(root, all_writers_gone=True):
+        log(f"removed {folder}, the temporary folder of a checkpoint save that was interrupted")
+    skipped: list[str] = []
+
+    def skip(path: Path, error: CorruptCheckpointError) -> None:
+        skipped.append(str(error))
+        log(_skip_note(path, error))
+
+    checkpoint = latest_valid_checkpoint(root, on_skip=skip)
+    if checkpoint is None:
+        raise ValueError(
+            f"no checkpoint in {root} is intact ({'; '.join(skipped)}); start the run again in another folder"
+        )
     return checkpoint
+
+
+def _resume(
+    trainer: Trainer | TrainerGroup, checkpoint: Path, log: Callable[[str], None]
+) -> tuple[Path, dict[str, Any]]:
+    """``trainer.resume(checkpoint)``, or from the newest intact checkpoint before it when loading finds a
+    damaged file that the checks before could not see (``torch.load`` reads all of ``trainer_state.pt``);
+    returns the checkpoint used and its data position. (A TrainerGroup's rank fails instead, and the
+    group stops: its error names the file and the previous checkpoint.)"""
+    while True:
+        try:
+            return checkpoint, trainer.resume(checkpoint)
+        except CorruptCheckpointError as error:
+            log(_skip_note(checkpoint, error))
+            earlier = latest_valid_checkpoint(
+                checkpoint.parent, older_than=checkpoint, on_skip=lambda path, damage: log(_skip_note(path, damage))
+            )
+            if earlier is None:
+                raise
+            checkpoint = earlier
+
+
+def _skip_note(path: Path, error: CorruptCheckpointError) -> str:
+    return f"--resume skips checkpoint {path}: {error.file} is corrupt ({error.reason}); trying the one before it"
 
 
 def _warn_if_it_cannot_fit(config: TrainConfig, parts: RunParts, log: Callable[[str], None]) -> None:

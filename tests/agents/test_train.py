@@ -5,17 +5,22 @@ the run goes through the same code as with a real model: HFEngine sharing the tr
 rollout trees, credit, trainer steps, checkpoints and held-out evaluation.
 """
 
+import dataclasses
 import json
+import struct
+import zipfile
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import agentenv
+from agents.cli import main
 from agents.config import TrainConfig, merge
 from agents.learners import AEPO, Learner
 from agents.rollout.strategies import Chain
 from agents.train import TaskOrder, rollout_seed, train
+from agents.training.checkpoint import verify_checkpoint
 from agents.training.metrics import read_jsonl
 
 
@@ -180,6 +185,64 @@ async def test_resume_refuses_a_changed_run_and_a_new_run_refuses_a_used_folder(
         await train(changed, tmp_path, resume=True, progress=False)
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
         await train(config, tmp_path / "empty", resume=True, progress=False)
+    with pytest.raises(
+        ValueError, match="trained with algo 'grpo', but this run asks for 'at2po'; the algorithm differs"
+    ):
+        await train(dataclasses.replace(config, algo="at2po"), tmp_path, resume=True, progress=False)
+
+
+def test_agents_train_resume_with_another_algo_names_both_and_the_fix(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TrainConfig(algo="grpo").to_dict()))
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--out", str(tmp_path), "--resume", "--algo", "at2po", "--no-progress"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--resume continues the run in {tmp_path}, trained with algo 'grpo', but this run asks for 'at2po'" in error
+    assert "resume with --algo grpo (or without --algo), or train the other algorithm in a new run folder" in error
+
+
+def damage_pickle(archive):
+    """Overwrite the pickle of a torch.save archive, its directory intact: only torch.load notices."""
+    data = bytearray(archive.read_bytes())
+    info = next(i for i in zipfile.ZipFile(archive).infolist() if i.filename.endswith("data.pkl"))
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_length + extra_length
+    data[start : start + info.file_size] = b"X" * info.file_size
+    archive.write_bytes(bytes(data))
+
+
+async def test_resume_falls_back_past_damaged_checkpoints_and_continues_exactly(tiny_model, tmp_path):
+    config = letters_config(tiny_model, steps=3, eval_questions=0)
+    await train(config, tmp_path, progress=False, log=lambda note: None)
+    checkpoints = tmp_path / "checkpoints"
+    straight = load_file(checkpoints / "step_000003" / "model" / "model.safetensors")
+    (checkpoints / "step_000003" / "model" / "config.json").write_text("{")  # the checks before loading see it
+    damage_pickle(checkpoints / "step_000002" / "trainer_state.pt")  # only loading sees it
+    (checkpoints / ".step_000004.writing").mkdir()  # what an interrupted save of an older version left
+    (checkpoints / ".step_000004.writing" / "__0_0.distcp").write_bytes(b"x" * 1000)
+
+    notes = []
+    resumed = await train(config, tmp_path, resume=True, progress=False, log=notes.append)
+
+    assert notes[0] == (
+        f"removed {checkpoints / '.step_000004.writing'}, the temporary folder of a checkpoint save that was interrupted"
+    )
+    assert notes[1].startswith(
+        f"--resume skips checkpoint {checkpoints / 'step_000003'}: "
+        f"{checkpoints / 'step_000003' / 'model' / 'config.json'} is corrupt (it is not valid JSON ("
+    )
+    assert notes[2].startswith(
+        f"--resume skips checkpoint {checkpoints / 'step_000002'}: "
+        f"{checkpoints / 'step_000002' / 'trainer_state.pt'} is corrupt (torch.load failed ("
+    )
+    assert notes[1].endswith("; trying the one before it") and notes[2].endswith("; trying the one before it")
+    assert notes[3] == f"resumed {tmp_path} at step 1 from {checkpoints / 'step_000001'}"
+    assert resumed.steps == 3 and [r["step"] for r in resumed.history] == [1, 2, 3]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001", "step_000002", "step_000003"]
+    for step in (2, 3):  # written again, whole
+        verify_checkpoint(checkpoints / f"step_00000{step}")
+    again = load_file(checkpoints / "step_000003" / "model" / "model.safetensors")
+    assert all(torch.equal(again[name], straight[name]) for name in straight)
 
 
 async def test_a_learner_of_your_own_trains_through_the_same_loop(tiny_model, tmp_path):
