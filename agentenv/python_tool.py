@@ -37,6 +37,9 @@ class PythonSession:
             callable returning a fresh :class:`~sandboxes.Sandbox`.
         limits: Resource limits of the sandbox (memory, CPU, processes, files, output).
         timeout: Wall-clock seconds per call.
+        isolation: For ``sandbox="local"``: ``"auto"`` (default), ``"bubblewrap"`` (required),
+            ``"process"`` or ``"unsafe-process"`` (see :class:`~sandboxes.LocalSandbox`). Checked
+            here, so that e.g. root without bubblewrap fails at ``make`` with the fix.
     """
 
     def __init__(
@@ -45,9 +48,17 @@ class PythonSession:
         *,
         limits: Limits | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        isolation: str | None = None,
     ) -> None:
+        if isolation is not None and sandbox != "local":
+            raise ValueError(
+                f"isolation={isolation!r} applies to sandbox='local' only, not to sandbox={sandbox!r}; "
+                "a Docker sandbox is isolated by its container, a callable chooses its own"
+            )
         if sandbox == "local":
-            self.new_sandbox: Callable[[], Sandbox] = lambda: LocalSandbox(limits)
+            level = isolation or "auto"
+            LocalSandbox.isolation_for(level, limits=limits)  # SandboxError (with the fix) now, not mid-episode
+            self.new_sandbox: Callable[[], Sandbox] = lambda: LocalSandbox(limits, isolation=level)
         elif sandbox == "docker":
             connect()  # fail now, with the reason, rather than at the first call of some episode
             self.new_sandbox = lambda: DockerSandbox(limits)
@@ -92,6 +103,7 @@ def python_tool(
     *,
     limits: Limits | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    isolation: str | None = None,
 ) -> Tool:
     """The ``python`` tool over a fresh :class:`PythonSession`."""
-    return tool(PythonSession(sandbox, limits=limits, timeout=timeout), name="python")
+    return tool(PythonSession(sandbox, limits=limits, timeout=timeout, isolation=isolation), name="python")

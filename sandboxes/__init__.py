@@ -10,10 +10,17 @@ Isolation of a ``LocalSandbox`` (``sandbox.isolation.describe()`` lists it):
 * with bubblewrap: own PID, network (loopback only), IPC and UTS namespaces; read-only system
   and Python installation and nothing else of the host (no home, working directory, /tmp or
   environment variables); a size-limited tmpfs scratch; its own user, no capabilities,
-  no-new-privileges; setrlimit limits; everything dies with the container's PID 1.
+  no-new-privileges, no user namespaces (so no namespaces at all) inside; setrlimit limits
+  that the code cannot raise; everything dies with the container's PID 1.
 * without it (a warning at start-up says so): setrlimit limits, a clean environment, a
-  wall-clock timeout, output caps and, when run by root, a user of its own if the Python
-  installation is readable to it. No file system, network or process isolation.
+  wall-clock timeout, output caps and, when run by root, a user of its own, which needs a
+  Python installation readable by others. No file system, network or process isolation. Model
+  code never runs as root this way: where no user of its own is possible, "auto" and
+  "process" refuse, naming the fixes; only ``isolation="unsafe-process"`` runs it as root
+  (without capabilities).
+* in both, where a cgroup can be made (root, or a delegated cgroup v2 subtree): one memory
+  limit (``Limits.total_memory_bytes``) and one process limit for the sandbox and its forks
+  together; elsewhere their memory is bounded only by ``max_processes × memory_bytes``.
 
 A sandbox and its forks share one container (the same rollout tree): each has its own memory
 and its own copy of the scratch folder, but they can reach each other's folders, see and

@@ -239,18 +239,121 @@ def fork_sibling():
     return pid
 
 
+CLONE_NEWUSER = 0x10000000
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+CAPABILITY_VERSION_3 = 0x20080522
+
+
+def unshare(flags):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(ctypes.c_int(flags)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, "unshare(0x%x): %s" % (flags, os.strerror(errno)))
+
+
+def block_user_namespaces(uid, proc_fd):
+    """Move into a user namespace of our own, where ``uid`` is itself and no further user
+    namespace can be created (and, without capabilities there, no namespace of any kind).
+
+    This is bubblewrap's --disable-userns for privileged bubblewrap, which cannot use it: it
+    needs --unshare-user, whose map, written by root, makes the sandbox's user the host's root
+    (so RLIMIT_NPROC no longer applies). We are root here, still in the host's user namespace:
+    a helper that stays there writes the id maps of ours (only a writer in the parent namespace
+    may map another id), and the limit of 0 is written through ``proc_fd``, the host's /proc
+    (the sandbox's /proc/sys is read-only). Call ``drop_capabilities`` after switching users."""
+    go_r, go_w = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        code = 1
+        try:
+            os.close(go_w)
+            if os.read(go_r, 1) == b"1":
+                for name in ("uid_map", "gid_map"):
+                    fd = os.open("/proc/%d/%s" % (os.getppid(), name), os.O_WRONLY)
+                    try:
+                        os.write(fd, b"%d %d 1\n" % (uid, uid))
+                    finally:
+                        os.close(fd)
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(go_r)
+    try:
+        unshare(CLONE_NEWUSER)
+        os.write(go_w, b"1")
+    finally:
+        os.close(go_w)  # a helper that read nothing exits with 1
+        status = os.waitpid(helper, 0)[1]
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise OSError("could not map user %d into the sandbox's user namespace" % uid)
+    fd = os.open("sys/user/max_user_namespaces", os.O_WRONLY, dir_fd=proc_fd)
+    try:
+        os.write(fd, b"0")
+    finally:
+        os.close(fd)
+
+
+def drop_capabilities():
+    """Clear every capability set and the bounding set. Needed in a user namespace of our own:
+    its root is not mapped, so switching to another user does not drop them by itself."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in range(64):
+        if libc.prctl(ctypes.c_int(PR_CAPBSET_DROP), ctypes.c_ulong(cap), *[ctypes.c_ulong(0)] * 3) != 0:
+            break  # EINVAL past the last capability; EPERM where we hold none (nothing to drop)
+    try:
+        prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    except OSError:  # kernels before 4.3 have no ambient capabilities
+        pass
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable, twice (64 bits): all zero
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(("CapEff:", "CapPrm:", "CapInh:")) and int(line.split()[1], 16):
+                raise OSError("capabilities remain after dropping them: %s" % line.strip())
+
+
+def join_cgroups(fds):
+    """Join the family's cgroup(s): "0" written to a cgroup.procs descriptor moves the writer
+    (the kernel checks the rights of whoever opened it: the host)."""
+    for fd in fds:
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+
+
 def set_limits(limits):
-    """Apply the sandbox's setrlimit limits to this process (inherited by its children).
-    ``limits``: {"memory": bytes, "processes": n, "open_files": n, "file_size": bytes}."""
+    """Apply the sandbox's setrlimit limits to this process (inherited by its children), soft
+    and hard alike, so the code cannot raise them again.
+    ``limits``: {"memory": bytes, "processes": n, "open_files": n, "file_size": bytes,
+    "cpu_ceiling": seconds}. The CPU limit's soft value is set per call (``Interpreter.run``)."""
     for name, value in (
         ("RLIMIT_AS", limits.get("memory")),
         ("RLIMIT_NPROC", limits.get("processes")),
         ("RLIMIT_NOFILE", limits.get("open_files")),
         ("RLIMIT_FSIZE", limits.get("file_size")),
+        ("RLIMIT_CPU", limits.get("cpu_ceiling")),
         ("RLIMIT_CORE", 0),  # a crash must not leave a core file behind
     ):
         if value is not None:
             resource.setrlimit(getattr(resource, name), (value, value))
+
+
+def limit_cpu(cpu):
+    """Allow this call ``cpu`` more CPU seconds: SIGXCPU at the soft limit, SIGKILL at the hard
+    one. Only the soft limit moves here (up to the hard limit): an unprivileged process cannot
+    raise a hard limit, so the host sets it for each call where it may (CAP_SYS_RESOURCE), and
+    otherwise it is the interpreter's life-long ceiling (``set_limits``)."""
+    soft = math.ceil(cpu_seconds_used() + cpu)
+    try:
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        if hard != resource.RLIM_INFINITY:
+            soft = min(soft, hard)
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+    except (ValueError, OSError):
+        pass
 
 
 def cpu_seconds_used():
@@ -378,13 +481,7 @@ class Interpreter:
         saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = out, err
         value = error = error_type = None
-        # CPU seconds for this run on top of what the session already used (soft limit:
-        # SIGXCPU ends the process; the wall-clock timeout is enforced from outside anyway).
-        soft = math.ceil(cpu_seconds_used() + cpu)
-        try:
-            resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
-        except (ValueError, OSError):
-            pass
+        limit_cpu(cpu)  # CPU seconds for this run on top of what the session already used
         try:
             tree = ast.parse(code, filename=name)
             last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -610,8 +707,8 @@ def ignore_signals():
 
 
 class Anchor:
-    def __init__(self, config):
-        self.config = config
+    def __init__(self, config, oom=None):
+        self.config, self.oom = config, oom
         self.default_handlers = ignore_signals()
         self.control = socket.socket(fileno=config["control_fd"])
         self.channels = {}  # sid -> socket: our copy of the interpreter's end of its channel
@@ -633,13 +730,21 @@ class Anchor:
 
     def spawn(self, sid, fd):
         self.channels[sid] = socket.socket(fileno=fd)
+        if self.oom is not None:
+            self.oom.set(b"1000")  # inherited by the child; ours is restored right after
         try:
             pid = os.fork()
         except OSError as exc:
+            pid = None
             self.notify(sid, {"op": "exit", "code": None, "error": "spawn failed: %s" % exc}, close=True)
-            return
         if pid == 0:
+            if self.oom is not None:
+                self.oom.close()  # the anchor's own score: not for the interpreter to change
             self.become_interpreter(sid)
+        if self.oom is not None:
+            self.oom.set(self.oom.own)
+        if pid is None:
+            return
         self.pids[sid] = pid
 
     def become_interpreter(self, sid):
@@ -780,19 +885,71 @@ class Anchor:
 
 
 def anchor_main(config):
+    join_cgroups(config.get("cgroup_fds") or ())  # first: everything we start inherits it
+    oom = OomScore()  # opened while we may still write our own /proc files
+    if config.get("block_userns"):
+        try:
+            block_user_namespaces(config["uid"], config["proc_fd"])
+        finally:
+            os.close(config["proc_fd"])  # the host's /proc: nothing below may keep it
     if config.get("uid") is not None:
         drop_privileges(config["uid"])
+    drop_capabilities()
     prctl(PR_SET_NO_NEW_PRIVS, 1)  # nothing below may gain privileges through exec
     prctl(PR_SET_DUMPABLE, 0)  # no ptrace or /proc/<pid>/mem access between interpreters
     if not config["pid1"]:
         prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans come to us, not to the host's init
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     os.environ["SANDBOX_SCRATCH"] = config["scratch"]
-    anchor = Anchor(config)
+    anchor = Anchor(config, oom)
     failed = warm_imports(config["preimport"])
     gc.freeze()  # what we imported is shared by every interpreter: keep the GC off its pages
     send_message(anchor.control, {"op": "ready", "failed_imports": failed})
     anchor.serve()
+
+
+def probe_userns_main(config):
+    """Exit 0 if ``block_user_namespaces`` works here and leaves no way to make a user
+    namespace (the host checks this once before it relies on it, running these functions
+    alone: see ``isolation.userns_blockable``)."""
+    try:
+        block_user_namespaces(config["uid"], config["proc_fd"])
+        os.close(config["proc_fd"])
+        drop_privileges(config["uid"])
+        drop_capabilities()
+    except OSError as exc:
+        sys.exit("cannot block user namespaces: %s" % exc)
+    try:
+        unshare(CLONE_NEWUSER)
+    except OSError:
+        sys.exit(0)
+    sys.exit("a user namespace could still be created")
+
+
+class OomScore:
+    """Our oom_score_adj, through a descriptor opened before we became non-dumpable (which makes
+    our /proc files root's). Interpreters start at 1000, so when memory runs out the kernel kills
+    an interpreter or what it started, not the anchor that holds the sandbox together."""
+
+    def __init__(self):
+        self.fd, self.own = None, b"0"
+        try:
+            self.fd = os.open("/proc/self/oom_score_adj", os.O_RDWR | os.O_CLOEXEC)
+            self.own = os.read(self.fd, 16).strip() or b"0"
+        except OSError:  # no /proc/self/oom_score_adj: interpreters keep our score
+            self.close()
+
+    def set(self, value):
+        if self.fd is not None:
+            try:
+                os.pwrite(self.fd, value, 0)
+            except OSError:
+                pass
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def stdio_main(config):

@@ -7,6 +7,21 @@ import math
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
+# RLIMIT_CPU: the hard limit is this much above the per-call soft limit, so code that ignores
+# SIGXCPU (sent at the soft limit) is killed by SIGKILL at the hard one.
+CPU_MARGIN_SECONDS = 1
+# Where nothing may raise a hard limit between calls (the host is not root), the hard CPU
+# limit of an interpreter is this ceiling for its whole life instead of one per call.
+SESSION_CPU_SECONDS = 3600
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that fits, e.g. "2 GiB"."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} bytes"
+
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
@@ -22,6 +37,9 @@ class Limits:
     open_files: int = 256  # open file descriptors per process (RLIMIT_NOFILE)
     output_bytes: int = 64 * KiB  # stdout, stderr, value and error kept per call; the issue's default
     scratch_bytes: int = 256 * MiB  # size of the private scratch tmpfs (bubblewrap and Docker)
+    # Memory of a local sandbox and its forks together (a cgroup's limit, where one can be made;
+    # ``sandbox.isolation.describe()`` says whether it is in force). Docker: memory_bytes per container.
+    total_memory_bytes: int = 4 * GiB
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -38,6 +56,11 @@ class Limits:
             raise ValueError(
                 f"Limits.memory_bytes={self.memory_bytes} is too small for a Python interpreter "
                 "with numpy loaded; use at least 256 MiB (268435456)"
+            )
+        if self.total_memory_bytes < 256 * MiB:
+            raise ValueError(
+                f"Limits.total_memory_bytes={self.total_memory_bytes} is too small for an anchor and an "
+                "interpreter with numpy loaded; use at least 256 MiB (268435456)"
             )
         if self.max_processes < 4:
             raise ValueError(
@@ -56,4 +79,5 @@ class Limits:
             "processes": self.max_processes,
             "open_files": self.open_files,
             "file_size": self.file_size_bytes,
+            "cpu_ceiling": SESSION_CPU_SECONDS,
         }

@@ -13,7 +13,9 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -28,11 +30,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sandboxes import _worker
+from sandboxes import _worker, cgroup
 from sandboxes._driver import Operation, Wait, adrive, drive
 from sandboxes.base import Sandbox, SandboxError
 from sandboxes.isolation import SAFE_ENVIRONMENT, SCRATCH, Isolation, bubblewrap_argv, choose
-from sandboxes.limits import Limits
+from sandboxes.limits import CPU_MARGIN_SECONDS, Limits
 from sandboxes.result import KilledBy, Result, killed_by_exit_code, killed_result, result_from_reply
 
 DEFAULT_PREIMPORT = ("math", "fractions", "itertools", "collections", "numpy", "sympy")
@@ -134,11 +136,23 @@ class _Family:
         self.spec, self.refs, self.dead = spec, 0, False
         self.anchor_pid: int | None = None
         self.scratch_dir: str | None = None
+        self.cgroup: cgroup.Cgroup | None = None
         self._sids = itertools.count()
         self._lock = threading.Lock()
+        passed: list[int] = []  # descriptors for the anchor, closed here once it has them
+        if spec.isolation.cgroup is not None:
+            try:
+                self.cgroup = cgroup.create(spec.limits, spec.isolation.cgroup)
+                passed += self.cgroup.procs_fds()
+            except OSError as exc:
+                self._remove_cgroup()
+                raise SandboxError(
+                    f"could not make the sandbox's cgroup under {spec.isolation.cgroup.memory}: {exc}"
+                ) from exc
         host_end, anchor_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         config: dict[str, Any] = {
             "control_fd": anchor_end.fileno(),
+            "cgroup_fds": list(passed),
             "uid": None,
             "preimport": list(spec.preimport),
             "limits": spec.limits.rlimits(),
@@ -149,6 +163,10 @@ class _Family:
             assert spec.bwrap is not None  # choose() returns the bwrap path with this mode
             argv = bubblewrap_argv(spec.bwrap, spec.python, spec.limits)
             config.update(pid1=True, scratch=SCRATCH, uid=spec.isolation.run_as_uid)
+            if spec.isolation.block_userns:
+                proc_fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                passed.append(proc_fd)
+                config.update(block_userns=True, proc_fd=proc_fd)
         else:
             self.scratch_dir = tempfile.mkdtemp(prefix="sandbox-")
             uid = spec.isolation.run_as_uid
@@ -164,7 +182,7 @@ class _Family:
         try:
             self.process = subprocess.Popen(
                 argv,
-                pass_fds=[anchor_end.fileno()],
+                pass_fds=[anchor_end.fileno(), *passed],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -174,9 +192,12 @@ class _Family:
         except OSError as exc:
             host_end.close()
             self._remove_scratch()
+            self._remove_cgroup()
             raise SandboxError(f"could not start the sandbox with {argv[0]!r}: {exc}") from exc
         finally:
             anchor_end.close()
+            for fd in passed:
+                os.close(fd)
         self.control = _Channel(host_end, 1 << 20)
 
     def new_sid(self) -> str:
@@ -256,10 +277,20 @@ class _Family:
         if self.spec.isolation.mode == "process" and uid is not None:
             _kill_user(uid)  # in case the code killed its anchor before we got here
         self._remove_scratch()
+        self._remove_cgroup()
+
+    def oom_kills(self) -> int:
+        """Processes of this family the kernel has killed for its total memory limit so far."""
+        return self.cgroup.oom_kills() if self.cgroup is not None else 0
 
     def _remove_scratch(self) -> None:
         if self.scratch_dir is not None:
             shutil.rmtree(self.scratch_dir, ignore_errors=True)
+
+    def _remove_cgroup(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
 
 
 def _kill_user(uid: int) -> None:
@@ -296,6 +327,7 @@ class _Session:
     sid: str
     channel: _Channel | None = None
     pid: int | None = None  # the interpreter's pid as we see it, from its hello
+    pid_start: int | None = None  # its start time (clock ticks since boot), which tells it from a reused pid
     cells: int = 0  # calls the current interpreter received
     lost: bool = False  # an interpreter with state died; the next call says so
 
@@ -304,7 +336,7 @@ class _Session:
         if self.channel is not None:
             self.channel.close()
         self.lost = self.lost or self.cells > 0
-        self.channel, self.pid, self.cells = None, None, 0
+        self.channel, self.pid, self.pid_start, self.cells = None, None, None, 0
 
     def next(self, deadline: float | None, accept: set[tuple[str, str]]) -> Operation[dict]:
         """The next message from ``("anchor" | "interpreter", op)`` in ``accept``; other messages
@@ -331,6 +363,7 @@ class _Session:
                     return message
             elif self.pid is None and op == "hello":
                 self.pid = sender
+                self.pid_start = _start_time(sender) if sender is not None else None
                 if ("interpreter", "hello") in accept:
                     return message
             elif sender == self.pid and ("interpreter", op) in accept:
@@ -367,7 +400,7 @@ class _Session:
         """Ask the anchor for a fresh interpreter (its hello is awaited by ``ready``)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.channel = _Channel(ours, _max_message_bytes(self.family.spec.limits))
-        self.pid, self.cells = None, 0
+        self.pid, self.pid_start, self.cells = None, None, 0
         try:
             yield from self.family.command({"op": "spawn", "sid": self.sid}, [theirs.fileno()])
         finally:
@@ -433,6 +466,37 @@ def _dying(pid: int) -> bool:
     return fields[0] in (b"Z", b"X") or bool(exiting) or bool(pending & kill_bit)
 
 
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after "pid (comm)": [0] is the state (field 3)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def _start_time(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def _limit_cpu(pid: int, start: int | None, cpu: float) -> None:
+    """Give interpreter ``pid`` a hard CPU limit for the next call, at most ``CPU_MARGIN_SECONDS``
+    + 1 s above a soft one ``cpu`` seconds beyond what it has used. Raising a hard limit needs
+    CAP_SYS_RESOURCE, so only a host that has it calls this (``Isolation.cpu_hard_per_call``);
+    the interpreter moves only the soft limit, and nothing inside can raise the hard one."""
+    fields = _stat_fields(pid)
+    if fields is None or (start is not None and int(fields[19]) != start):
+        return  # gone, or its pid now belongs to another process: the call finds out
+    used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    soft = math.ceil(used + cpu)
+    # +1: the interpreter rounds its exact CPU time up, ours is in clock ticks; its soft limit
+    # may be one second above ours and must stay below the hard one, or SIGKILL comes first.
+    with contextlib.suppress(OSError):
+        resource.prlimit(pid, resource.RLIMIT_CPU, (soft, soft + 1 + CPU_MARGIN_SECONDS))
+
+
 def _max_message_bytes(limits: Limits) -> int:
     return 6 * 4 * limits.output_bytes + (1 << 20)  # four capped texts, JSON-escaped, plus slack
 
@@ -457,9 +521,12 @@ class LocalSandbox(Sandbox):
     (True, '42')
 
     ``isolation``: "auto" (bubblewrap where it works, else plain processes with a warning that
-    names what remains), "bubblewrap" (required) or "process". ``python``: the interpreter to run
-    inside (default: this one, so the project's packages are importable). ``preimport``: modules
-    the container imports once, so that every interpreter has them loaded.
+    names what remains), "bubblewrap" (required), "process", or "unsafe-process". Plain processes
+    started by root run as a user of their own, which needs a Python installation readable by
+    others; where there is none, "auto" and "process" refuse (SandboxError) rather than run model
+    code as root, which only "unsafe-process" does. ``python``: the interpreter to run inside
+    (default: this one, so the project's packages are importable). ``preimport``: modules the
+    container imports once, so that every interpreter has them loaded.
     """
 
     def __init__(
@@ -477,13 +544,24 @@ class LocalSandbox(Sandbox):
         if not all(isinstance(name, str) and name for name in preimport):
             raise TypeError(f"preimport must be module names, got {preimport!r}")
         python = python or sys.executable
-        try:
-            chosen, bwrap = choose(isolation, python)
-        except RuntimeError as exc:
-            raise SandboxError(str(exc)) from None
+        chosen, bwrap = self._choose(isolation, python, limits)
         self._attach(_Family(_Spec(chosen, bwrap, python, limits, preimport)))
         with contextlib.suppress(_FamilyDied):  # a failed start is reported by the first call
             drive(self._session.spawn())  # eager: the container warms up while the caller works
+
+    @staticmethod
+    def isolation_for(isolation: str = "auto", python: str | None = None, limits: Limits | None = None) -> Isolation:
+        """The isolation a ``LocalSandbox(limits, isolation=isolation, python=python)`` would get
+        here, without starting one; raises SandboxError where it would (e.g. root without
+        bubblewrap), ValueError for an unknown ``isolation``."""
+        return LocalSandbox._choose(isolation, python or sys.executable, limits or Limits())[0]
+
+    @staticmethod
+    def _choose(isolation: str, python: str, limits: Limits) -> tuple[Isolation, str | None]:
+        try:
+            return choose(isolation, python, limits)
+        except RuntimeError as exc:
+            raise SandboxError(str(exc)) from None
 
     def _attach(self, family: _Family) -> None:
         family.acquire()
@@ -528,15 +606,18 @@ class LocalSandbox(Sandbox):
         if (yield from session.died_while_idle()):
             yield from session.ready()
         state_lost, session.lost = session.lost, False
+        cpu = limits.cpu_for(timeout)
+        if self.isolation.cpu_hard_per_call and session.pid is not None:
+            _limit_cpu(session.pid, session.pid_start, cpu)
+        family = session.family
+        oom_before = family.oom_kills()
         start = time.monotonic()
         session.cells += 1
         reply: dict | None = None
         killed_by: KilledBy | None = None
         exit_code: int | None = None
         try:
-            yield from session.send(
-                {"op": "run", "code": code, "cpu": limits.cpu_for(timeout)}, deadline=start + timeout
-            )
+            yield from session.send({"op": "run", "code": code, "cpu": cpu}, deadline=start + timeout)
             reply = yield from session.next(start + timeout, {("interpreter", "result"), ("interpreter", "error")})
             if reply["op"] == "error":  # only code that tampered with the worker gets here
                 raise _ProtocolError(session.pid)
@@ -547,9 +628,11 @@ class LocalSandbox(Sandbox):
         except _Died as died:
             exit_code = died.args[0]
             killed_by = killed_by_exit_code(exit_code)
+            if exit_code == -signal.SIGKILL and family.oom_kills() > oom_before:
+                killed_by = "memory"  # the kernel killed it for the family's total memory limit
         except _FamilyDied:
             session.reset()
-            killed_by = "sandbox"
+            killed_by = "memory" if family.oom_kills() > oom_before else "sandbox"
         except GeneratorExit:  # the caller was cancelled mid-call: the session cannot continue
             session.kill_now()
             raise
@@ -565,10 +648,12 @@ class LocalSandbox(Sandbox):
                 wall_time=wall_time,
                 state_lost=state_lost,
                 exit_code=exit_code,
+                total_memory=True,
             )
+        oom_kills = family.oom_kills() - oom_before
         yield from self._cleanup()
         assert reply is not None  # every path that leaves it unset sets killed_by
-        return result_from_reply(reply, limits=limits, wall_time=wall_time, state_lost=state_lost)
+        return result_from_reply(reply, limits=limits, wall_time=wall_time, state_lost=state_lost, oom_kills=oom_kills)
 
     def _cleanup(self) -> Operation[None]:
         """Have the anchor kill what the call left running (processes never outlive a call)."""

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from sandboxes.limits import Limits
+from sandboxes.limits import Limits, human_bytes
 
 KilledBy = Literal["timeout", "cpu", "file_size", "memory", "exit", "signal", "protocol", "sandbox"]
 """Why the interpreter was killed: ``timeout`` (wall clock), ``cpu`` (CPU seconds),
-``file_size`` (RLIMIT_FSIZE), ``memory`` (the container's memory limit; in-process allocation
-failures are ordinary ``MemoryError`` errors instead), ``exit`` (the code ended the process, e.g.
+``file_size`` (RLIMIT_FSIZE), ``memory`` (the container's memory limit, or a local sandbox's
+cgroup limit on it and its forks together; in-process allocation failures are ordinary
+``MemoryError`` errors instead), ``exit`` (the code ended the process, e.g.
 ``os._exit``), ``signal`` (another signal, e.g. a segfault), ``protocol`` (the interpreter broke
 the sandbox protocol, e.g. code overwrote the worker) or ``sandbox`` (the whole container died)."""
 
@@ -47,11 +48,7 @@ class Result:
         return "\n".join(parts) if parts else "[no output]"
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n} bytes"
+_size = human_bytes
 
 
 STATE_LOST_NOTE = "the Python session was restarted before this call: earlier variables, imports and functions are gone"
@@ -69,7 +66,9 @@ def killed_by_exit_code(code: int | None) -> KilledBy:
     return by_signal.get(code, "signal")
 
 
-def _kill_note(killed_by: KilledBy, limits: Limits, timeout: float, exit_code: int | None) -> str:
+def _kill_note(
+    killed_by: KilledBy, limits: Limits, timeout: float, exit_code: int | None, total_memory: bool = False
+) -> str:
     """The sentence that tells the model why its interpreter died."""
     lost = "; the Python session was lost"
     if killed_by == "timeout":
@@ -78,6 +77,11 @@ def _kill_note(killed_by: KilledBy, limits: Limits, timeout: float, exit_code: i
         return f"killed: the call used more than {limits.cpu_for(timeout):g} CPU seconds{lost}"
     if killed_by == "file_size":
         return f"killed: a file grew beyond the limit of {_size(limits.file_size_bytes)}{lost}"
+    if killed_by == "memory" and total_memory:
+        return (
+            f"killed: the sandbox's processes together exceeded their memory limit of "
+            f"{_size(limits.total_memory_bytes)}{lost}"
+        )
     if killed_by == "memory":
         return f"killed: the sandbox exceeded its memory limit of {_size(limits.memory_bytes)}{lost}"
     if killed_by == "exit":
@@ -100,15 +104,17 @@ def killed_result(
     wall_time: float,
     state_lost: bool,
     exit_code: int | None = None,
+    total_memory: bool = False,
 ) -> Result:
-    """The result of a call whose interpreter died."""
+    """The result of a call whose interpreter died. ``total_memory``: a "memory" kill was for
+    the limit on all of a local sandbox's processes together (``Limits.total_memory_bytes``)."""
     notes = (STATE_LOST_NOTE,) if state_lost else ()
     return Result(
         timed_out=killed_by == "timeout",
         killed_by=killed_by,
         wall_time=wall_time,
         state_lost=state_lost,
-        notes=notes + (_kill_note(killed_by, limits, timeout, exit_code),),
+        notes=notes + (_kill_note(killed_by, limits, timeout, exit_code, total_memory),),
     )
 
 
@@ -117,14 +123,20 @@ def _text(reply: dict, key: str, limit: int) -> str | None:
     return value[:limit] if isinstance(value, str) else None
 
 
-def result_from_reply(reply: dict, *, limits: Limits, wall_time: float, state_lost: bool) -> Result:
-    """The result of a call that finished, from the interpreter's reply."""
+def result_from_reply(reply: dict, *, limits: Limits, wall_time: float, state_lost: bool, oom_kills: int = 0) -> Result:
+    """The result of a call that finished, from the interpreter's reply. ``oom_kills``: processes
+    the kernel killed during the call for the sandbox's total memory limit."""
     cap = limits.output_bytes
     error_type = _text(reply, "error_type", 200)
     truncated = reply.get("truncated") is True
     notes = [STATE_LOST_NOTE] if state_lost else []
     if error_type == "MemoryError":
         notes.append(f"memory limit: {_size(limits.memory_bytes)} of address space")
+    if oom_kills:
+        notes.append(
+            f"memory limit: the sandbox's processes together exceeded {_size(limits.total_memory_bytes)}; "
+            f"the kernel killed {oom_kills} of them"
+        )
     if truncated:
         notes.append(f"output truncated to {_size(cap)}")
     return Result(

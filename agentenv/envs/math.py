@@ -40,6 +40,8 @@ class MathEnv(ToolEnv):
         sandbox: ``"local"`` or ``"docker"`` (or a callable returning a Sandbox).
         limits: The sandbox's resource limits.
         timeout: Wall-clock seconds per code call.
+        isolation: A local sandbox's isolation: ``"auto"`` (default), ``"bubblewrap"`` (required),
+            ``"process"`` or ``"unsafe-process"`` (see :class:`~sandboxes.LocalSandbox`).
         tools: Extra tools besides ``python``.
         reward: ``"math"`` (1 if equivalent) by default; any scheme of :mod:`agentenv.rewards`.
         prompt_template: The prompt (the papers' tags, a math problem).
@@ -55,6 +57,7 @@ class MathEnv(ToolEnv):
         sandbox: SandboxKind | Callable[[], Sandbox] = "local",
         limits: Limits | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        isolation: str | None = None,
         tools: Sequence[Tool | Callable[..., Any]] = (),
         reward: str | Callable[..., float] = "math",
         prompt_template: str = MATH_PROMPT_TEMPLATE,
@@ -62,7 +65,7 @@ class MathEnv(ToolEnv):
     ) -> None:
         super().__init__(
             load_examples(data if data is not None else dataset),
-            [python_tool(sandbox, limits=limits, timeout=timeout), *tools],
+            [python_tool(sandbox, limits=limits, timeout=timeout, isolation=isolation), *tools],
             reward=reward,
             grader=functools.partial(grade, math=True),
             prompt_template=prompt_template,

@@ -131,6 +131,7 @@ def tool_qa(
     *,
     sandbox: SandboxKind = "local",
     timeout: float = DEFAULT_TIMEOUT,
+    isolation: str | None = None,
     reward: str | Callable[..., float] = "aepo",
     tools: Sequence[Tool | Callable[..., Any]] = (),
     **kwargs: Any,
@@ -138,6 +139,8 @@ def tool_qa(
     """Multi-hop QA with both ``search`` and ``python``, as in ARPO/AEPO.
 
     The default reward is AEPO's: F1, −1 for a bad format, +0.1 when the answer is right and both
-    tools were used. Other arguments as in :class:`QAEnv`.
+    tools were used. ``sandbox``, ``timeout`` and ``isolation`` are the ``python`` tool's (see
+    :class:`~agentenv.python_tool.PythonSession`); other arguments as in :class:`QAEnv`.
     """
-    return QAEnv(dataset, tools=[python_tool(sandbox, timeout=timeout), *tools], reward=reward, **kwargs)
+    python = python_tool(sandbox, timeout=timeout, isolation=isolation)
+    return QAEnv(dataset, tools=[python, *tools], reward=reward, **kwargs)

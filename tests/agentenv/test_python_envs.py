@@ -99,3 +99,53 @@ def test_docker_sandbox_without_an_engine_fails_clearly_at_make():
         agentenv.make("python-math", sandbox="docker")
     with pytest.raises(ValueError, match="sandbox must be 'local', 'docker' or a callable"):
         PythonSession("vm")
+
+
+def _no_bubblewrap(monkeypatch):
+    from sandboxes import isolation
+
+    monkeypatch.setattr(isolation.shutil, "which", lambda name, *args, **kwargs: None)
+    monkeypatch.setattr(isolation, "_warned", set())
+    return isolation
+
+
+def test_make_passes_isolation_to_the_sandbox(tmp_path):
+    from sandboxes import isolation
+
+    bwrap = isolation.shutil.which("bwrap")
+    if not (bwrap and isolation.bubblewrap_works(bwrap)):
+        pytest.skip("bubblewrap is not usable here")
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    env = agentenv.make("python-math", data=str(data), isolation="bubblewrap")
+    env.reset(seed=0)
+    assert env.step("<python>print(6 * 7)</python>")[0] == "42"
+    assert env.tools["python"].fn.sandbox.isolation.mode == "bubblewrap"
+    env.close()
+    env = agentenv.make("tool-qa", isolation="bubblewrap")
+    env.reset(seed=0)
+    assert env.step("<python>print(6 * 7)</python>")[0] == "42"
+    assert env.tools["python"].fn.sandbox.isolation.mode == "bubblewrap"
+    env.close()
+
+
+def test_make_requires_bubblewrap_when_asked_to(monkeypatch):
+    _no_bubblewrap(monkeypatch)
+    with pytest.raises(SandboxError, match="isolation='bubblewrap' but bwrap is not installed.*apt-get install"):
+        agentenv.make("python-math", isolation="bubblewrap")
+
+
+def test_make_as_root_without_bubblewrap_refuses_unless_unsafe(monkeypatch):
+    isolation = _no_bubblewrap(monkeypatch)
+    monkeypatch.setattr(isolation, "unreadable_path", lambda python: "/root/.pyenv")
+    monkeypatch.setattr(isolation.os, "geteuid", lambda: 0)  # only the choice is made: nothing starts
+    with pytest.raises(SandboxError, match="must not run as root without isolation.*isolation='unsafe-process'"):
+        agentenv.make("python-math")
+    with pytest.warns(RuntimeWarning, match="AS ROOT"):
+        env = agentenv.make("python-math", isolation="unsafe-process")
+    env.close()
+
+
+def test_isolation_is_for_local_sandboxes_only():
+    with pytest.raises(ValueError, match="isolation='bubblewrap' applies to sandbox='local' only"):
+        PythonSession("docker", isolation="bubblewrap")

@@ -20,6 +20,7 @@ import pytest
 
 from sandboxes import DockerSandbox, Limits, SandboxError
 from sandboxes.docker_sandbox import connect, container_config
+from sandboxes.limits import SESSION_CPU_SECONDS
 from sandboxes.local_sandbox import WORKER_SOURCE
 
 
@@ -59,7 +60,13 @@ def test_container_config_carries_every_limit():
     assert command[:4] == ["python3", "-I", "-B", "-c"] and command[4] == WORKER_SOURCE
     assert command[5] == "stdio"
     assert json.loads(command[6]) == {
-        "limits": {"memory": 1 << 30, "processes": 50, "open_files": 100, "file_size": 1 << 20},
+        "limits": {
+            "memory": 1 << 30,
+            "processes": 50,
+            "open_files": 100,
+            "file_size": 1 << 20,
+            "cpu_ceiling": SESSION_CPU_SECONDS,  # a hard limit: the code can lift a call's CPU limit only to it
+        },
         "output_bytes": 4096,
         "preimport": ["numpy"],
         "scratch": "/scratch",

@@ -316,3 +316,133 @@ def test_runs_as_an_unprivileged_user_without_capabilities(box):
     lines = dict(line.split(":", 1) for line in status.splitlines())
     assert int(lines["CapEff"], 16) == 0 and int(lines["CapPrm"], 16) == 0
     assert lines["NoNewPrivs"].strip() == "1"
+
+
+MEMORY_HOGS = """
+import os, time
+pids, refused = [], 0
+for _ in range(8):
+    try:
+        pid = os.fork()
+    except OSError:  # the process limit
+        refused += 1
+        continue
+    if pid == 0:
+        try:
+            hog = b"x" * (400 << 20)  # written, so really resident
+            time.sleep(3)  # all of them at once
+            os._exit(0)
+        except MemoryError:
+            os._exit(3)
+    pids.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+refused, sorted(codes)
+"""
+
+
+@pytest.mark.parametrize("cap", ["cgroup", "budget"])
+def test_children_cannot_add_up_to_more_memory_than_the_sandbox_has(cap, bystander, monkeypatch):
+    # 8 children x 400 MB: with a cgroup, more than the family's 1 GiB, and the kernel kills
+    # some; without one, the process limit (6, anchor and interpreter included) refuses some.
+    if cap == "budget":
+        monkeypatch.setattr(isolation.cgroup, "parents", lambda: None)
+    elif isolation.cgroup.parents() is None:
+        pytest.skip("no writable cgroup with the memory and pids controllers here")
+    limits = Limits(memory_bytes=512 << 20, max_processes=6 if cap == "budget" else 32, total_memory_bytes=1 << 30)
+    with LocalSandbox(limits, preimport=FAST) as box:
+        assert (box.isolation.cgroup is not None) == (cap == "cgroup")
+        box.run("kept = 1")
+        r = box.run(MEMORY_HOGS, timeout=30)
+        assert r.killed_by is None, r
+        refused, codes = eval(r.value)
+        if cap == "cgroup":
+            assert refused == 0 and codes.count(-signal.SIGKILL) >= 5, codes  # at most 2 fit in 1 GiB
+            assert any(n.startswith("memory limit: the sandbox's processes together exceeded 1 GiB") for n in r.notes)
+        else:
+            assert refused >= 4 and codes == [0] * len(codes), (refused, codes)
+            assert r.notes == ()
+        assert box.run("kept").value == "1"  # the interpreter itself was spared
+
+
+def test_a_sandbox_whose_interpreter_is_killed_for_memory_says_so():
+    if isolation.cgroup.parents() is None:
+        pytest.skip("no writable cgroup with the memory and pids controllers here")
+    with LocalSandbox(Limits(memory_bytes=1 << 30, total_memory_bytes=512 << 20), preimport=FAST) as box:
+        r = box.run("hog = b'x' * (700 << 20)")  # within its address space, beyond the family's memory
+        assert r.killed_by == "memory", r
+        assert r.notes[-1] == (
+            "killed: the sandbox's processes together exceeded their memory limit of 512 MiB; the Python session was lost"
+        )
+        assert box.run("1 + 1").value == "2"
+
+
+def test_the_family_cgroup_is_removed_on_close():
+    with LocalSandbox(preimport=FAST) as box:
+        box.run("import subprocess\nsubprocess.Popen(['sleep', '300'])")
+        group = box._session.family.cgroup
+        if group is None:
+            pytest.skip("no writable cgroup with the memory and pids controllers here")
+        assert all(folder.is_dir() for folder in group.folders)
+        members = (group.folders[-1] / "cgroup.procs").read_text().split()
+        assert str(box.pid) in members
+    assert not any(folder.exists() for folder in group.folders)
+
+
+def test_the_oom_killer_prefers_interpreters_to_the_anchor(box):
+    box.run("1")
+    anchor = box._session.family.anchor_pid
+    assert Path(f"/proc/{box.pid}/oom_score_adj").read_text().strip() == "1000"
+    assert Path(f"/proc/{anchor}/oom_score_adj").read_text() == Path("/proc/self/oom_score_adj").read_text()
+
+
+def test_no_limit_can_be_raised_from_inside(box):
+    r = box.run(
+        "import resource\n"
+        "raised = {}\n"
+        "for name in ('RLIMIT_CPU', 'RLIMIT_AS', 'RLIMIT_NPROC', 'RLIMIT_NOFILE', 'RLIMIT_FSIZE', 'RLIMIT_CORE'):\n"
+        "    which = getattr(resource, name)\n"
+        "    soft, hard = resource.getrlimit(which)\n"
+        "    for new in ((resource.RLIM_INFINITY, resource.RLIM_INFINITY), (resource.RLIM_INFINITY, hard), (soft, hard + 1)):\n"
+        "        try:\n"
+        "            resource.setrlimit(which, new)\n"
+        "            raised[name] = new\n"
+        "        except (ValueError, OSError):\n"
+        "            pass\n"
+        "raised, resource.getrlimit(resource.RLIMIT_CPU)[1] != resource.RLIM_INFINITY"
+    )
+    assert r.value == "({}, True)", r
+
+
+def test_code_that_lifts_its_cpu_limit_is_still_stopped():
+    with LocalSandbox(Limits(cpu_seconds=1), preimport=FAST) as box:
+        r = box.run(
+            "import resource, signal\n"
+            "signal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_CPU, (resource.getrlimit(resource.RLIMIT_CPU)[1],) * 2)\n"
+            "while True:\n    pass",
+            timeout=6,
+        )
+        if box.isolation.cpu_hard_per_call:  # SIGKILL at the hard limit, 1-2 s after the soft one
+            assert r.killed_by == "signal" and r.wall_time < 5, r
+        else:  # it lifted the soft limit to the ceiling: the wall clock stops it
+            assert r.killed_by == "timeout", r
+        assert box.run("2 + 2").value == "4"
+
+
+def test_no_namespace_can_be_created_inside(box):
+    if isolation.NO_USERNS not in box.isolation.in_force:
+        pytest.skip("user namespaces cannot be blocked here: " + box.isolation.describe())
+    r = box.run(
+        "import ctypes, os, subprocess\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def unshare(flags):\n"
+        "    return libc.unshare(flags), os.strerror(ctypes.get_errno())\n"
+        "unshare_u = subprocess.run(['unshare', '-U', 'true'], capture_output=True)\n"
+        "(unshare_u.returncode, unshare(0x10000000), unshare(0x10000000 | 0x00020000),"
+        " unshare(0x00020000), unshare(0x40000000))"
+    )
+    user_cmd, user, user_mount, mount, net = eval(r.value)
+    assert user_cmd != 0
+    assert user[0] == user_mount[0] == mount[0] == net[0] == -1, r.value
+    assert user[1] in ("No space left on device", "Operation not permitted"), user
+    assert mount[1] == net[1] == "Operation not permitted"
