@@ -26,10 +26,161 @@ from agentenv.tools import Tool
 __all__ = ["Action", "JSONToolCallParser", "ToolCall", "ToolCallParser", "XMLTagParser", "get_parser"]
 
 ANSWER_TAG = "answer"
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_ANY_TAG_PAIR = re.compile(r"<([A-Za-z_][\w-]*)>(.*?)</\1>", re.DOTALL)
 # Tags that may appear in a turn without being a call.
-_NOT_CALLS = {"think", "result", "information"}
+_NOT_CALLS = frozenset({"think", "result", "information"})
+
+# The functions below read tags in linear time. The obvious regexes (``<think>.*?</think>``,
+# ``<(name)>(.*?)</\1>``) rescan the rest of the turn from every tag that is never closed, which
+# is quadratic: 25,000 unclosed ``<search>`` tags took minutes, inside ``step``. The results are
+# those regexes' results exactly (tests/agentenv/test_parsers.py checks them against each other).
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NAME = r"[A-Za-z_][\w-]*"  # the tag names _first_unknown_pair reads
+_TAG = re.compile(rf"<(/?)({_NAME})>")
+# Up to this many names opened, or closed, _first_unknown_pair lets the regex engine skip every
+# tag that cannot match; above it, it walks the tags one by one in Python (linear, but slower).
+_MAX_FAST_NAMES = 16
+
+
+def _without_think(text: str) -> str:
+    """``text`` with every complete ``<think>…</think>`` block removed (``_THINK.sub("", text)``)."""
+    last = text.rfind("</think>")
+    if last < 0:
+        return text
+    # Nothing after the last </think> can be in a block; before it every <think> has a </think>
+    # after it, so each match attempt succeeds and the substitution is one pass.
+    end = last + len("</think>")
+    return _THINK.sub("", text[:end]) + text[end:]
+
+
+def _first_pair(text: str, tag: str) -> tuple[int, str] | None:
+    """Start and body of the first complete ``<tag>…</tag>`` (as ``re.search`` of ``<tag>(.*?)</tag>``).
+
+    Only the first ``<tag>`` can start it: if no ``</tag>`` follows that one, none follows a later one.
+    """
+    opening, closing = f"<{tag}>", f"</{tag}>"
+    start = text.find(opening)
+    if start < 0:
+        return None
+    end = text.find(closing, start + len(opening))
+    if end < 0:
+        return None
+    return start, text[start + len(opening) : end]
+
+
+def _first_unknown_pair(text: str, skip: frozenset[str] = _NOT_CALLS) -> str | None:
+    """The first name not in ``skip`` that ``re.findall(r"<(NAME)>(.*?)</\\1>", text)`` yields, or None."""
+    if "</" not in text:
+        return None
+    # Only a name both opened and closed can match: a few names on either side keep it cheap.
+    names = _tag_names(text, "</", _MAX_FAST_NAMES)
+    if names is None:
+        names = _tag_names(text, "<", _MAX_FAST_NAMES)
+    if names is None:
+        return _first_unknown_pair_by_tags(text, skip)
+    return _first_unknown_pair_among(text, names, skip)
+
+
+def _first_unknown_pair_among(text: str, names: set[str], skip: frozenset[str]) -> str | None:
+    """:func:`_first_unknown_pair` when only ``names`` (a few) can have a pair.
+
+    findall takes the leftmost ``<a>`` that has an ``</a>`` somewhere after it, then goes on after
+    the first such ``</a>``. An ``<a>`` after the last ``</a>`` never matches; knowing where that
+    last ``</a>`` is makes it one comparison instead of a scan to the end of the text.
+    """
+    alive = set(names)
+    last: dict[str, int] = {}  # name -> where its last closing tag starts, looked up when needed
+    pos = 0
+    while True:
+        alive = {name for name in alive if last.get(name, pos + 1) > pos}
+        if not alive - skip:
+            return None
+        live = _alternation(alive)
+        if alive & skip:
+            # Consume every pair of a skipped name, inside the regex engine, up to the next opening
+            # tag of another live name (or of a skipped one never closed after it). Each step skips
+            # to the next opening tag of a live name, never backtracking over what it skipped.
+            to_next = rf"(?>[^<]*+(?:<(?!{live}>)[^<]*+)*+)"
+            run = rf"(?>(?:(?>{to_next}<({_alternation(alive & skip)})>.*?</\1>))*)"
+            pos = re.compile(run, re.DOTALL).match(text, pos).end()  # type: ignore[union-attr]  # matches ""
+        opening = re.compile(rf"<({live})>").search(text, pos)
+        if opening is None:
+            return None
+        name = opening.group(1)
+        if name not in last:
+            last[name] = text.rfind(f"</{name}>")
+        if last[name] < opening.start(1):  # no </name> after it, nor after any later <name>
+            alive.discard(name)
+            pos = opening.end()
+        elif name not in skip:
+            return name
+        else:  # the run above takes every such pair; kept so that this loop is right on its own
+            pos = text.index(f"</{name}>", opening.end()) + len(name) + 3
+
+
+def _tag_names(text: str, opening: str, limit: int) -> set[str] | None:
+    """The names of the tags ``<name>`` (``opening="<"``) or ``</name>`` (``"</"``) in ``text``.
+
+    None if there are more than ``limit``. One pass: each search starts after the previous find
+    and passes over the names already found.
+    """
+    names: set[str] = set()
+    pattern, pos = re.compile(rf"{opening}({_NAME})>"), 0
+    while (found := pattern.search(text, pos)) is not None:
+        if len(names) == limit:
+            return None
+        names.add(found.group(1))
+        pos = found.end()
+        pattern = re.compile(rf"{opening}(?!{_alternation(names)}>)({_NAME})>")
+    return names
+
+
+def _first_unknown_pair_by_tags(text: str, skip: frozenset[str]) -> str | None:
+    """:func:`_first_unknown_pair` for any number of names, from the list of all the tags."""
+    # Tags cannot overlap, so "an </a> after the <a>" is "a later tag": positions become indices.
+    tags = _TAG.findall(text)
+    last_close = {name: i for i, (slash, name) in enumerate(tags) if slash}
+    backwards = zip(range(len(tags) - 1, -1, -1), reversed(tags))
+    first_open = {name: i for i, (slash, name) in backwards if not slash}
+    can_match = {name for name, i in first_open.items() if last_close.get(name, -1) > i}
+    if not can_match - skip:
+        return None
+    if len(can_match) <= _MAX_FAST_NAMES:
+        return _first_unknown_pair_among(text, can_match, skip)
+    resume = 0
+    for i, (slash, name) in enumerate(tags):
+        if i < resume or slash or last_close.get(name, -1) < i:
+            continue
+        if name not in skip:
+            return name
+        resume = tags.index(("/", name), i + 1) + 1  # findall goes on after the pair
+    return None
+
+
+def _alternation(names: set[str]) -> str:
+    """A group matching exactly ``names``, as a trie: a failed match costs one name's length.
+
+    A plain ``(?:a|b|…)`` tries every name at every position. Sorted: the same names give the same
+    pattern, which ``re`` then has cached.
+    """
+    trie: dict[str, dict] = {}
+    for name in names:
+        node = trie
+        for char in name:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a name ends here
+
+    def pattern(node: dict[str, dict]) -> str:
+        ending = [c for c in sorted(node) if c and node[c].keys() == {""}]  # the last character of a name
+        alternatives = [re.escape(c) + pattern(node[c]) for c in sorted(node) if c and c not in ending]
+        if ending:
+            alternatives.append(
+                "[" + "".join(map(re.escape, ending)) + "]" if len(ending) > 1 else re.escape(ending[0])
+            )
+        body = alternatives[0] if len(alternatives) == 1 else "(?:" + "|".join(alternatives) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return f"(?:{pattern(trie)})" if trie else "(?!)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +241,11 @@ def _load_json(text: str) -> Any:
 
 def _answer_text(text: str) -> str | None:
     """Content of the last complete ``<answer>`` tag, or None."""
-    found = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    last = text.rfind("</answer>")
+    if last < 0:
+        return None
+    # As in _without_think: stopping at the last </answer> makes every match attempt succeed.
+    found = _ANSWER.findall(text, 0, last + len("</answer>"))
     return found[-1].strip() if found else None
 
 
@@ -105,13 +260,16 @@ class XMLTagParser(ToolCallParser):
     name = "xml"
 
     def parse(self, text: str, tools: Mapping[str, Tool]) -> Action:
-        visible = _THINK.sub("", text)
-        known = [ANSWER_TAG, *tools]
-        pattern = re.compile(r"<(" + "|".join(map(re.escape, known)) + r")>(.*?)</\1>", re.DOTALL)
-        match = pattern.search(visible)
-        if match is None:
+        visible = _without_think(text)
+        first: tuple[int, str, str] | None = None  # start, tag, body of the earliest complete tag
+        for tag in [ANSWER_TAG, *tools]:
+            pair = _first_pair(visible, tag)
+            # On a tie the earlier tag in this order wins, as in a regex alternation.
+            if pair is not None and (first is None or pair[0] < first[0]):
+                first = (pair[0], tag, pair[1])
+        if first is None:
             return Action(error=self._why_no_call(visible, tools))
-        tag, body = match.group(1), match.group(2).strip()
+        tag, body = first[1], first[2].strip()
         if tag == ANSWER_TAG:
             return Action(answer=_answer_text(visible))
         if not body:
@@ -142,9 +300,9 @@ class XMLTagParser(ToolCallParser):
         for tag in [*tools, ANSWER_TAG]:
             if f"<{tag}>" in visible:
                 return f"The <{tag}> tag was opened but never closed: write <{tag}>…</{tag}>."
-        unknown = [t for t, _ in _ANY_TAG_PAIR.findall(visible) if t not in _NOT_CALLS]
-        if unknown:
-            return f"There is no tool called <{unknown[0]}>. {self._syntax(tools)}"
+        unknown = _first_unknown_pair(visible)
+        if unknown is not None:
+            return f"There is no tool called <{unknown}>. {self._syntax(tools)}"
         return f"No tool call or answer was found in your turn. {self._syntax(tools)}"
 
     @staticmethod
@@ -170,13 +328,12 @@ class JSONToolCallParser(ToolCallParser):
     """
 
     name = "json"
-    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def parse(self, text: str, tools: Mapping[str, Tool]) -> Action:
-        visible = _THINK.sub("", text)
-        call = self._CALL.search(visible)
+        visible = _without_think(text)
+        call = _first_pair(visible, "tool_call")
         answer = _answer_text(visible)
-        if answer is not None and (call is None or visible.find("<answer>") < call.start()):
+        if answer is not None and (call is None or visible.find("<answer>") < call[0]):
             return Action(answer=answer)
         if call is None:
             if "<tool_call>" in visible:
@@ -185,7 +342,7 @@ class JSONToolCallParser(ToolCallParser):
                 )
             return Action(error=f"No tool call or answer was found in your turn. {self._syntax()}")
         try:
-            payload = _load_json(call.group(1).strip())
+            payload = _load_json(call[1].strip())
         except json.JSONDecodeError as e:
             return Action(error=f"The tool call is not valid JSON ({e.msg} at character {e.pos}). {self._syntax()}")
         except _UnreadableJSON as e:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.datasets import load_examples
-from agentenv.graders import grade
+from agentenv.graders import grade, prepare_math_grading
 from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
 from agentenv.tool_env import ToolEnv
 from agentenv.tools import Tool
@@ -71,6 +71,7 @@ class MathEnv(ToolEnv):
             prompt_template=prompt_template,
             **options,
         )
+        prepare_math_grading()
 
     def example_argument(self, tool: Tool, task: Any) -> str:
         if tool.name == "python":

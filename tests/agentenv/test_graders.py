@@ -1,5 +1,13 @@
+import asyncio
+import functools
+import json
+import threading
+import time
+
 import pytest
 
+import agentenv
+from agentenv import graders
 from agentenv.graders import (
     Grade,
     cover_exact_match,
@@ -131,3 +139,144 @@ def test_unknown_reward_scheme():
     ):
         get_reward("bleu")
     assert sorted(REWARD_SCHEMES) == ["aepo", "at2po", "cover_em", "em", "f1", "math"]
+
+
+# -- math grading is bounded wherever it runs ------------------------------------------------------
+
+TOWER = "9^{9^{9^{9}}}"  # 9^(9^387420489): sympy would compute it for as long as it is let
+# The tests that need a worker process (a deadline off the main thread) cannot pass without one.
+needs_workers = pytest.mark.skipif(graders._pool_disabled is not None, reason=f"{graders._pool_disabled}")
+
+
+def _in_thread(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a new thread (where SIGALRM, math-verify's timeout, cannot reach)."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args, **kwargs)))
+    thread.start()
+    thread.join(60)
+    assert result, "the grading did not return within 60 s"
+    return result[0]
+
+
+@pytest.mark.parametrize("where", ["main thread", "thread", "asyncio.to_thread"])
+def test_a_power_tower_grades_as_not_equal_at_once_on_any_thread(where):
+    call = functools.partial(grade, f"\\boxed{{{TOWER}}}", ["42"], math=True)
+    start = time.monotonic()
+    if where == "main thread":
+        g = call()
+    elif where == "thread":
+        g = _in_thread(call)
+    else:
+        g = asyncio.run(asyncio.to_thread(call))
+    assert time.monotonic() - start < 15
+    assert g.math_equal == 0.0 and g.math_detail.startswith("refused: it has a number of about 3.7e+08 digits")
+    assert g.as_dict()["math_detail"] == g.math_detail
+    assert get_reward("math")(g, {}) == 0.0
+
+
+@pytest.mark.parametrize(
+    "prediction",
+    [TOWER, "10^{10^{10}}", "(10^{6})!", "x^{9^{9^{9}}}", "\\left(1, 2^{2^{100}}\\right)", "\\frac{1}{2^{10^{9}}}"],
+)
+def test_answers_with_numbers_too_large_to_compare_are_refused(prediction):
+    assert graders._math_equal(prediction, ["1"], 10.0)[1].startswith("refused: ")
+
+
+@pytest.mark.parametrize(
+    "prediction, gold",
+    [
+        ("2^{10}", "1024"),
+        ("10^{100}", "10^{100}"),
+        ("2^{2^{3}}", "256"),
+        ("100!", "100!"),
+        ("\\frac{1}{2^{64}}", "2^{-64}"),
+        ("\\binom{10}{5}", "252"),
+        ("\\sqrt{2}^{1000}", "2^{500}"),
+        ("2^{100000}", "2^{100000}"),  # 30,103 digits: compared
+        ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}"),
+    ],
+)
+def test_large_but_reasonable_answers_are_still_compared(prediction, gold):
+    assert graders._math_equal(prediction, [gold], 10.0) == (1.0, None)
+
+
+@pytest.mark.parametrize(
+    "prediction, gold, equal",
+    [("0.5", "\\frac{1}{2}", 1.0), ("1+x^2", "x^2+1", 1.0), ("Evelyn", "\\text{Evelyn}", 1.0), ("7", "8", 0.0)],
+)
+def test_math_equal_off_the_main_thread_grades_as_on_it(prediction, gold, equal):
+    assert _in_thread(graders._math_equal, prediction, [gold], 10.0) == (equal, None)
+    assert _in_thread(math_equal, prediction, [gold]) == math_equal(prediction, [gold]) == equal
+
+
+# \binom{10^7}{5*10^6}: math-verify's parser computes it, which takes far longer than any limit.
+SLOW = "\\binom{10^{7}}{5000000}"
+
+
+@needs_workers
+def test_a_slow_answer_off_the_main_thread_is_stopped_at_the_deadline_and_the_worker_replaced():
+    start = time.monotonic()
+    equal, detail = _in_thread(graders._math_equal, SLOW, ["1"], 1.0)
+    assert time.monotonic() - start < 15
+    assert (equal, detail) == (0.0, "timed out: no result within 1 s (the grading process was stopped)")
+    assert _in_thread(graders._math_equal, "\\frac{1}{2}", ["0.5"], 10.0) == (1.0, None)
+
+
+def test_a_slow_answer_on_the_main_thread_stops_at_math_verify_s_limit(monkeypatch):
+    monkeypatch.setattr(graders, "_STEP_TIMEOUT", 1)
+    start = time.monotonic()
+    g = grade(f"\\boxed{{{SLOW}}}", ["1"], math=True)
+    assert time.monotonic() - start < 15
+    assert (g.math_equal, g.math_detail) == (0.0, "timed out: math-verify gave up parsing after 1 s")
+
+
+@needs_workers
+def test_a_worker_that_died_is_replaced():
+    assert _in_thread(graders._math_equal, "42", ["42"], 10.0) == (1.0, None)  # a worker is running
+    pool = graders._math_workers()
+    for worker in list(pool._idle):
+        worker._process.kill()
+        worker._process.wait()
+    equal, detail = _in_thread(graders._math_equal, "42", ["42"], 10.0)
+    assert equal == 0.0 and detail.startswith("failed: the grading process died: it exited with status -9")
+    assert _in_thread(graders._math_equal, "42", ["42"], 10.0) == (1.0, None)
+
+
+def test_normal_grades_have_no_math_detail():
+    g = grade("\\boxed{\\frac{1}{2}}", ["0.5"], math=True)
+    assert g.math_detail is None and "math_detail" not in g.as_dict()
+    assert grade("\\boxed{7}", ["8"], math=True).as_dict() == {
+        "answer": "7",
+        "format_ok": True,
+        "em": 0.0,
+        "f1": 0.0,
+        "cover_em": 0.0,
+        "math_equal": 0.0,
+    }
+
+
+def test_where_no_worker_can_start_grading_off_the_main_thread_still_works(monkeypatch, caplog):
+    monkeypatch.setattr(graders, "_pool", None)
+    monkeypatch.setattr(graders, "_pool_disabled", None)
+    monkeypatch.setattr(graders, "_pool_disabled_said", False)
+    monkeypatch.setattr(graders.sys, "executable", "/nonexistent/python")
+    assert _in_thread(graders._math_equal, "\\frac{1}{2}", ["0.5"], 10.0) == (1.0, None)  # graded in the thread
+    assert graders._pool_disabled.startswith("cannot start /nonexistent/python")
+    assert "math grading off the main thread has no time limit in this process" in caplog.text
+    assert _in_thread(graders._math_equal, "7", ["8"], 10.0) == (0.0, None)
+
+
+def test_the_math_env_reports_why_an_answer_was_not_compared(tmp_path):
+    data = tmp_path / "half.jsonl"
+    data.write_text(json.dumps({"problem": "What is 1 divided by 2?", "answer": "\\frac{1}{2}"}) + "\n")
+    env = agentenv.make("python-math", data=str(data))
+    try:
+        env.reset(seed=0)
+        start = time.monotonic()
+        step = env.astep(f"<answer>\\boxed{{{TOWER}}}</answer>")  # graded on the thread of an event loop
+        _, reward, terminated, _, info = _in_thread(asyncio.run, step)
+        assert time.monotonic() - start < 15
+        assert (reward, terminated, info["grade"]["math_equal"]) == (0.0, True, 0.0)
+        assert info["grade"]["math_detail"].startswith("refused: it has a number of about 3.7e+08 digits")
+    finally:
+        env.close()

@@ -1,9 +1,23 @@
+import json
+import random
+import re
+import time
+
 import pytest
 
 import agentenv
-from agentenv import tool
+from agentenv import parsers, tool
 from agentenv.browse import Browser, browse_tool
-from agentenv.parsers import Action, JSONToolCallParser, ToolCall, XMLTagParser, get_parser
+from agentenv.parsers import (
+    ANSWER_TAG,
+    Action,
+    JSONToolCallParser,
+    ToolCall,
+    XMLTagParser,
+    _load_json,
+    _UnreadableJSON,
+    get_parser,
+)
 
 
 @tool
@@ -200,3 +214,213 @@ def test_step_turns_unreadable_json_into_an_observation_and_the_episode_goes_on(
     )
     assert env.step(call)[:4] == ("5", 0.0, False, False)
     assert env.step("<answer>\\boxed{Chief of Protocol}</answer>")[1:3] == (1.0, True)
+
+
+# -- linear-time tag reading: the same results as the regexes it replaced, and fast on any turn --
+
+
+class _RegexXMLTagParser(XMLTagParser):
+    """The tag reading before the linear rewrite: the reference (quadratic on unclosed tags)."""
+
+    def parse(self, text, tools):
+        visible = _OLD_THINK.sub("", text)
+        known = [ANSWER_TAG, *tools]
+        pattern = re.compile(r"<(" + "|".join(map(re.escape, known)) + r")>(.*?)</\1>", re.DOTALL)
+        match = pattern.search(visible)
+        if match is None:
+            return Action(error=self._old_why_no_call(visible, tools))
+        tag, body = match.group(1), match.group(2).strip()
+        if tag == ANSWER_TAG:
+            return Action(answer=_old_answer_text(visible))
+        if not body:
+            return Action(
+                error=f"The <{tag}> tag is empty: put the {tools[tag].primary_parameter or 'input'} "
+                f"between <{tag}> and </{tag}>."
+            )
+        try:
+            arguments = self._arguments(tools[tag], body)
+        except _UnreadableJSON as e:
+            return Action(error=f"The JSON arguments of <{tag}> cannot be read: {e}.")
+        return Action(call=ToolCall(tag, arguments))
+
+    def _old_why_no_call(self, visible, tools):
+        for tag in [*tools, ANSWER_TAG]:
+            if f"<{tag}>" in visible:
+                return f"The <{tag}> tag was opened but never closed: write <{tag}>…</{tag}>."
+        unknown = _old_first_unknown_pair(visible)
+        if unknown is not None:
+            return f"There is no tool called <{unknown}>. {self._syntax(tools)}"
+        return f"No tool call or answer was found in your turn. {self._syntax(tools)}"
+
+
+class _RegexJSONToolCallParser(JSONToolCallParser):
+    """The JSON syntax's tag reading before the linear rewrite: the reference."""
+
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def parse(self, text, tools):
+        visible = _OLD_THINK.sub("", text)
+        call = self._CALL.search(visible)
+        answer = _old_answer_text(visible)
+        if answer is not None and (call is None or visible.find("<answer>") < call.start()):
+            return Action(answer=answer)
+        if call is None:
+            if "<tool_call>" in visible:
+                return Action(
+                    error="The <tool_call> tag was opened but never closed: write <tool_call>{…}</tool_call>."
+                )
+            return Action(error=f"No tool call or answer was found in your turn. {self._syntax()}")
+        try:
+            payload = _load_json(call.group(1).strip())
+        except json.JSONDecodeError as e:
+            return Action(error=f"The tool call is not valid JSON ({e.msg} at character {e.pos}). {self._syntax()}")
+        except _UnreadableJSON as e:
+            return Action(error=f"The tool call's JSON cannot be read: {e}. {self._syntax()}")
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            return Action(error=f'A tool call must be a JSON object with a "name" string. {self._syntax()}')
+        arguments = payload.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = _load_json(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as e:
+                return Action(error=f'"arguments" is a string that is not valid JSON ({e.msg}).')
+            except _UnreadableJSON as e:
+                return Action(error=f'"arguments" is a string whose JSON cannot be read: {e}.')
+        if not isinstance(arguments, dict):
+            return Action(error='"arguments" must be a JSON object of named arguments.')
+        return Action(call=ToolCall(payload["name"], arguments))
+
+
+_OLD_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_OLD_ANY_TAG_PAIR = re.compile(r"<([A-Za-z_][\w-]*)>(.*?)</\1>", re.DOTALL)
+
+
+def _old_answer_text(text):
+    found = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    return found[-1].strip() if found else None
+
+
+def _old_first_unknown_pair(text, skip=frozenset({"think", "result", "information"})):
+    return next((t for t, _ in _OLD_ANY_TAG_PAIR.findall(text) if t not in skip), None)
+
+
+@tool(name="a>b")
+def odd_name(x: str) -> str:
+    """A tool whose tag <a>b> starts like the tag <a>."""
+    return x
+
+
+@tool(name="a")
+def short_name(x: str) -> str:
+    """A tool named like a prefix."""
+    return x
+
+
+TOOL_SETS = [TOOLS, {"a>b": odd_name, "a": short_name, "search": search}, {}]
+_NAMES = ["search", "calc", "answer", "think", "tool_call", "result", "information", "foo", "a", "b", "a>b"]
+_NAMES += ["x-y", "ña", "_z", "searc"]
+_TEXT = ["q", " ", "\n", "{", "}", '{"a": 1, "b": 2}', '{"name": "search", "arguments": {"query": "q"}}']
+_TEXT += ['{"name": "calc", "arguments": "{\\"a\\": 1}"}', '"', "[", "é", "<", ">", "/", "<<", "</", "\\boxed{4}"]
+
+
+def _random_turn(rng):
+    """Tag fragments (opened, closed, broken, nested by chance) and text, a few dozen at most."""
+    parts = []
+    for _ in range(rng.randrange(30)):
+        if rng.random() < 0.6:
+            name = rng.choice(_NAMES)
+            parts.append(rng.choice([f"<{name}>", f"</{name}>", f"<{name}>", f"</{name}>", f"<{name}", f"</ {name}>"]))
+        else:
+            parts.append(rng.choice(_TEXT))
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_linear_tag_reading_gives_the_regexes_results(seed):
+    rng = random.Random(seed)
+    new, old = (xml, js), (_RegexXMLTagParser(), _RegexJSONToolCallParser())
+    for _ in range(500):
+        text = _random_turn(rng)
+        assert parsers._without_think(text) == _OLD_THINK.sub("", text), text
+        assert parsers._answer_text(text) == _old_answer_text(text), text
+        for skip in (parsers._NOT_CALLS, frozenset(), frozenset({"a", "b", "foo"})):
+            expected = _old_first_unknown_pair(text, skip)
+            assert parsers._first_unknown_pair(text, skip) == expected, text
+            assert parsers._first_unknown_pair_by_tags(text, skip) == expected, text  # the many-names walk
+        for tools in TOOL_SETS:
+            for parser, reference in zip(new, old):
+                assert parser.parse(text, tools) == reference.parse(text, tools), (parser.name, text)
+
+
+def test_linear_tag_reading_with_few_fast_names_gives_the_regexes_results(monkeypatch):
+    # With a limit of 1 or 2 names the other paths (names from opening tags; the walk) run.
+    rng = random.Random(10)
+    for limit in (1, 2):
+        monkeypatch.setattr(parsers, "_MAX_FAST_NAMES", limit)
+        for _ in range(500):
+            text = _random_turn(rng)
+            assert parsers._first_unknown_pair(text) == _old_first_unknown_pair(text), text
+
+
+def test_tag_name_alternation_matches_exactly_its_names():
+    rng = random.Random(0)
+    for _ in range(1000):
+        names = {"".join(rng.choice("ab-_") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 6))}
+        pattern = re.compile(parsers._alternation(names) + ">")
+        for candidate in [*names, *("".join(rng.choice("ab-_") for _ in range(rng.randint(0, 5))) for _ in range(9))]:
+            assert bool(pattern.fullmatch(candidate + ">")) == (candidate in names), (names, candidate)
+
+
+MB = 1_000_000
+
+
+def _repeat(piece):
+    return piece * (MB // len(piece))
+
+
+# One-megabyte turns of the shapes that were quadratic, or could be: each must parse in well under
+# a second (1-60 ms on a loaded 2-core machine; the old regexes took minutes on the first ones).
+HUGE_TURNS = {
+    **{f"unclosed <{t}>": (_repeat, f"<{t}>") for t in ["search", "calc", "answer", "think", "tool_call", "result"]},
+    **{f"stray </{t}>": (_repeat, f"</{t}>") for t in ["search", "think", "answer"]},
+    "unclosed unknown <foo>": (_repeat, "<foo>"),
+    "nested <a>": (lambda: _repeat("<a>")[: MB // 2] + _repeat("</a>")[: MB // 2],),
+    "nested <search>": (lambda: _repeat("<search>")[: MB // 2] + _repeat("</search>")[: MB // 2],),
+    "alternating <a></b>": (_repeat, "<a></b>"),
+    "alternating <think></think>": (_repeat, "<think></think>"),
+    "alternating <answer></answer>": (_repeat, "<answer></answer>"),
+    "<result> pairs, then <foo></foo>": (lambda: _repeat("<result></result>") + "<foo></foo>",),
+    "unknown pairs inside <result>": (_repeat, "<result><foo></foo></result>"),
+    "17 closing names, then <a0> tags": (lambda: "".join(f"</a{i}>" for i in range(17)) + _repeat("<a0>"),),
+    "distinct names, never matching": (lambda: "".join(f"<a{i}></a{i + 1}>" for i in range(MB // 16)),),
+    "only '<'": (lambda: "<" * MB,),
+    "random text": (lambda: "".join(random.Random(0).choices("ab <>/{}\"'\n", k=MB)),),
+    "huge JSON string": (
+        lambda: f'<tool_call>{{"name": "search", "arguments": {{"query": "{"x" * MB}"}}}}</tool_call>',
+    ),
+    "deep JSON": (
+        lambda: f'<tool_call>{{"name": "calc", "arguments": {{"a": {"[" * (MB // 2) + "]" * (MB // 2)}}}}}</tool_call>',
+    ),
+    "huge JSON in <calc>": (lambda: f'<calc>{{"a": "{"x" * MB}", "b": 1}}</calc>',),
+}
+
+
+@pytest.mark.parametrize("shape", HUGE_TURNS)
+def test_a_megabyte_turn_of_any_shape_parses_fast(shape):
+    build, *args = HUGE_TURNS[shape]
+    text = build(*args)
+    for parser in (xml, js):
+        start = time.perf_counter()
+        action = parser.parse(text, TOOLS)
+        assert time.perf_counter() - start < 1.0, (shape, parser.name)
+        assert isinstance(action, Action)
+
+
+def test_the_reported_hangs_are_errors_at_once():
+    start = time.perf_counter()
+    assert xml.parse("<search>" * 25000, TOOLS) == Action(
+        error="The <search> tag was opened but never closed: write <search>…</search>."
+    )
+    assert xml.parse("<think>" * 28000, TOOLS).error.startswith("No tool call or answer was found in your turn.")
+    assert js.parse("<tool_call>" * 25000, TOOLS).error.startswith("The <tool_call> tag was opened but never closed")
+    assert time.perf_counter() - start < 1.0

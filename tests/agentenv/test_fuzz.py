@@ -1,0 +1,164 @@
+"""Fuzzing ``step`` with hostile model output: every registered id, both parsers.
+
+A model can write anything. Whatever it writes, ``step`` returns an observation (never raises)
+and returns it quickly (under a second), so one episode can never stall the others on the event
+loop. The actions are seeded, so a failure reproduces: the assertion message carries the seed,
+the env id and the action's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+import agentenv
+
+SEED = 15
+ACTIONS_PER_ENV = 55  # × 21 ids × 2 parsers ≈ 2,300 actions
+STEP_BUDGET_S = 1.0
+PALETTE = "<>/{}[]\"'\\:,=!?$^_ \n\t\x00abcxyz0123456789é中🙂"
+TAGS = ("think", "answer", "tool_call", "result", "information", "search", "python", "browse", "boxed")
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(PALETTE) for _ in range(n))
+
+
+def _nested_json(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+def _json_value(rng: random.Random) -> str:
+    """Valid and invalid JSON: deep nesting, giant numbers, odd literals, wrong types."""
+    return rng.choice(
+        [
+            lambda: json.dumps(_text(rng, rng.randint(0, 40))),
+            lambda: _nested_json(rng.choice([10, 1_000, 5_000, 100_000])),
+            lambda: "9" * rng.choice([10, 4_301, 50_000]),
+            lambda: "-" + "1" * 5_000 + ".5e99999",
+            lambda: rng.choice(["NaN", "Infinity", "-Infinity", "null", "true", "1e400"]),
+            lambda: '{"a": 1, "a": 2}',
+            lambda: "{" * rng.randint(1, 2_000),
+            lambda: '{"x": "' + "\\u" * rng.randint(1, 50) + '"}',
+            lambda: _text(rng, rng.randint(1, 60)),
+        ]
+    )()
+
+
+def _call(rng: random.Random, env: agentenv.ToolEnv, name: str, argument: str) -> str:
+    if env.parser.name == "json":
+        body = rng.choice(
+            [
+                lambda: json.dumps({"name": name, "arguments": {"query": argument, "code": argument, "url": argument}}),
+                lambda: '{"name": "' + name + '", "arguments": ' + _json_value(rng) + "}",
+                lambda: '{"name": ' + _json_value(rng) + ', "arguments": {}}',
+                lambda: _json_value(rng),
+            ]
+        )()
+        return f"<tool_call>{body}</tool_call>"
+    if rng.random() < 0.3:
+        argument = '{"url": ' + _json_value(rng) + ', "query": ' + _json_value(rng) + "}"
+    return f"<{name}>{argument}</{name}>"
+
+
+def _argument(rng: random.Random, name: str) -> str:
+    if name == "browse":  # never the network: refused addresses, bad schemes, names that cannot resolve
+        return rng.choice(
+            [
+                "http://127.0.0.1:1/",
+                "http://[::127.0.0.1]/",
+                "http://[::ffff:0:10.0.0.1]/",
+                "http://[64:ff9b::7f00:1]/",
+                "http://[2002:7f00:1::]/",
+                "http://0x7f.1/",
+                "http://169.254.169.254/latest/meta-data/",
+                "file:///etc/passwd",
+                "javascript:alert(1)",
+                "ftp://fuzz.invalid/",
+                "http://",
+                "http://fuzz.invalid/" + _text(rng, 20),
+                _text(rng, rng.randint(0, 80)),
+            ]
+        )
+    if name == "python":
+        return rng.choice(
+            ["print(1)", "1/0", "def f(:", "import sys; print(sys.argv)", "x = '" + "a" * 10_000 + "'", _text(rng, 50)]
+        )
+    return _text(rng, rng.randint(0, 200))
+
+
+def _answer(rng: random.Random) -> str:
+    inner = rng.choice(
+        [
+            "\\boxed{42}",
+            "\\boxed{9^{9^{9^{9}}}}",
+            "\\boxed{" * rng.randint(1, 3_000),
+            "\\boxed{" + "1" * 5_000 + "}",
+            "\\boxed{\\frac{1}{" + "(" * 500 + "}",
+            "\\boxed{100000!}",
+            _text(rng, rng.randint(0, 300)),
+        ]
+    )
+    return f"<answer>{inner}</answer>"
+
+
+def _action(rng: random.Random, env: agentenv.ToolEnv) -> tuple[str, str]:
+    """One hostile action and a short name of its shape (for the failure message)."""
+    names = [*env.tools, "no_such_tool"]
+    shape = rng.choice(["call", "call", "answer", "repeated", "nested", "mixed", "noise", "huge"])
+    if shape == "call":
+        name = rng.choice(names)
+        action = _call(rng, env, name, _argument(rng, name))
+    elif shape == "answer":
+        action = _answer(rng)
+    elif shape == "repeated":  # quadratic for a backtracking tag parser
+        tag = rng.choice([*TAGS, *env.tools])
+        action = rng.choice([f"<{tag}>", f"</{tag}>", f"<{tag}><{tag}>x</{tag}>"]) * rng.randint(1_000, 30_000)
+    elif shape == "nested":
+        tag = rng.choice([*TAGS, *env.tools])
+        depth = rng.randint(10, 5_000)
+        action = f"<{tag}>" * depth + _text(rng, 10) + f"</{tag}>" * rng.randint(0, depth)
+    elif shape == "mixed":
+        parts = [
+            rng.choice([f"<{t}>", f"</{t}>", _text(rng, 5), _json_value(rng)[:200]]) for t in rng.choices(TAGS, k=200)
+        ]
+        action = "".join(parts)
+    elif shape == "noise":
+        action = _text(rng, rng.randint(0, 2_000))
+    else:  # one megabyte of one of the shapes above
+        unit = rng.choice(["<search>", "<think>", "</answer>", "<tool_call>{", "a<b>c</d>", _text(rng, 7)])
+        action = (unit * (1_000_000 // len(unit) + 1))[:1_000_000]
+    return action, shape
+
+
+def _fuzz(env_id: str, parser: str, seed: int) -> None:
+    rng = random.Random(f"{seed}-{env_id}-{parser}")
+    env = agentenv.make(env_id, parser=parser)
+    try:
+        env.reset(seed=seed)
+        for i in range(ACTIONS_PER_ENV):
+            action, shape = _action(rng, env)
+            where = (
+                f"{env_id} parser={parser} seed={seed} action #{i} ({shape}, {len(action):,} chars: {action[:80]!r})"
+            )
+            start = time.perf_counter()
+            try:
+                observation, reward, terminated, truncated, info = env.step(action)
+            except Exception as e:
+                pytest.fail(f"step raised {type(e).__name__}: {e} on {where}")
+            elapsed = time.perf_counter() - start
+            assert elapsed < STEP_BUDGET_S, f"step took {elapsed:.2f} s on {where}"
+            assert isinstance(observation, str) and isinstance(reward, float), where
+            if terminated or truncated:
+                env.reset(seed=seed + i)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("parser", ["xml", "json"])
+@pytest.mark.parametrize("env_id", sorted(agentenv.registry))
+def test_step_never_raises_or_stalls_on_hostile_actions(env_id, parser):
+    _fuzz(env_id, parser, SEED)
