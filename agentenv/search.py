@@ -4,6 +4,9 @@ The embedded default is :class:`BM25Search`: a BM25 index (``bm25s``, Snowball s
 stop words) over a passage corpus — the paragraphs that come with a multi-hop QA dataset, or a
 user corpus file — built once and cached on disk keyed by a hash of its content.
 
+Rankings are deterministic: best score first, equal scores in corpus order (:func:`top_k`), so
+a query answers the same alone or in a batch, and the top 3 are the first 3 of the top 10.
+
 Results are shown to the model as the papers do: the top-k passages, each as
 ``Page i: title\\ntext``, each truncated to about ``max_chars`` characters.
 """
@@ -20,11 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from agentenv.cache import cache_dir
 from agentenv.datasets import DatasetError, Paragraph, read_rows
 from agentenv.tools import Tool, tool
 
-__all__ = ["BM25Search", "Passage", "SearchBackend", "format_results", "load_corpus", "search_tool"]
+__all__ = ["BM25Search", "Passage", "SearchBackend", "format_results", "load_corpus", "search_tool", "top_k"]
 
 # Bump when tokenisation or index parameters change, so stale caches are not reused.
 _INDEX_VERSION = "bm25s-en-snowball-v1"
@@ -61,20 +66,45 @@ def format_results(passages: Sequence[Passage], max_chars: int = 1000) -> str:
     return "\n\n".join(pages)
 
 
+def top_k(scores: np.ndarray, k: int, *, positive: bool = False) -> list[tuple[int, float]]:
+    """``(position, score)`` of the ``k`` highest scores, best first, equal scores in position order.
+
+    With ``positive``, only scores above zero count (fewer than ``k`` pairs when fewer are).
+    """
+    positions = np.flatnonzero(scores > 0) if positive else np.arange(len(scores))
+    values = scores[positions]
+    if len(values) > k:
+        # Keep everything tied with the k-th best, then order by (score, position): the result
+        # does not depend on how a partition happens to break ties.
+        kth = np.partition(values, len(values) - k)[len(values) - k]
+        keep = values >= kth
+        positions, values = positions[keep], values[keep]
+    order = np.lexsort((positions, -values))[:k]
+    return list(zip(positions[order].tolist(), values[order].tolist()))
+
+
 class BM25Search(SearchBackend):
     """BM25 over a fixed list of passages; deterministic; the index is cached on disk.
 
     Building the same corpus twice (in this process or a later one) reuses the index: in
     memory through :meth:`for_corpus`, on disk under ``$AGENTENV_CACHE/bm25/<content hash>``.
+
+    Args:
+        passages: The corpus.
+        cache: Keep the index on disk (and reuse one found there).
+        mmap: Memory-map the on-disk index instead of reading it into memory, so processes
+            serving the same corpus share one copy in the page cache (needs ``cache``).
     """
 
     name = "bm25"
     _instances: dict[str, BM25Search] = {}
     _lock = threading.Lock()
 
-    def __init__(self, passages: Sequence[Paragraph | Passage], *, cache: bool = True) -> None:
+    def __init__(self, passages: Sequence[Paragraph | Passage], *, cache: bool = True, mmap: bool = False) -> None:
         if not passages:
             raise ValueError("BM25Search needs at least one passage")
+        if mmap and not cache:
+            raise ValueError("mmap=True maps the index cached on disk: it needs cache=True")
         self.passages = [Passage(p.title, p.text, getattr(p, "url", None)) for p in passages]
         self.key = self.content_key(self.passages)
         # Imported here: bm25s pulls in scipy and numba, which a process that never searches should not load.
@@ -84,12 +114,14 @@ class BM25Search(SearchBackend):
         self._stemmer = Stemmer.Stemmer("english")
         index_dir = cache_dir("bm25", self.key) if cache else None
         if index_dir is not None and (index_dir / "params.index.json").exists():
-            self.retriever = bm25s.BM25.load(str(index_dir), show_progress=False)
+            self.retriever = bm25s.BM25.load(str(index_dir), mmap=mmap, show_progress=False)
         else:
             self.retriever = bm25s.BM25()
             self.retriever.index(self._tokenize([f"{p.title}\n{p.text}" for p in self.passages]), show_progress=False)
             if index_dir is not None:
                 self._save(index_dir)
+                if mmap:  # the mapped file, as the processes that load it later will use
+                    self.retriever = bm25s.BM25.load(str(index_dir), mmap=True, show_progress=False)
 
     @classmethod
     def for_corpus(cls, passages: Sequence[Paragraph | Passage]) -> BM25Search:
@@ -125,18 +157,31 @@ class BM25Search(SearchBackend):
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)  # another process won the race: its index is as good
 
+    def rank(self, queries: Sequence[str], topk: int) -> list[list[tuple[int, float]]]:
+        """Per query, ``(position, score)`` of the ``topk`` passages with a positive BM25 score (see :func:`top_k`).
+
+        The queries are tokenised together; each is scored alone, so a query's ranking does not
+        depend on the others in the batch.
+        """
+        ranked: list[list[tuple[int, float]]] = []
+        for tokens in self._tokenize(list(queries), return_ids=False):
+            token_ids = self.retriever.get_tokens_ids(tokens)
+            if not token_ids:  # no token, or none in the vocabulary: nothing scores above zero
+                ranked.append([])
+                continue
+            ranked.append(top_k(self.retriever.get_scores_from_ids(token_ids), topk, positive=True))
+        return ranked
+
+    def search_batch(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
+        """The ``topk`` passages with a positive BM25 score for each query, best first."""
+        return [
+            [Passage(self.passages[i].title, self.passages[i].text, self.passages[i].url, s) for i, s in hits]
+            for hits in self.rank(queries, topk)
+        ]
+
     def search_sync(self, query: str, topk: int = 3) -> list[Passage]:
         """The ``topk`` passages with a positive BM25 score, best first."""
-        tokens = self._tokenize([query], return_ids=False)
-        if not tokens[0]:
-            return []
-        k = min(topk, len(self.passages))
-        docs, scores = self.retriever.retrieve(tokens, k=k, show_progress=False, n_threads=1)
-        return [
-            Passage(self.passages[d].title, self.passages[d].text, self.passages[d].url, float(s))
-            for d, s in zip(docs[0].tolist(), scores[0].tolist(), strict=True)
-            if s > 0
-        ]
+        return self.search_batch([query], topk)[0]
 
     async def search(self, query: str, topk: int = 3) -> list[Passage]:
         # A query takes well under a millisecond on corpora of this size: no thread hop needed.

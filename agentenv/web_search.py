@@ -25,7 +25,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import weakref
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -253,6 +254,9 @@ def _retry_after(headers: Any) -> float | None:
 # -- a Search-R1-style retrieval server ------------------------------------------------------
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
+# Idle connections are dropped before servers drop them (uvicorn, which serves Search-R1's
+# retriever, after 5 s), so a search never lands on a connection the server is closing.
+KEEPALIVE_SECONDS = 4.0
 
 
 class RemoteSearch(SearchBackend):
@@ -268,6 +272,11 @@ class RemoteSearch(SearchBackend):
         timeout: Seconds for one search, all attempts included.
         retries: Further attempts after a rate limit, a 5xx answer or a connection failure.
         backoff: First pause between attempts in seconds (doubles; ``Retry-After`` wins).
+
+    Connections are kept alive between searches: every client in a process shares one
+    connection pool per event loop (an environment may be stepped from several), closed when
+    that loop shuts down (``asyncio.run`` and :func:`agentenv.core.run_sync`'s runner do) or by
+    :meth:`aclose`; a forked process opens its own.
     """
 
     name = "retrieval"
@@ -295,6 +304,10 @@ class RemoteSearch(SearchBackend):
         self.dialect, self.wire = dialect, wire
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.cache_key = f"retrieval:{self.url}"
+
+    async def aclose(self) -> None:
+        """Close the running event loop's pooled connections (a later search opens new ones)."""
+        await _SESSIONS.close()
 
     async def search(self, query: str, topk: int) -> list[Passage]:
         return (await self.search_batch([query], topk))[0]
@@ -325,12 +338,11 @@ class RemoteSearch(SearchBackend):
         else:
             body, content_type = json.dumps(payload).encode(), "application/json"
         headers = {"Content-Type": content_type, "Accept": f"{content_type}, application/json"}
-        # A session per call: an env may be stepped from several event loops (sync and async use).
+        session = await _SESSIONS.get()
         try:
-            async with (
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=seconds_left)) as session,
-                session.post(self.url, data=body, headers=headers) as response,
-            ):
+            async with session.post(
+                self.url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=seconds_left)
+            ) as response:
                 raw = await response.read()
                 if response.status in RETRYABLE_STATUS:
                     raise _Retryable(f"HTTP {response.status} {response.reason}", _retry_after(response.headers))
@@ -344,6 +356,52 @@ class RemoteSearch(SearchBackend):
         except aiohttp.ClientError as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from None
         return parse_retrieval_response(decoded, n_queries)
+
+
+class _LoopSessions:
+    """One :class:`aiohttp.ClientSession` per event loop (and process), closed when its loop shuts down.
+
+    Held here rather than by the clients, so that a client that is garbage collected never
+    leaves an open session behind.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        # The loop's session and the async generator whose ``finally`` closes it: the loop closes
+        # its async generators when it shuts down (``loop.shutdown_asyncgens``).
+        self.by_loop: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[aiohttp.ClientSession, AsyncGenerator[None, None]]
+        ] = weakref.WeakKeyDictionary()
+
+    async def get(self) -> aiohttp.ClientSession:
+        if self.pid != os.getpid():  # forked: the parent's connections are not ours to use
+            self.pid, self.by_loop = os.getpid(), weakref.WeakKeyDictionary()
+        loop = asyncio.get_running_loop()
+        found = self.by_loop.get(loop)
+        if found is not None and not found[0].closed:
+            return found[0]
+        # No cap on connections (limit=0), as with a session per search before: the server queues, not us.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+        session = aiohttp.ClientSession(connector=connector)
+        closer = _close_at_shutdown(session)
+        self.by_loop[loop] = (session, closer)
+        await anext(closer)
+        return session
+
+    async def close(self) -> None:
+        found = self.by_loop.pop(asyncio.get_running_loop(), None)
+        if found is not None:
+            await found[1].aclose()
+
+
+async def _close_at_shutdown(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
+    try:
+        yield
+    finally:
+        await session.close()
+
+
+_SESSIONS = _LoopSessions()
 
 
 def _decode(raw: bytes, content_type: str) -> Any:

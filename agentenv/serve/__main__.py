@@ -1,23 +1,43 @@
 """``python -m agentenv.serve``: the retrieval server and the offline web.
 
     python -m agentenv.serve retrieval --corpus wiki-18.jsonl [--index bm25|dense] [--port 8000]
+        [--workers N] [--batch-window-ms 2] [--max-batch-queries 256]
     python -m agentenv.serve web --corpus passages.jsonl [--port 8080]
 
 Without ``--corpus`` both serve the pooled paragraphs of the shipped multi-hop QA sets.
 ``--port 0`` picks a free port; the first line printed says where the server listens.
 SIGINT or SIGTERM stops it gracefully.
+
+The retrieval server ranks concurrent requests together: the first waiting request waits up to
+``--batch-window-ms`` for others (``0``: each request on its own). With ``--workers N`` it
+builds and caches the index once, then N processes serve the port, each memory-mapping the
+index. One worker is the default: each also holds the corpus text and ids, so memory grows
+with N, and the clients (rollout workers) usually need the other cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
+from collections.abc import Callable
+
+from aiohttp.web import Application
 
 from agentenv.datasets import DatasetError, union_corpus
 from agentenv.search import load_corpus
-from agentenv.serve.hosting import run_until_signal
-from agentenv.serve.retrieval import DEFAULT_TOPK, MAX_TOPK, RetrievalService, read_corpus
+from agentenv.serve.hosting import run_until_signal, serve_workers
+from agentenv.serve.retrieval import (
+    DEFAULT_BATCH_WINDOW_MS,
+    DEFAULT_MAX_BATCH_QUERIES,
+    DEFAULT_TOPK,
+    MAX_BATCH_WINDOW_MS,
+    MAX_TOPK,
+    RetrievalService,
+    read_corpus,
+    worker_app,
+)
 from agentenv.serve.web import LocalWeb
 
 
@@ -40,17 +60,55 @@ def main(argv: list[str] | None = None) -> int:
         help=f"passages per query when a request does not say (default {DEFAULT_TOPK})",
     )
     retrieval.add_argument("--model", help="dense model folder (default: the bundled all-MiniLM-L6-v2)")
+    retrieval.add_argument(
+        "--workers", type=int, default=1, help="processes serving the port, sharing one memory-mapped index (default 1)"
+    )
+    retrieval.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=DEFAULT_BATCH_WINDOW_MS,
+        help=f"how long a request waits for others to rank with (default {DEFAULT_BATCH_WINDOW_MS:g}; 0: no batching)",
+    )
+    retrieval.add_argument(
+        "--max-batch-queries",
+        type=int,
+        default=DEFAULT_MAX_BATCH_QUERIES,
+        help=f"queries ranked together at most (default {DEFAULT_MAX_BATCH_QUERIES})",
+    )
     args = parser.parse_args(argv)
-    if args.server == "retrieval" and not 1 <= args.topk <= MAX_TOPK:
-        parser.error(f"--topk must be between 1 and {MAX_TOPK}")
+    if args.server == "retrieval":
+        if not 1 <= args.topk <= MAX_TOPK:
+            parser.error(f"--topk must be between 1 and {MAX_TOPK}")
+        if args.workers < 1:
+            parser.error("--workers must be at least 1")
+        if not 0 <= args.batch_window_ms <= MAX_BATCH_WINDOW_MS:
+            parser.error(f"--batch-window-ms must be between 0 and {MAX_BATCH_WINDOW_MS:g}")
+        if args.max_batch_queries < 1:
+            parser.error("--max-batch-queries must be at least 1")
 
+    make_app: Callable[[], Application] | None = None  # for worker processes, which build their own
     try:
         if args.server == "retrieval":
             passages, ids = read_corpus(args.corpus) if args.corpus else (union_corpus(), None)
             print(f"Indexing {len(passages):,} passages ({args.index})…", file=sys.stderr, flush=True)
-            service = RetrievalService(passages, ids, index=args.index, topk=args.topk, model=args.model)
+            batching = {"batch_window_ms": args.batch_window_ms, "max_batch_queries": args.max_batch_queries}
+            service = RetrievalService(passages, ids, index=args.index, topk=args.topk, model=args.model, **batching)
             print(f"Index ready in {service.build_seconds:.1f} s", file=sys.stderr, flush=True)
-            app, name = service.make_app(), f"retrieval ({args.index}, {len(passages):,} passages)"
+            name = f"retrieval ({args.index}, {len(passages):,} passages)"
+            if args.workers == 1:
+                app = service.make_app()
+            else:  # the index is cached on disk now: each worker maps it and reads the corpus itself
+                del service, passages, ids
+                make_app = functools.partial(
+                    worker_app,
+                    args.corpus,
+                    index=args.index,
+                    topk=args.topk,
+                    model=args.model,
+                    workers=args.workers,
+                    **batching,
+                )
+                name = f"{name[:-1]}, {args.workers} workers)"
         else:
             site = LocalWeb(load_corpus(args.corpus) if args.corpus else union_corpus())
             app, name = site.make_app(), f"offline web ({len(site.articles):,} articles)"
@@ -58,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        if make_app is not None:
+            return serve_workers(make_app, args.workers, host=args.host, port=args.port, name=name)
         asyncio.run(run_until_signal(app, host=args.host, port=args.port, name=name))
     except OSError as e:  # the port is taken, or the address is not this machine's
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)

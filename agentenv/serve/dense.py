@@ -20,7 +20,7 @@ import numpy as np
 
 from agentenv.cache import cache_dir
 from agentenv.datasets import Paragraph
-from agentenv.search import BM25Search, Passage, SearchBackend
+from agentenv.search import BM25Search, Passage, SearchBackend, top_k
 
 __all__ = ["DenseSearch", "default_model_path"]
 
@@ -43,6 +43,8 @@ class DenseSearch(SearchBackend):
         batch_size: Passages per forward pass when building the embeddings.
         cache: Keep the embeddings on disk, keyed by model and corpus content.
         device: Torch device for the encoder.
+        mmap: Memory-map the cached embeddings, so processes serving the same corpus share one
+            copy in the page cache (needs ``cache``).
     """
 
     name = "dense"
@@ -55,11 +57,14 @@ class DenseSearch(SearchBackend):
         batch_size: int = DEFAULT_BATCH_SIZE,
         cache: bool = True,
         device: str = "cpu",
+        mmap: bool = False,
     ) -> None:
         from sentence_transformers import SentenceTransformer
 
         if not passages:
             raise ValueError("DenseSearch needs at least one passage")
+        if mmap and not cache:
+            raise ValueError("mmap=True maps the embeddings cached on disk: it needs cache=True")
         model_path = Path(model) if model is not None else default_model_path()
         if not (model_path / "modules.json").is_file() and not (model_path / "config.json").is_file():
             raise FileNotFoundError(
@@ -73,12 +78,14 @@ class DenseSearch(SearchBackend):
         path = cache_dir("dense") / f"{self.key}.npy" if cache else None
         self.loaded_from_cache = path is not None and path.is_file()
         if path is not None and self.loaded_from_cache:
-            self.embeddings = np.load(path)
+            self.embeddings = np.load(path, mmap_mode="r" if mmap else None)
         else:
             texts = [f"{p.title}\n{p.text}" for p in self.passages]
             self.embeddings = self._encode(texts, batch_size)
             if path is not None:
                 _save_atomically(path, self.embeddings)
+                if mmap:
+                    self.embeddings = np.load(path, mmap_mode="r")
 
     def _encode(self, texts: list[str], batch_size: int = DEFAULT_BATCH_SIZE) -> np.ndarray:
         with self._lock:
@@ -87,16 +94,21 @@ class DenseSearch(SearchBackend):
             )
         return np.asarray(vectors, dtype=np.float32)
 
+    def rank(self, queries: Sequence[str], topk: int) -> list[list[tuple[int, float]]]:
+        """Per query, ``(position, cosine similarity)`` of the ``topk`` closest passages (see :func:`~agentenv.search.top_k`).
+
+        The queries are encoded in one forward pass (padded to the longest), so a score may differ
+        in its last bits from the query encoded alone.
+        """
+        scores = self._encode(list(queries)) @ self.embeddings.T  # cosine similarity of unit vectors
+        return [top_k(row, topk) for row in scores]
+
     def search_batch(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
         """The ``topk`` passages for each query, best first."""
-        scores = self._encode(list(queries)) @ self.embeddings.T  # cosine similarity of unit vectors
-        k = min(topk, len(self.passages))
-        results = []
-        for row in scores:
-            best = np.argpartition(-row, k - 1)[:k]
-            best = best[np.argsort(-row[best], kind="stable")]
-            results.append([Passage(self.passages[i].title, self.passages[i].text, None, float(row[i])) for i in best])
-        return results
+        return [
+            [Passage(self.passages[i].title, self.passages[i].text, None, s) for i, s in hits]
+            for hits in self.rank(queries, topk)
+        ]
 
     def search_sync(self, query: str, topk: int = 3) -> list[Passage]:
         return self.search_batch([query], topk)[0]

@@ -1,6 +1,6 @@
-"""Running an aiohttp application: in the foreground until a signal, or on a background thread.
+"""Running an aiohttp application: in the foreground until a signal, from several worker processes, or on a background thread.
 
-Both bind 127.0.0.1 by default and accept ``port=0`` (a free port, reported back), so tests and
+All bind 127.0.0.1 by default and accept ``port=0`` (a free port, reported back), so tests and
 environments never collide on a fixed port.
 """
 
@@ -8,16 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import multiprocessing
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 
 from aiohttp import web
 
-__all__ = ["BackgroundServer", "run_until_signal"]
+__all__ = ["BackgroundServer", "run_until_signal", "serve_workers"]
 
 SHUTDOWN_TIMEOUT = 5.0  # seconds that requests in flight get to finish when the server stops
+BACKLOG = 1024  # pending connections: many clients may connect at once (aiohttp: 128)
+# Where SO_REUSEPORT balances connections over the sockets that share a port (BSDs give them all to one).
+REUSE_PORT = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
 
 
 def _bound_port(runner: web.AppRunner) -> int:
@@ -38,10 +45,136 @@ async def run_until_signal(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, backlog=BACKLOG).start()
         print(f"Serving {name} on http://{host}:{_bound_port(runner)} (Ctrl-C to stop)", flush=True)
         await stop.wait()
         print(f"Stopping {name}: finishing requests in flight", file=sys.stderr, flush=True)
+    finally:
+        await runner.cleanup()
+
+
+def serve_workers(
+    make_app: Callable[[], web.Application],
+    workers: int,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    name: str = "server",
+) -> int:
+    """Serve ``make_app()`` from ``workers`` processes on one port until SIGINT or SIGTERM; returns an exit status.
+
+    The parent binds the port (so ``port=0`` and a taken port are settled once) and starts each
+    worker with the ``spawn`` method: a fresh interpreter that calls ``make_app`` (so it must
+    pickle: a module-level function or a ``functools.partial`` of one) and serves the port. On
+    Linux each worker listens on a socket of its own bound with ``SO_REUSEPORT``, and the kernel
+    spreads connections evenly over them; elsewhere the workers accept from the parent's
+    listening socket, whichever is idle first. Prints ``Serving <name> on http://HOST:PORT`` once every worker listens. A signal is passed
+    on to the workers as SIGTERM, which each answers as :func:`run_until_signal` does; a worker
+    whose parent died stops too. Returns 0, or 1 when a worker failed to start or died.
+    """
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    # OSError (a taken port, a foreign address): the caller reports it.
+    if REUSE_PORT:  # bound, never listening: it holds the port for the workers and gets no connections
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    else:
+        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
+    bound = sock.getsockname()[1]
+    shared = None if REUSE_PORT else sock
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    context = multiprocessing.get_context("spawn")
+    processes: dict[Connection, BaseProcess] = {}  # by the parent's end of a pipe to the worker
+    failure: str | None = None
+    try:
+        for _ in range(workers):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=_worker, args=(make_app, host, bound, shared, theirs), name=f"{name} worker"
+            )
+            process.start()
+            theirs.close()
+            processes[ours] = process
+        failure = _await_workers(dict(processes), stop)
+        sock.close()  # the workers hold the port now
+        if failure is None and not stop.is_set():
+            print(f"Serving {name} on http://{host}:{bound} (Ctrl-C to stop)", flush=True)
+            sentinels = [p.sentinel for p in processes.values()]
+            while not stop.is_set() and not wait(sentinels, timeout=0.2):  # short: to notice a signal
+                pass
+            if not stop.is_set():
+                dead = next(p for p in processes.values() if not p.is_alive())
+                failure = f"worker {dead.pid} exited with status {dead.exitcode}"
+        if failure is None:
+            print(f"Stopping {name}: finishing requests in flight", file=sys.stderr, flush=True)
+        else:
+            print(f"error: {name}: {failure}", file=sys.stderr, flush=True)
+    finally:
+        sock.close()
+        for worker in processes.values():
+            if worker.is_alive():
+                worker.terminate()  # SIGTERM: a graceful stop
+        for worker in processes.values():
+            worker.join(SHUTDOWN_TIMEOUT + 5)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        for ours in processes:
+            ours.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if failure is None else 1
+
+
+def _await_workers(starting: dict[Connection, BaseProcess], stop: threading.Event) -> str | None:
+    """Wait until each worker reports that it listens; what went wrong, or None."""
+    while starting and not stop.is_set():
+        for conn in wait(list(starting), timeout=0.2):  # short: to notice a signal
+            assert isinstance(conn, Connection)
+            try:
+                error = conn.recv()
+            except EOFError:  # it died before it could report
+                process = starting[conn]
+                process.join(1)
+                return f"worker {process.pid} exited with status {process.exitcode} while starting"
+            if error is not None:
+                return f"a worker failed to start: {error}"
+            del starting[conn]
+    return None
+
+
+def _worker(
+    make_app: Callable[[], web.Application], host: str, port: int, shared: socket.socket | None, parent: Connection
+) -> None:
+    """A worker process of :func:`serve_workers`: build the application, serve the port until SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the workers
+    try:
+        app = make_app()
+    except Exception as e:
+        parent.send(f"{type(e).__name__}: {e}")
+        sys.exit(1)
+    asyncio.run(_serve_worker(app, host, port, shared, parent))
+
+
+async def _serve_worker(
+    app: web.Application, host: str, port: int, shared: socket.socket | None, parent: Connection
+) -> None:
+    runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        if shared is None:
+            await web.TCPSite(runner, host, port, backlog=BACKLOG, reuse_port=True).start()
+        else:
+            await web.SockSite(runner, shared, backlog=BACKLOG).start()
+        parent.send(None)
+        # The parent never writes: the pipe turns readable (end of file) only when the parent is gone.
+        loop.add_reader(parent.fileno(), stop.set)
+        await stop.wait()
+        loop.remove_reader(parent.fileno())
     finally:
         await runner.cleanup()
 

@@ -9,32 +9,45 @@ Request (JSON, or msgpack with ``Content-Type: application/msgpack``)::
     {"result": [[{"document": {"id": "0", "contents": "\\"Title\\"\\ntext", "title": "Title",
                                "text": "text"}, "score": 12.3}, ...], ...]}
 
-one list per query, best first; without ``return_scores`` each list holds the documents alone.
-Documents carry Search-R1's ``id`` and ``contents`` (first line the quoted title) and also
-``title`` and ``text``. ``GET /health`` reports the index. Bad requests get HTTP 400 with
-``{"error": "..."}`` saying what to fix.
+one list per query, best first (equal scores in corpus order); without ``return_scores`` each
+list holds the documents alone. Documents carry Search-R1's ``id`` and ``contents`` (first line
+the quoted title) and also ``title`` and ``text``. ``GET /health`` reports the index, the
+batching, and which worker process answered. Bad requests get HTTP 400 with ``{"error": "..."}``
+saying what to fix.
+
+Concurrent requests are micro-batched: the first waiting request opens a window of
+``batch_window_ms`` (or until ``max_batch_queries`` queries wait), then all waiting requests are
+ranked in one call on the worker thread — each distinct query once, at the largest ``topk`` asked,
+each request taking its own share. Rankings are deterministic (see
+:func:`agentenv.search.top_k`), so a request gets exactly what it would get alone.
+``batch_window_ms=0`` ranks every request on its own. Several processes can serve one port
+(``python -m agentenv.serve retrieval --workers N``), each memory-mapping the index cached on disk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import resource
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import msgpack
 from aiohttp import web
 
-from agentenv.datasets import Paragraph, read_rows
+from agentenv.datasets import Paragraph, read_rows, union_corpus
 from agentenv.search import BM25Search, Passage, load_corpus
 from agentenv.serve.dense import DenseSearch
 
-__all__ = ["RetrievalService", "read_corpus"]
+__all__ = ["RetrievalService", "read_corpus", "worker_app"]
 
 DEFAULT_TOPK = 3  # Search-R1 and AT²PO retrieve 3 passages
 MAX_TOPK = 100
@@ -42,6 +55,13 @@ MAX_QUERIES = 1024  # queries in one request
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
 EXAMPLE_REQUEST = '{"queries": ["..."], "topk": 3, "return_scores": true}'
+# A window of a few milliseconds gathers the requests of concurrent clients at a cost of as much
+# latency for a lone client; up to 256 queries keep one batch's ranking (and its wait) short.
+DEFAULT_BATCH_WINDOW_MS = 2.0
+DEFAULT_MAX_BATCH_QUERIES = 256
+MAX_BATCH_WINDOW_MS = 1000.0
+
+Ranking = list[list[tuple[int, float]]]  # per query, (position in the corpus, score), best first
 
 
 def read_corpus(path: str | Path) -> tuple[list[Paragraph], list[str]]:
@@ -64,6 +84,11 @@ class RetrievalService:
             :class:`~agentenv.serve.dense.DenseSearch`), or either index already built over ``passages``.
         topk: Passages per query when a request does not say.
         model: Dense model folder (default: the bundled all-MiniLM-L6-v2).
+        batch_window_ms: How long the first waiting request waits for others to share its
+            ranking call; 0 ranks each request on its own.
+        max_batch_queries: Queries in one ranking call, at most (a larger request is ranked alone).
+        mmap: Memory-map the index cached on disk (processes serving one corpus share it).
+        workers: The number of processes serving the port, as ``GET /health`` reports it.
     """
 
     def __init__(
@@ -74,6 +99,10 @@ class RetrievalService:
         index: Literal["bm25", "dense"] | BM25Search | DenseSearch = "bm25",
         topk: int = DEFAULT_TOPK,
         model: str | Path | None = None,
+        batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS,
+        max_batch_queries: int = DEFAULT_MAX_BATCH_QUERIES,
+        mmap: bool = False,
+        workers: int = 1,
     ) -> None:
         if not isinstance(index, BM25Search | DenseSearch) and index not in ("bm25", "dense"):
             raise ValueError(f"index must be 'bm25', 'dense' or a built BM25Search or DenseSearch, got {index!r}")
@@ -81,33 +110,46 @@ class RetrievalService:
             raise ValueError(f"{len(ids)} ids for {len(passages)} passages")
         if not 1 <= topk <= MAX_TOPK:
             raise ValueError(f"topk must be between 1 and {MAX_TOPK}, got {topk}")
+        if not 0 <= batch_window_ms <= MAX_BATCH_WINDOW_MS:
+            raise ValueError(f"batch_window_ms must be between 0 and {MAX_BATCH_WINDOW_MS:g}, got {batch_window_ms}")
+        if max_batch_queries < 1:
+            raise ValueError(f"max_batch_queries must be at least 1, got {max_batch_queries}")
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
         self.topk = topk
+        self.batch_window_ms, self.max_batch_queries, self.workers = batch_window_ms, max_batch_queries, workers
         self.ids = list(ids) if ids is not None else [str(i) for i in range(len(passages))]
         start = time.perf_counter()
         if index == "dense":
-            index = DenseSearch(passages, model=model)
+            index = DenseSearch(passages, model=model, mmap=mmap)
         elif index == "bm25":
-            index = BM25Search(passages)
+            index = BM25Search(passages, mmap=mmap)
         self.index: BM25Search | DenseSearch = index
         self.kind = "dense" if isinstance(index, DenseSearch) else "bm25"
         self.build_seconds = time.perf_counter() - start
-        self._position = {(p.title, p.text): i for i, p in reversed(list(enumerate(passages)))}
+        self.requests = self.rankings = 0  # answered here; fewer rankings than requests when batching
         self._executor: ThreadPoolExecutor | None = None  # made per served application
+        self._batcher: _Batcher | None = None
 
     def retrieve(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
-        """The ``topk`` passages for each query (blocking; the server runs it off the event loop)."""
-        if isinstance(self.index, DenseSearch):
-            return self.index.search_batch(queries, topk)
-        return [self.index.search_sync(q, topk) for q in queries]
+        """The ``topk`` passages for each query (blocking)."""
+        return self.index.search_batch(queries, topk)
 
-    def document(self, p: Passage) -> dict[str, str]:
-        """A passage as Search-R1 returns it, plus ``title`` and ``text``."""
-        return {
-            "id": self.ids[self._position[(p.title, p.text)]],
-            "contents": f'"{p.title}"\n{p.text}',
-            "title": p.title,
-            "text": p.text,
-        }
+    def rank_requests(self, requests: Sequence[tuple[Sequence[str], int]]) -> list[Ranking]:
+        """The rankings of several ``(queries, topk)`` requests from one call to the index (blocking).
+
+        Each distinct query is ranked once, at the largest ``topk``; a request takes the first
+        ``topk`` of each of its queries, which is its own ranking because ties break by position.
+        """
+        distinct = list(dict.fromkeys(q for queries, _ in requests for q in queries))
+        ranked = dict(zip(distinct, self.index.rank(distinct, max(topk for _, topk in requests))))
+        self.rankings += 1
+        return [[ranked[q][:topk] for q in queries] for queries, topk in requests]
+
+    def document(self, position: int) -> dict[str, str]:
+        """The passage at ``position`` as Search-R1 returns it, plus ``title`` and ``text``."""
+        p = self.index.passages[position]
+        return {"id": self.ids[position], "contents": f'"{p.title}"\n{p.text}', "title": p.title, "text": p.text}
 
     def health(self) -> dict[str, Any]:
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -117,6 +159,12 @@ class RetrievalService:
             "passages": len(self.ids),
             "build_seconds": round(self.build_seconds, 3),
             "peak_rss_mb": round(peak_kib / 1024, 1),
+            "batch_window_ms": self.batch_window_ms,
+            "max_batch_queries": self.max_batch_queries,
+            "requests": self.requests,
+            "rankings": self.rankings,
+            "workers": self.workers,
+            "pid": os.getpid(),
         }
 
     # -- HTTP ----------------------------------------------------------------------------------
@@ -158,11 +206,16 @@ class RetrievalService:
             queries, topk, return_scores = self.parse_request(payload)
         except ValueError as e:
             return _error(400, str(e))
-        loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(self._executor, self.retrieve, queries, topk)
+        if self._batcher is not None:
+            ranking = await self._batcher.rank(queries, topk)
+        else:
+            loop = asyncio.get_running_loop()
+            [ranking] = await loop.run_in_executor(self._executor, self.rank_requests, [(queries, topk)])
+        self.requests += 1
+        document = self.document
         result = [
-            [{"document": self.document(p), "score": p.score} if return_scores else self.document(p) for p in passages]
-            for passages in results
+            [{"document": document(i), "score": score} if return_scores else document(i) for i, score in hits]
+            for hits in ranking
         ]
         if as_msgpack or any(t in request.headers.get("Accept", "") for t in MSGPACK_TYPES):
             return web.Response(body=msgpack.packb({"result": result}), content_type=MSGPACK_TYPES[0])
@@ -183,11 +236,141 @@ class RetrievalService:
     async def _start_worker(self, app: web.Application) -> None:
         # One worker thread: the index is not thread-safe, and the event loop stays free for /health.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval")
+        if self.batch_window_ms > 0:
+            self._batcher = _Batcher(
+                self.rank_requests, self._executor, self.batch_window_ms / 1000, self.max_batch_queries
+            )
 
     async def _stop_worker(self, app: web.Application) -> None:
+        # aiohttp has let the requests in flight finish by now, so nothing still waits on a batch.
+        if self._batcher is not None:
+            await self._batcher.close()
+            self._batcher = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+@dataclass(slots=True)
+class _Waiting:
+    queries: list[str]
+    topk: int
+    arrived: float  # event-loop time
+    ranking: asyncio.Future[Ranking]
+
+
+class _Batcher:
+    """Collects waiting requests and ranks them together, one call at a time, on ``executor``.
+
+    A batch closes ``window`` seconds after its oldest request arrived, or as soon as
+    ``max_queries`` queries wait. Requests that arrive while a batch is ranked have waited long
+    enough when it is done, so under load batches follow each other with no pause. After a batch
+    of one request the next closes at once: a lone client is not kept waiting for company.
+    """
+
+    def __init__(
+        self,
+        rank_requests: Callable[[Sequence[tuple[Sequence[str], int]]], list[Ranking]],
+        executor: ThreadPoolExecutor,
+        window: float,
+        max_queries: int,
+    ) -> None:
+        self.rank_requests, self.executor, self.window, self.max_queries = rank_requests, executor, window, max_queries
+        self._waiting: deque[_Waiting] = deque()
+        self._queued = 0  # queries in self._waiting
+        self._arrived = asyncio.Event()
+        self._full = asyncio.Event()
+        self._company = False  # whether the last batch held more than one request
+        self._task = asyncio.get_running_loop().create_task(self._collect())
+
+    async def rank(self, queries: list[str], topk: int) -> Ranking:
+        """This request's ranking, from the next batch."""
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(queries, topk, loop.time(), loop.create_future())
+        self._waiting.append(waiting)
+        self._queued += len(queries)
+        self._arrived.set()
+        if self._queued >= self.max_queries:
+            self._full.set()
+        return await waiting.ranking
+
+    async def _collect(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._arrived.wait()
+            left = self._waiting[0].arrived + self.window - loop.time()
+            if self._company and left > 0 and self._queued < self.max_queries:
+                self._full.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._full.wait(), left)
+            batch = self._take()
+            self._company = len(batch) > 1
+            try:
+                rankings = await loop.run_in_executor(
+                    self.executor, self.rank_requests, [(w.queries, w.topk) for w in batch]
+                )
+            except Exception as e:  # each request answers the failure (HTTP 500), as it would alone
+                for w in batch:
+                    if not w.ranking.done():
+                        w.ranking.set_exception(e)
+                continue
+            for w, ranking in zip(batch, rankings):
+                if not w.ranking.done():  # its handler may have been cancelled meanwhile
+                    w.ranking.set_result(ranking)
+
+    def _take(self) -> list[_Waiting]:
+        """The oldest waiting requests, at most ``max_queries`` queries (always at least one request)."""
+        batch = [self._waiting.popleft()]
+        queries = len(batch[0].queries)
+        while self._waiting and queries + len(self._waiting[0].queries) <= self.max_queries:
+            batch.append(self._waiting.popleft())
+            queries += len(batch[-1].queries)
+        self._queued -= queries
+        if not self._waiting:
+            self._arrived.clear()
+        return batch
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        for w in self._waiting:
+            w.ranking.cancel()
+        self._waiting.clear()
+
+
+def worker_app(
+    corpus: str | None,
+    *,
+    index: Literal["bm25", "dense"],
+    topk: int,
+    model: str | None,
+    batch_window_ms: float,
+    max_batch_queries: int,
+    workers: int,
+) -> web.Application:
+    """The application of one of ``workers`` server processes (``python -m agentenv.serve retrieval --workers N``).
+
+    The process reads the corpus again (default: the shipped multi-hop paragraphs) and
+    memory-maps the index its parent built and cached on disk.
+    """
+    if index == "dense":
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # the workers' encoders share the cores
+    passages, ids = read_corpus(corpus) if corpus else (union_corpus(), None)
+    service = RetrievalService(
+        passages,
+        ids,
+        index=index,
+        topk=topk,
+        model=model,
+        batch_window_ms=batch_window_ms,
+        max_batch_queries=max_batch_queries,
+        mmap=True,
+        workers=workers,
+    )
+    return service.make_app()
 
 
 def _error(status: int, message: str) -> web.Response:

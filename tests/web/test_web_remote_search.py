@@ -1,6 +1,9 @@
 """RemoteSearch against minimal stand-ins of the Search-R1 wire format and its dialects; retries; failures."""
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 
 import msgpack
 import pytest
@@ -55,6 +58,64 @@ async def test_client_speaks_search_r1(serve):
     batch = await client.search_batch(["a", "b", "c"], 1)
     assert [[p.title for p in hits] for hits in batch] == [["Neil Peart"]] * 3
     assert len(requests) == 2  # one request for the batch
+
+
+def peer_recording_app(peers: list) -> web.Application:
+    """Search-R1 results, noting the client's address (host, port) of each request's connection."""
+
+    async def retrieve(request):
+        peers.append(request.transport.get_extra_info("peername"))
+        payload = await request.json()
+        return web.json_response({"result": [[DOCS[0]] for _ in payload["queries"]]})
+
+    app = web.Application()
+    app.router.add_post("/retrieve", retrieve)
+    return app
+
+
+async def test_searches_keep_their_connection_alive(serve):
+    peers = []
+    url = await serve(peer_recording_app(peers))
+    client = RemoteSearch(url)
+    await client.search("a", 1)
+    await client.search_batch(["b", "c"], 1)
+    await RemoteSearch(url).search("d", 1)  # another client in this event loop shares the connections
+    assert len(peers) == 3 and len(set(peers)) == 1
+    await client.aclose()
+    await client.search("e", 1)
+    assert len(set(peers)) == 2
+
+
+def test_connections_close_with_their_event_loop():
+    # In a fresh interpreter that turns every warning into an error: unclosed sessions would show.
+    code = textwrap.dedent(
+        """
+        import asyncio, copy, pickle
+        from aiohttp import web
+        from agentenv.serve.hosting import BackgroundServer
+        from agentenv.web_search import RemoteSearch
+
+        async def retrieve(request):
+            return web.json_response({"result": [[{"title": "T", "text": "x"}]]})
+
+        def app():
+            app = web.Application()
+            app.router.add_post("/retrieve", retrieve)
+            return app
+
+        server = BackgroundServer(app)
+        client = RemoteSearch(server.start())
+        for _ in range(2):  # two loops, one after the other
+            assert asyncio.run(client.search("q", 1))[0].title == "T"
+        assert asyncio.run(pickle.loads(pickle.dumps(copy.deepcopy(client))).search("q", 1))[0].text == "x"
+        server.stop()
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error", "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ok\n", "")
 
 
 async def test_single_query_dialect_and_msgpack(serve):

@@ -1,18 +1,22 @@
-"""Our retrieval server, spoken to as Search-R1's client speaks to its server; its CLI; dense retrieval."""
+"""Our retrieval server, spoken to as Search-R1's client speaks to its server; batching; workers; its CLI; dense retrieval."""
 
 import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
 import msgpack
+import numpy as np
 import pytest
 
-from agentenv.datasets import Paragraph
+from agentenv.datasets import Paragraph, load_examples, union_corpus
+from agentenv.search import BM25Search
 from agentenv.serve.__main__ import main as serve_main
 from agentenv.serve.retrieval import RetrievalService, read_corpus
 from agentenv.web_search import RemoteSearch
@@ -178,12 +182,133 @@ def test_service_arguments_are_checked():
         RetrievalService([Paragraph("A", "a")], ["1", "2"])
     with pytest.raises(ValueError, match="topk must be between 1 and 100, got 0"):
         RetrievalService([Paragraph("A", "a")], topk=0)
+    with pytest.raises(ValueError, match="batch_window_ms must be between 0 and 1000, got -1"):
+        RetrievalService([Paragraph("A", "a")], batch_window_ms=-1)
+    with pytest.raises(ValueError, match="max_batch_queries must be at least 1, got 0"):
+        RetrievalService([Paragraph("A", "a")], max_batch_queries=0)
+    with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
+        RetrievalService([Paragraph("A", "a")], workers=0)
 
 
-def start_cli(*args: str, cache: Path) -> tuple[subprocess.Popen, str]:
+# -- rankings and batching --------------------------------------------------------------------
+
+
+def real_queries(n: int) -> list[str]:
+    return [e.question for name in ("nq", "hotpotqa") for e in load_examples(name)][:n]
+
+
+@pytest.fixture
+def tied_index(tmp_path, monkeypatch):
+    """BM25 over 1,500 shipped paragraphs, each twice: every match ties with its copy."""
+    monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path / "cache"))
+    base = union_corpus()[:1500]
+    return BM25Search(base + base)
+
+
+def test_rankings_keep_bm25s_scores_and_break_ties_by_position(tied_index):
+    retriever = tied_index.retriever
+    for query in real_queries(60):
+        tokens = tied_index._tokenize([query], return_ids=False)[0]
+        scores = retriever.get_scores_from_ids(retriever.get_tokens_ids(tokens))
+        order = np.lexsort((np.arange(len(scores)), -scores))[:10]  # a full sort: best first, then position
+        expected = [(int(i), float(scores[i])) for i in order if scores[i] > 0]
+        assert tied_index.rank([query], 10) == [expected]
+        # bm25s's own top-k (which breaks ties its own way) finds the same scores
+        _, top = retriever.retrieve([tokens], k=10, show_progress=False)
+        assert sorted(float(s) for s in top[0] if s > 0) == sorted(s for _, s in expected)
+    first = tied_index.rank(["Rush drummer"], 2)[0]
+    assert first[0][1] == first[1][1] and first[1][0] == first[0][0] + 1500  # a passage, then its copy
+
+
+def test_a_batch_ranks_each_query_as_it_would_be_ranked_alone(tied_index):
+    service = RetrievalService(tied_index.passages, index=tied_index)
+    no_tokens = ["", "?!", "the of and", "zzqx unknownwordy"]  # nothing, punctuation, stop words, unknown words
+    queries = real_queries(200) + no_tokens
+    queries += queries[::10]  # duplicates, in the same request and across requests
+    requests = [(queries[i : i + 3], 1 + i % 7) for i in range(0, len(queries), 3)]  # topk 1 to 7
+    batched = service.rank_requests(requests)
+    assert service.rankings == 1
+    assert batched == [[tied_index.rank([q], topk)[0] for q in qs] for qs, topk in requests]
+    for (qs, topk), rankings in zip(requests, batched):
+        for q, hits in zip(qs, rankings):  # the sequential API, one query at a time
+            found = [(p.title, p.text, p.score) for p in tied_index.search_sync(q, topk)]
+            assert found == [(tied_index.passages[i].title, tied_index.passages[i].text, s) for i, s in hits]
+    assert tied_index.rank(no_tokens, 5) == [[], [], [], []]
+
+
+def test_bm25_memory_maps_its_cached_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path))
+    passages = union_corpus()[:300]
+    built = BM25Search(passages, mmap=True)  # built, saved, then mapped
+    loaded = BM25Search(passages, mmap=True)
+    in_memory = BM25Search(passages)
+    assert isinstance(built.retriever.scores["data"], np.memmap)
+    assert isinstance(loaded.retriever.scores["data"], np.memmap)
+    assert not isinstance(in_memory.retriever.scores["data"], np.memmap)
+    queries = real_queries(30)
+    assert built.rank(queries, 5) == loaded.rank(queries, 5) == in_memory.rank(queries, 5)
+    with pytest.raises(ValueError, match="mmap=True maps the index cached on disk: it needs cache=True"):
+        BM25Search(passages, cache=False, mmap=True)
+
+
+async def get_json(url: str) -> dict:
+    async with aiohttp.ClientSession() as session, session.get(url) as r:  # a new connection each time
+        return await r.json()
+
+
+async def test_concurrent_requests_share_rankings_and_get_their_own_answers(serve, tied_index):
+    service = RetrievalService(tied_index.passages, index=tied_index, batch_window_ms=50)
+    batched = await serve(service.make_app())
+    alone = await serve(RetrievalService(tied_index.passages, index=tied_index, batch_window_ms=0).make_app())
+    queries = real_queries(40)
+    payloads = [{"queries": [q], "topk": 1 + i % 5, "return_scores": i % 2 == 0} for i, q in enumerate(queries)]
+    payloads += [{"queries": [*queries[:5], "", queries[0]], "topk": 4}, {"query": queries[7]}]
+    answers = await asyncio.gather(*(post(f"{batched}/retrieve", p) for p in payloads))
+    assert answers == [await post(f"{alone}/retrieve", p) for p in payloads]
+    health = await get_json(f"{batched}/health")
+    assert health["requests"] == len(payloads) and health["rankings"] < len(payloads) / 4
+    assert (health["batch_window_ms"], health["workers"], health["pid"]) == (50, 1, os.getpid())
+
+
+async def test_a_batch_holds_at_most_max_batch_queries(serve, tied_index):
+    sizes = []
+
+    class Recording(RetrievalService):
+        def rank_requests(self, requests):
+            sizes.append(sum(len(qs) for qs, _ in requests))
+            return super().rank_requests(requests)
+
+    url = await serve(
+        Recording(tied_index.passages, index=tied_index, batch_window_ms=50, max_batch_queries=4).make_app()
+    )
+    queries = real_queries(12)
+    answers = await asyncio.gather(
+        *(post(f"{url}/retrieve", {"queries": [q]}) for q in queries), post(f"{url}/retrieve", {"queries": queries[:6]})
+    )
+    assert [body["result"][0] for _, body in answers[:6]] == answers[-1][1]["result"]
+    assert sum(sizes) == 18 and all(size <= 4 for size in sizes if size != 6)  # the request of 6 is ranked alone
+
+
+async def test_a_failed_ranking_answers_every_request_of_its_batch(serve, tied_index, monkeypatch):
+    url = await serve(RetrievalService(tied_index.passages, index=tied_index, batch_window_ms=50).make_app())
+
+    def unavailable(queries, topk):
+        raise RuntimeError("index unavailable")
+
+    monkeypatch.setattr(tied_index, "rank", unavailable)
+    answers = await asyncio.gather(*(post(f"{url}/retrieve", {"queries": [q]}) for q in real_queries(5)))
+    assert answers == [(500, {"error": "internal error: RuntimeError: index unavailable"})] * 5
+    monkeypatch.undo()  # the next batch is served again
+    status, body = await post(f"{url}/retrieve", {"queries": ["Rush drummer"], "topk": 1})
+    assert status == 200 and len(body["result"][0]) == 1
+
+
+def start_cli(
+    *args: str, cache: Path, python: tuple[str, ...] = ("-m", "agentenv.serve")
+) -> tuple[subprocess.Popen, str]:
     """``python -m agentenv.serve ARGS --port 0``: the process and the URL from its first line."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "agentenv.serve", *args, "--port", "0"],
+        [sys.executable, *python, *args, "--port", "0"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -224,12 +349,87 @@ def test_cli_serves_and_stops_gracefully(corpus_file, tmp_path):
     )
 
 
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited
+
+
+def worker_pids(url: str, workers: int) -> set[int]:
+    """The pids that answer /health, asked on fresh connections until each worker has answered."""
+    pids: set[int] = set()
+    for _ in range(200):
+        health = asyncio.run(get_json(f"{url}/health"))
+        assert health["workers"] == workers
+        pids.add(health["pid"])
+        if len(pids) == workers:
+            break
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+@pytest.mark.parametrize("reuse_port", [True, False], ids=["own-sockets", "shared-socket"])
+def test_cli_workers_share_the_port_and_stop_together(corpus_file, tmp_path, reuse_port):
+    # Without SO_REUSEPORT balancing (not Linux) the workers accept from the parent's socket.
+    serve = "import sys, agentenv.serve.hosting as h; h.REUSE_PORT = False; from agentenv.serve.__main__ import main; sys.exit(main())"
+    process, url = start_cli(
+        "retrieval",
+        "--corpus",
+        str(corpus_file),
+        "--workers",
+        "2",
+        cache=tmp_path / "cache",
+        python=("-m", "agentenv.serve") if reuse_port else ("-c", serve),
+    )
+    try:
+        pids = worker_pids(url, 2)
+        assert len(pids) == 2 and process.pid not in pids
+        hits = asyncio.run(RemoteSearch(url).search("Ontario province", 3))
+        assert [h.title for h in hits] == ["Toronto"]
+    finally:
+        code, err = stop_cli(process)
+    assert code == 0
+    assert "Stopping retrieval (bm25, 4 passages, 2 workers): finishing requests in flight" in err
+    assert not any(alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_workers_stop_when_their_parent_dies(corpus_file, tmp_path):
+    process, url = start_cli("retrieval", "--corpus", str(corpus_file), "--workers", "2", cache=tmp_path / "cache")
+    try:
+        pids = worker_pids(url, 2)
+    finally:
+        process.kill()
+        process.communicate()
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_cli_workers_report_a_taken_port(corpus_file, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert serve_main(["retrieval", "--corpus", str(corpus_file), "--workers", "2", "--port", str(port)]) == 1
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+
+
 def test_cli_reports_bad_corpus_and_arguments(tmp_path, capsys):
     assert serve_main(["retrieval", "--corpus", str(tmp_path / "none.jsonl")]) == 2
     assert capsys.readouterr().err == f"error: no such corpus file: {tmp_path / 'none.jsonl'}\n"
-    with pytest.raises(SystemExit) as e:
-        serve_main(["retrieval", "--topk", "0"])
-    assert e.value.code == 2 and "--topk must be between 1 and 100" in capsys.readouterr().err
+    for args, error in [
+        (["--topk", "0"], "--topk must be between 1 and 100"),
+        (["--workers", "0"], "--workers must be at least 1"),
+        (["--batch-window-ms", "-1"], "--batch-window-ms must be between 0 and 1000"),
+        (["--max-batch-queries", "0"], "--max-batch-queries must be at least 1"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            serve_main(["retrieval", *args])
+        assert e.value.code == 2 and error in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -249,7 +449,19 @@ async def test_dense_retrieval_finds_meaning_not_words(serve, tmp_path, monkeypa
     again = DenseSearch(passages)  # embedded once, then read from disk
     assert again.loaded_from_cache and (again.embeddings == dense.embeddings).all()
 
-    url = await serve(RetrievalService(passages, index=dense).make_app())
+    service = RetrievalService(passages, index=dense, batch_window_ms=50)
+    url = await serve(service.make_app())
     status, body = await post(f"{url}/retrieve", {"queries": ["vehicle", "weather"], "topk": 1, "return_scores": True})
     assert [r[0]["document"]["title"] for r in body["result"]] == ["Cars", "Rain"]
     assert 0 < body["result"][0][0]["score"] <= 1  # cosine similarity
+
+    # concurrent requests are encoded in one forward pass, and answered as each query alone
+    queries = ["kitten", "vehicle", "weather", "kitten", "a car in the rain"]
+    answers = await asyncio.gather(
+        *(post(f"{url}/retrieve", {"queries": [q], "topk": 2, "return_scores": True}) for q in queries)
+    )
+    for q, (_, body) in zip(queries, answers):
+        alone = dense.search_sync(q, 2)
+        assert [d["document"]["title"] for d in body["result"][0]] == [h.title for h in alone]
+        assert [d["score"] for d in body["result"][0]] == pytest.approx([h.score for h in alone], abs=1e-5)
+    assert service.rankings < service.requests == len(queries) + 1
