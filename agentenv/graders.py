@@ -33,7 +33,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = [
@@ -579,11 +579,12 @@ class Grade:
 
     def as_dict(self) -> dict[str, object]:
         """The fields as a dict (``math_equal`` only where it was graded, ``math_detail`` only if set)."""
-        fields = asdict(self)
-        for name in ("math_equal", "math_detail"):
-            if fields[name] is None:
-                del fields[name]
-        return fields
+        # Every field is a scalar: no deep copy (dataclasses.asdict) needed, once per graded episode.
+        return {
+            f.name: value
+            for f in fields(self)
+            if (value := getattr(self, f.name)) is not None or f.name not in ("math_equal", "math_detail")
+        }
 
 
 def grade(

@@ -94,3 +94,18 @@ def test_unseen_official_hotpotqa_file_end_to_end(tmp_path):
     assert env.step("<answer>\\boxed{Rush}</answer>")[1:3] == (1.0, True)
     env.reset(options={"index": 0})
     assert env.step("<answer>\\boxed{Queen}</answer>")[1:3] == (0.0, True)
+
+
+def test_query_terms_are_bm25s_tokenize_s():
+    import random
+
+    import bm25s
+
+    index = BM25Search([Paragraph("Rush", "Neil Peart was the drummer of Rush.")])
+    rng = random.Random(0)
+    pieces = ["The", " drummers", "'s", " RUNNING", " é", "中文", " 3.14", " x", " __init__", "\n", "-", " a1"]
+    queries = [e.question for name in ("nq", "hotpotqa") for e in load_examples(name)][:500]
+    queries += ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(300)]
+    expected = bm25s.tokenize(queries, stopwords="en", stemmer=index._stemmer, show_progress=False, return_ids=False)
+    assert index.query_tokens(queries) == expected
+    assert index.query_tokens(["the of a", ""]) == [[], []]

@@ -208,7 +208,7 @@ def tied_index(tmp_path, monkeypatch):
 def test_rankings_keep_bm25s_scores_and_break_ties_by_position(tied_index):
     retriever = tied_index.retriever
     for query in real_queries(60):
-        tokens = tied_index._tokenize([query], return_ids=False)[0]
+        tokens = tied_index.query_tokens([query])[0]
         scores = retriever.get_scores_from_ids(retriever.get_tokens_ids(tokens))
         order = np.lexsort((np.arange(len(scores)), -scores))[:10]  # a full sort: best first, then position
         expected = [(int(i), float(scores[i])) for i in order if scores[i] > 0]
