@@ -355,22 +355,28 @@ def _why_not(bwrap: str | None) -> str:
     return "bubblewrap cannot create namespaces here" if bwrap else "bwrap is not installed"
 
 
+def _cpu_and_memory(
+    limits: Limits, root: bool, in_force: list[str], missing: list[str]
+) -> tuple[bool, cgroup.Parents | None]:
+    """Add what the CPU limit and the family's memory cap give here; whether the host sets a
+    hard CPU limit per call, and where the family cgroups go."""
+    per_call = root and can_raise_hard_limits()
+    (in_force if per_call else missing).append(CPU_PER_CALL if per_call else CPU_CEILING)
+    where = cgroup.parents()
+    if where is not None:
+        in_force.append(memory_cap(limits, where.version))
+    else:
+        missing.append(no_memory_cap(limits))  # RLIMIT_NPROC counts this sandbox alone: own uid or userns
+    return per_call, where
+
+
 def _bubblewrap(bwrap: str, python: str, limits: Limits, root: bool) -> Isolation:
     in_force = [NETWORK, PID_NAMESPACE, READ_ONLY, NO_HOST_FILES, PRIVATE_SCRATCH, KERNEL_CLEANUP]
     missing: list[str] = []
     blocked = userns_blockable(bwrap, python) if root else bwrap_has_option(bwrap, "--disable-userns")
     (in_force if blocked else missing).append(NO_USERNS)
     in_force += [RLIMITS, HARD_RLIMITS]
-    per_call = root and can_raise_hard_limits()
-    if per_call:
-        in_force.append(CPU_PER_CALL)
-    else:
-        missing.append(CPU_CEILING)
-    where = cgroup.parents()
-    if where is not None:
-        in_force.append(memory_cap(limits, where.version))
-    else:
-        missing.append(no_memory_cap(limits))  # RLIMIT_NPROC counts this sandbox alone: own uid or userns
+    per_call, where = _cpu_and_memory(limits, root, in_force, missing)
     in_force += [CLEAN_ENV, OWN_USER, WALL_CLOCK, OUTPUT_CAP]
     missing.append(SECCOMP)
     return Isolation(
@@ -389,18 +395,9 @@ def _process(limits: Limits, root: bool, own_user: bool) -> Isolation:
     which ``choose`` allows only for "unsafe-process")."""
     in_force = [RLIMITS, HARD_RLIMITS]  # the anchor drops every capability, even as root
     missing = [NETWORK, PID_NAMESPACE, READ_ONLY, NO_HOST_FILES, PRIVATE_SCRATCH, KERNEL_CLEANUP, NO_USERNS]
-    per_call = root and can_raise_hard_limits()
-    if per_call:
-        in_force.append(CPU_PER_CALL)
-    else:
-        missing.append(CPU_CEILING)
-    where = cgroup.parents()
-    if where is not None:
-        in_force.append(memory_cap(limits, where.version))
-    else:
-        missing.append(no_memory_cap(limits))
-        if not own_user:
-            missing.append(SHARED_NPROC)
+    per_call, where = _cpu_and_memory(limits, root, in_force, missing)
+    if where is None and not own_user:
+        missing.append(SHARED_NPROC)
     in_force += [CLEAN_ENV, WALL_CLOCK, OUTPUT_CAP]
     if own_user:
         in_force.append(OWN_USER)
