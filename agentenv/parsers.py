@@ -341,8 +341,12 @@ class JSONToolCallParser(ToolCallParser):
                     error="The <tool_call> tag was opened but never closed: write <tool_call>{…}</tool_call>."
                 )
             return Action(error=f"No tool call or answer was found in your turn. {self._syntax()}")
+        return self._call(call[1])
+
+    def _call(self, body: str) -> Action:
+        """The call a ``<tool_call>`` body's JSON asks for, or the error it has."""
         try:
-            payload = _load_json(call[1].strip())
+            payload = _load_json(body.strip())
         except json.JSONDecodeError as e:
             return Action(error=f"The tool call is not valid JSON ({e.msg} at character {e.pos}). {self._syntax()}")
         except _UnreadableJSON as e:

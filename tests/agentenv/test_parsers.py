@@ -1,4 +1,3 @@
-import json
 import random
 import re
 import time
@@ -14,7 +13,6 @@ from agentenv.parsers import (
     JSONToolCallParser,
     ToolCall,
     XMLTagParser,
-    _load_json,
     _UnreadableJSON,
     get_parser,
 )
@@ -270,25 +268,7 @@ class _RegexJSONToolCallParser(JSONToolCallParser):
                     error="The <tool_call> tag was opened but never closed: write <tool_call>{…}</tool_call>."
                 )
             return Action(error=f"No tool call or answer was found in your turn. {self._syntax()}")
-        try:
-            payload = _load_json(call.group(1).strip())
-        except json.JSONDecodeError as e:
-            return Action(error=f"The tool call is not valid JSON ({e.msg} at character {e.pos}). {self._syntax()}")
-        except _UnreadableJSON as e:
-            return Action(error=f"The tool call's JSON cannot be read: {e}. {self._syntax()}")
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            return Action(error=f'A tool call must be a JSON object with a "name" string. {self._syntax()}')
-        arguments = payload.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = _load_json(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as e:
-                return Action(error=f'"arguments" is a string that is not valid JSON ({e.msg}).')
-            except _UnreadableJSON as e:
-                return Action(error=f'"arguments" is a string whose JSON cannot be read: {e}.')
-        if not isinstance(arguments, dict):
-            return Action(error='"arguments" must be a JSON object of named arguments.')
-        return Action(call=ToolCall(payload["name"], arguments))
+        return self._call(call.group(1))
 
 
 _OLD_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
