@@ -2,19 +2,30 @@
 
 agentenv list
 agentenv check ID [ID ...]      # Gymnasium's checker plus the fork contract
+agentenv --version
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 
 import agentenv
 from agentenv.testing import EnvCheckError, check_env
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("agentenv")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "unknown (not installed: pip install -e . in the repository gives it its version)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``agentenv`` command; returns the exit code."""
     parser = argparse.ArgumentParser(prog="agentenv", description="Forkable tool-use environments for agent RL.")
+    parser.add_argument("--version", action="version", version=f"agentenv {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="list the registered environments")
     check = commands.add_parser("check", help="run agentenv.testing.check_env on environments")

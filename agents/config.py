@@ -41,17 +41,19 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+# Only light imports at the top: the parser of `agents train` (agents.cli) reads ENGINES, PRESETS and
+# TrainConfig's defaults, and its --help must not load torch. The parts a config builds into (learners,
+# losses, trainer, rollout) are imported by the functions that build them.
 from agents.cluster.config import ClusterConfig
 from agents.engines.base import SamplingParams
-from agents.learners import LEARNERS, Learner
 from agents.models import DEFAULT_MODEL
-from agents.rollout.episodes import RolloutConfig
-from agents.rollout.strategies import Budget
-from agents.rollout.tree_loop import TreeConfig
-from agents.training.losses import LOSSES, TRAINER_INPUTS
-from agents.training.trainer_config import TrainerConfig
+
+if TYPE_CHECKING:
+    from agents.learners import Learner
+    from agents.rollout.tree_loop import TreeConfig
+    from agents.training.trainer_config import TrainerConfig
 
 __all__ = [
     "ENGINES",
@@ -86,7 +88,16 @@ SECTIONS = (
 #: Values that may change when a run resumes; any other change would make it another run.
 #: (A run resumes at any number of trainer ranks and rollout workers: ``cluster`` may change too.)
 RESUMABLE = frozenset(
-    {"steps", "eval_every", "eval_before", "eval_questions", "checkpoint_every", "engine_kwargs", "cluster"}
+    {
+        "steps",
+        "eval_every",
+        "eval_before",
+        "eval_questions",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "engine_kwargs",
+        "cluster",
+    }
 )
 # Set by the run itself (or by the learner), never through a section.
 _RUN_OWNED = {
@@ -120,6 +131,10 @@ class TrainConfig:
         eval_before: Evaluate before the first step (step 0); off to save the time when the
             initial policy's scores are known (the same model and questions).
         checkpoint_every: Save a checkpoint after every this many steps (and after the last).
+        keep_checkpoints: Keep the newest this many intact checkpoints, removing older ones as new
+            ones are saved (each holds the model and its optimiser state: 1.6 GB for the embedded
+            135M model); ``None`` keeps every one. The newest intact checkpoint, which ``--resume``
+            continues from and whose ``model/`` is the run's final model, always stays.
         budget_reward: The reward of a path that the token budget (``rollout.max_response_tokens``
             or ``rollout.budget``) ended before the environment did, i.e. without an answer;
             ``None`` keeps what it earned so far. Under AT²PO's reward an unanswered response is
@@ -143,6 +158,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_before: bool = True
     checkpoint_every: int = 10
+    keep_checkpoints: int | None = 2
     budget_reward: float | None = None
     strategy: dict[str, Any] = field(default_factory=dict)
     credit: dict[str, Any] = field(default_factory=dict)
@@ -161,6 +177,12 @@ class TrainConfig:
             _require_int(name, getattr(self, name), minimum=1)
         for name in ("seed", "holdout", "eval_questions", "eval_every"):
             _require_int(name, getattr(self, name), minimum=0)
+        keep = self.keep_checkpoints
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(
+                f"keep_checkpoints must be an int >= 1 (the newest checkpoint always stays), or None to keep "
+                f"every checkpoint; got {keep!r}"
+            )
         if not isinstance(self.eval_before, bool):
             raise ValueError(f"eval_before must be true or false, got {self.eval_before!r}")
         if self.budget_reward is not None and not isinstance(self.budget_reward, (int, float)):
@@ -292,8 +314,18 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
     """The parts of the run ``config`` describes; ``learner`` replaces ``config.algo``'s learner.
 
     Section values are checked by the classes they go to; an unknown name is an error that lists
-    the known ones.
+    the known ones. ``learner`` takes the ``strategy`` section only from a config made for it
+    (``config.algo`` is its name, as :func:`resolve` with ``learner=`` makes it): a section for another
+    algo is an error, since it would replace the learner's own strategy sizes with that algo's (a
+    preset's, say). The ``credit`` and ``loss`` sections apply to any learner.
     """
+    from agents.learners import LEARNERS
+    from agents.rollout.episodes import RolloutConfig
+    from agents.rollout.strategies import Budget
+    from agents.rollout.tree_loop import TreeConfig
+    from agents.training.trainer_config import TrainerConfig
+
+    own = learner is not None
     if learner is None:
         if config.algo not in LEARNERS:
             raise ValueError(
@@ -301,10 +333,28 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
                 "or pass your own learner to agents.train.train"
             )
         learner = LEARNERS[config.algo]()
+    elif config.strategy and config.algo != learner.name:
+        raise ValueError(
+            f"the config's strategy section {config.strategy} is for algo {config.algo!r} (a preset fills it with "
+            f"the sizes of that learner's strategy), but the learner passed in is {learner.name!r}, whose strategy "
+            f"is {learner.strategy!r}: the section would replace its sizes; resolve the config for your learner "
+            f"with agents.config.resolve(..., learner=yours), which leaves a preset's strategy sizes out, or set "
+            f"algo to {learner.name!r} to apply the section to it"
+        )
     loss = dict(config.loss)
     kl_coef = loss.pop("kl_coef", learner.kl_coef)
     entropy_coef = loss.pop("entropy_coef", 0.0)
-    learner = learner.configure(strategy=config.strategy, credit=config.credit, loss=loss, kl_coef=kl_coef)
+    try:
+        learner = learner.configure(strategy=config.strategy)
+    except ValueError as error:
+        if not own:
+            raise
+        raise ValueError(
+            f"{error}: the config's strategy section {config.strategy} does not fit the learner passed in "
+            f"({learner.strategy!r}); leave the section empty to keep the learner's own sizes "
+            "(agents.config.resolve(..., learner=yours) leaves a preset's out)"
+        ) from None
+    learner = learner.configure(credit=config.credit, loss=loss, kl_coef=kl_coef)
     sampling = SamplingParams(**_checked(SamplingParams, config.sampling, "sampling"))
     if sampling.greedy:
         raise ValueError(
@@ -334,6 +384,10 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
 
 def effective_config(config: TrainConfig, parts: RunParts) -> TrainConfig:
     """``config`` with every section filled with every value ``parts`` use (what ``config.json`` holds)."""
+    from agents.rollout.episodes import RolloutConfig
+    from agents.rollout.tree_loop import TreeConfig
+    from agents.training.losses import LOSSES
+
     learner = parts.learner
     loss = learner.loss if callable(learner.loss) else LOSSES[learner.loss]
     trainer = {name: value for name, value in parts.trainer.to_dict().items() if name not in _RUN_OWNED["trainer"]}
@@ -376,6 +430,7 @@ def resolve(
     file: str | Path | None = None,
     values: Mapping[str, Any] | None = None,
     assignments: Sequence[str] = (),
+    learner: Learner | None = None,
 ) -> TrainConfig:
     """A config from its layers, each overriding the one before.
 
@@ -385,10 +440,25 @@ def resolve(
         file: A YAML or JSON config file.
         values: Top-level values (the command line's flags).
         assignments: ``KEY=VALUE`` strings (``--set``), see :func:`parse_overrides`.
+        learner: The learner you will pass to :func:`agents.train.train`: the config is made for it
+            (``algo`` is its name), and a preset then sets only what it shares between algorithms,
+            not the strategy sizes of its own learners, so that yours keeps its own. A layer that
+            names another algo is an error.
     """
     layers = [load_config_file(file) if file is not None else {}, dict(values or {}), parse_overrides(assignments)]
     merged = copy.deepcopy(dict(base)) if base is not None else TrainConfig().to_dict()
-    algo = next((layer["algo"] for layer in reversed(layers) if "algo" in layer), merged.get("algo"))
+    if learner is not None:
+        given = [layer for layer in (*layers, base or {}) if "algo" in layer]
+        other = next((layer["algo"] for layer in given if layer["algo"] != learner.name), None)
+        if other is not None:
+            raise ValueError(
+                f"the config names algo {other!r}, but it is resolved for the learner {learner.name!r} (learner=); "
+                "drop that algo: the learner's name is the run's algo"
+            )
+        merged["algo"] = learner.name
+        algo = None  # preset(name, None): the preset's common settings only
+    else:
+        algo = next((layer["algo"] for layer in reversed(layers) if "algo" in layer), merged.get("algo"))
     if preset_name is not None:
         merged = merge(merged, preset(preset_name, algo))
     for layer in layers:
@@ -502,6 +572,9 @@ def _rollout_fields(cls: type) -> list[str]:
 
 def _checked_rollout(values: Mapping[str, Any]) -> None:
     """Every name of the ``rollout`` section is a field of RolloutConfig or TreeConfig; else an error listing them."""
+    from agents.rollout.episodes import RolloutConfig
+    from agents.rollout.tree_loop import TreeConfig
+
     names = _rollout_fields(RolloutConfig) + _rollout_fields(TreeConfig)
     unknown = sorted(set(values) - set(names))
     if unknown:
@@ -517,6 +590,8 @@ def _fields(part: Any) -> dict[str, Any]:
 
 def _loss_defaults(loss: Any) -> dict[str, Any]:
     """The keyword hyper-parameters of a loss function with their defaults (no tensors, no KL)."""
+    from agents.training.losses import TRAINER_INPUTS
+
     skip = set(TRAINER_INPUTS)
     parameters = list(inspect.signature(loss).parameters.values())[4:]  # after the four tensors
     return {

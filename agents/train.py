@@ -11,8 +11,9 @@ One step (read :func:`train` top to bottom):
 4. :meth:`agents.training.trainer.Trainer.step`: old log-probs, the loss's mini-batch updates, weight
    sync to the engine, metrics (with the rollout's numbers) to ``metrics.jsonl`` and TensorBoard;
 5. every ``checkpoint_every`` steps and after the last, a checkpoint holding the task order's
-   position; every ``eval_every`` steps, before the first (``eval_before``) and after the last,
-   the held-out evaluation (:mod:`agents.heldout`).
+   position, and the checkpoints older than the newest ``keep_checkpoints`` intact ones removed
+   (:func:`~agents.training.checkpoint.prune_checkpoints`); every ``eval_every`` steps, before
+   the first (``eval_before``) and after the last, the held-out evaluation (:mod:`agents.heldout`).
 
 ``resume=True`` continues a run folder from its latest checkpoint: weights, optimiser, schedule,
 random generators, step and task position. A checkpoint with a damaged file is skipped for the
@@ -26,15 +27,20 @@ within that rounding, and the trainer's own computation is deterministic.)
 The run folder holds ``config.json`` (the effective configuration: every hyper-parameter, a
 valid ``--config`` file), ``metrics.jsonl``, ``tensorboard/``, ``curves.png``,
 ``heldout/metrics.jsonl``, ``heldout.png`` and ``checkpoints/step_NNNNNN/`` (``model/`` is a
-transformers checkpoint that ``agents eval --model`` loads).
+transformers checkpoint that ``agents eval --model`` loads). The environment is made before the
+folder is touched, so that a bad id or option leaves nothing behind; a folder that holds neither a
+checkpoint nor a trained step (a run that stopped before its first) is no run to protect, and a
+new run starts in it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -61,6 +67,7 @@ from agents.training.checkpoint import (
     CorruptCheckpointError,
     latest_checkpoint,
     latest_valid_checkpoint,
+    prune_checkpoints,
     remove_stale_temporaries,
 )
 from agents.training.metrics import read_jsonl
@@ -170,12 +177,16 @@ async def train(
 
     Args:
         config: The run (see :class:`~agents.config.TrainConfig`).
-        out_dir: The run folder; must not hold another run unless ``resume``.
-        learner: Your own learner instead of ``config.algo``'s; the config's ``strategy``,
-            ``credit`` and ``loss`` sections still apply to it.
+        out_dir: The run folder; must not hold another run unless ``resume`` (one that stopped
+            before its first trained step is replaced).
+        learner: Your own learner instead of ``config.algo``'s; the config's ``credit`` and
+            ``loss`` sections still apply to it, and its ``strategy`` section when the config is
+            made for it (``agents.config.resolve(..., learner=learner)``; see
+            :func:`agents.config.build`).
         resume: Continue the run in ``out_dir`` from its newest intact checkpoint. Only
             :data:`~agents.config.RESUMABLE` values (``steps``, evaluation and checkpoint
-            cadence) may differ from the saved configuration; another ``algo`` is refused first.
+            cadence, ``keep_checkpoints``) may differ from the saved configuration; another
+            ``algo`` is refused first.
         progress: Progress bars (``None``: when writing to a terminal).
         log: Where one-line notes go (checkpoints, evaluations).
     """
@@ -184,21 +195,26 @@ async def train(
         _require_the_runs_algorithm(out, learner.name if learner is not None else config.algo)
     parts = build(config, learner)
     effective = effective_config(config, parts)
-    checkpoint = _prepare_run_folder(out, effective, resume, log)
-    (out / CONFIG_FILE).write_text(json.dumps(effective.to_dict(), indent=2) + "\n", encoding="utf-8")
-    _warn_if_it_cannot_fit(config, parts, log)
-
-    cluster = parts.cluster
-    if cluster.uses_ray:
-        from agents.cluster.runtime import ensure_ray
-
-        ensure_ray(cluster.address, processes=_processes(cluster))
-    trainer = _make_trainer(config, parts, out, progress)
-    env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), trainer.tokenizer)
-    rollout = _make_rollout(config, parts, env, trainer, log)
-    trainer.engine = rollout.engine  # each step ends with the weights synced to it
-    heldout = None
+    cleanup = contextlib.AsyncExitStack()  # closes what was made, in reverse, however the run ends
     try:
+        # Made first, so that a bad environment id or option fails before the run folder or the model is touched.
+        task_env = agentenv.make(config.env, **config.env_kwargs)
+        cleanup.callback(task_env.close)
+        checkpoint = _prepare_run_folder(out, effective, resume, log)
+        (out / CONFIG_FILE).write_text(json.dumps(effective.to_dict(), indent=2) + "\n", encoding="utf-8")
+        _warn_if_it_cannot_fit(config, parts, log)
+
+        cluster = parts.cluster
+        if cluster.uses_ray:
+            from agents.cluster.runtime import ensure_ray
+
+            ensure_ray(cluster.address, processes=_processes(cluster))
+        trainer = _make_trainer(config, parts, out, progress)
+        cleanup.callback(trainer.close)
+        env = TokenEnv(task_env, trainer.tokenizer)
+        rollout = _make_rollout(config, parts, env, trainer, log)
+        cleanup.push_async_callback(rollout.close)
+        trainer.engine = rollout.engine  # each step ends with the weights synced to it
         position: dict[str, Any] = {}
         if checkpoint is not None:
             checkpoint, position = _resume(trainer, checkpoint, log)
@@ -209,6 +225,7 @@ async def train(
             resume_step=trainer.step_count if checkpoint is not None else None,
             tensorboard=parts.trainer.tensorboard,
         )
+        cleanup.callback(heldout.close)
         order = TaskOrder(len(env.tasks) if hasattr(env, "tasks") else None, config.holdout, config.seed, **position)
         evaluation = _HeldOutEvaluation(config, parts.tree, rollout, heldout, progress, log)
         if trainer.step_count == 0 and config.eval_before:
@@ -224,16 +241,15 @@ async def train(
             if step % config.checkpoint_every == 0 or step == config.steps:
                 last_checkpoint = trainer.save_checkpoint(data_position=order.position())
                 log(f"step {step}: checkpoint {last_checkpoint}")
+                if config.keep_checkpoints is not None:
+                    for old in prune_checkpoints(last_checkpoint.parent, config.keep_checkpoints):
+                        log(f"step {step}: removed checkpoint {old} (keep_checkpoints={config.keep_checkpoints})")
             if step == config.steps or (config.eval_every and step % config.eval_every == 0):
                 await evaluation.run(step=step)
         history = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
         return TrainResult(out, effective, trainer.step_count, last_checkpoint, history, list(heldout.results))
     finally:
-        env.close()
-        if heldout is not None:
-            heldout.close()
-        trainer.close()
-        await rollout.close()
+        await cleanup.aclose()
 
 
 def _on_gpu(config: TrainConfig) -> bool:
@@ -451,24 +467,46 @@ def _require_the_runs_algorithm(out: Path, algo: str) -> None:
         )
 
 
+#: What a run writes at the top of its folder besides ``checkpoints/``.
+_RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "tensorboard", "heldout", "curves.png", "heldout.png")
+
+
 def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool, log: Callable[[str], None]) -> Path | None:
     """Check ``out`` for a new run or a resume; returns the checkpoint to resume from (``None``: new run).
 
-    For a resume: removes what interrupted checkpoint saves left, and returns the newest checkpoint
-    whose files pass :func:`~agents.training.checkpoint.verify_checkpoint`, logging each one skipped.
+    A folder without a checkpoint is no run to protect when it holds no trained step either (a run
+    that stopped before its first, e.g. at loading the model): a new run starts there, in place of
+    what that one left. One whose steps were all lost (no checkpoint came) is refused, naming the
+    way out. For a resume: removes what interrupted checkpoint saves left, and returns the newest
+    checkpoint whose files pass :func:`~agents.training.checkpoint.verify_checkpoint`, logging each
+    one skipped.
     """
     saved_path = out / CONFIG_FILE
+    root = out / "checkpoints"
+    newest = latest_checkpoint(root)
+    trained = _trained_steps(out)
     if not resume:
-        if saved_path.exists() or (out / "checkpoints").exists() or (out / "metrics.jsonl").exists():
+        if newest is not None:
             raise FileExistsError(
-                f"{out} already holds a training run; continue it with --resume, or choose another --out"
+                f"{out} already holds a training run (its newest checkpoint is {newest.name}); continue it with "
+                "--resume, or choose another --out"
             )
+        if trained:
+            raise FileExistsError(_lost_steps(out, trained, "start it again there"))
+        _replace_a_failed_start(out, log)
         out.mkdir(parents=True, exist_ok=True)
         return None
-    root = out / "checkpoints"
-    if latest_checkpoint(root) is None or not saved_path.is_file():
+    if newest is None:
+        if trained:
+            raise FileNotFoundError(_lost_steps(out, trained, "start it again without --resume"))
         raise FileNotFoundError(
-            f"{out} holds no checkpoint and {CONFIG_FILE} to resume from; start the run without --resume"
+            f"{out} holds no checkpoint to resume from (no step of a run there was trained); "
+            "start the run without --resume"
+        )
+    if not saved_path.is_file():
+        raise FileNotFoundError(
+            f"{out} holds checkpoints but no {CONFIG_FILE}, the run's configuration, so it cannot be resumed; "
+            f"put the {CONFIG_FILE} of the run back, or start a new run in another folder"
         )
     saved = TrainConfig.from_dict(saved_config(out))
     changed = [name for name in saved.changed(effective) if name.split(".")[0] not in RESUMABLE]
@@ -493,6 +531,51 @@ def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool, log: Ca
             f"no checkpoint in {root} is intact ({'; '.join(skipped)}); start the run again in another folder"
         )
     return checkpoint
+
+
+def _trained_steps(out: Path) -> int:
+    """How many steps the run in ``out`` recorded in ``metrics.jsonl`` (a line each; 0 without the file)."""
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
+
+
+def _lost_steps(out: Path, trained: int, then: str) -> str:
+    return (
+        f"{out} holds a run that trained {trained} step{'s' if trained != 1 else ''} but stopped before its first "
+        f"checkpoint, so there is nothing to resume; to {then}, delete the folder first (rm -r {out}), "
+        "or choose another --out"
+    )
+
+
+def _replace_a_failed_start(out: Path, log: Callable[[str], None]) -> None:
+    """Remove what a run that stopped before its first step left in ``out`` (no checkpoint, no trained step).
+
+    Only when ``out/config.json`` is a run's configuration: a folder of other things named alike is
+    refused, never cleared.
+    """
+    config_path = out / CONFIG_FILE
+    if not config_path.is_file():
+        return
+    try:
+        TrainConfig.from_dict(saved_config(out))
+    except (ValueError, TypeError):
+        raise FileExistsError(
+            f"{config_path} is not the configuration of a training run, and a run writes its own there; "
+            "choose another --out"
+        ) from None
+    left = [path for path in (out / name for name in _RUN_FILES) if path.exists()]
+    names = ", ".join(path.name + ("/" if path.is_dir() else "") for path in left)
+    for path in left:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    log(
+        f"{out} held a run that stopped before its first step (no checkpoint, no trained step): starting anew, "
+        f"in place of its {names}"
+    )
 
 
 def _resume(

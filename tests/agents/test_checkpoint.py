@@ -24,6 +24,7 @@ from agents.training.checkpoint import (
     latest_checkpoint,
     latest_valid_checkpoint,
     load_checkpoint,
+    prune_checkpoints,
     remove_stale_temporaries,
     save_checkpoint,
     set_rng_state,
@@ -348,3 +349,35 @@ def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path):
     save(model, optimizer, scheduler, tmp_path, 1)
     verify_checkpoint(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"] and not (path / "stray").exists()
+
+
+def test_pruning_keeps_the_newest_intact_checkpoints_and_never_the_last_intact_one(tmp_path):
+    model = tiny_model(0)
+    optimizer, scheduler = trained(model)
+    paths = [save(model, optimizer, scheduler, tmp_path, step) for step in (1, 2, 3, 4)]
+    _truncate(paths[3] / "model" / "model.safetensors")  # the newest is damaged: it counts for nothing
+
+    assert prune_checkpoints(tmp_path, keep=2) == [paths[0]]  # 3 and 2 are the two newest intact ones
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003", "step_000004"]
+    assert prune_checkpoints(tmp_path, keep=1) == [paths[1]]
+    _truncate(paths[2] / "trainer_state.pt")
+    assert prune_checkpoints(tmp_path, keep=1) == []  # no intact checkpoint is left to count: nothing goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004"]  # no temporary left
+    assert prune_checkpoints(tmp_path / "absent", keep=1) == []
+    with pytest.raises(
+        ValueError, match=r"keep must be an int >= 1 \(the newest intact checkpoint always stays\), got 0"
+    ):
+        prune_checkpoints(tmp_path, keep=0)
+
+
+def test_a_checkpoint_being_pruned_is_renamed_away_before_it_is_deleted(tmp_path, monkeypatch):
+    model = tiny_model(0)
+    optimizer, scheduler = trained(model)
+    old, new = (save(model, optimizer, scheduler, tmp_path, step) for step in (1, 2))
+    renames = []
+    real_rename = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: (renames.append((Path(a), Path(b))), real_rename(a, b))[1])
+    assert prune_checkpoints(tmp_path, keep=1) == [old]
+    assert renames == [(old, tmp_path / f".step_000001.tmp.removed.{os.getpid()}@{socket.gethostname()}")]
+    assert remove_stale_temporaries(tmp_path) == []  # and deleted: nothing of it is left for the next save
+    assert [p.name for p in tmp_path.iterdir()] == [new.name]

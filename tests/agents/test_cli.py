@@ -1,14 +1,18 @@
 """The ``agents`` command: argument errors name the problem; ``agents eval`` runs the real model offline."""
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from agents.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_main(capsys, *argv):
@@ -74,6 +78,161 @@ def test_an_unknown_engine_is_refused_by_the_parser(capsys):
     assert code == 2 and "invalid choice: 'tgi'" in err
     code, err = run_main(capsys, "eval", "--env", "multihop-qa", "--grader", "llm")
     assert code == 2 and "argument --grader: invalid choice: 'llm' (choose from 'em', 'judge')" in err
+
+
+# -- a fast command line: help, version, errors before anything loads -----------------------------
+
+PROBE = """
+import contextlib, io, json, sys
+from agents.cli import main
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as exited:
+        code = exited.code
+print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue(),
+                  "loaded": sorted({name.split(".")[0] for name in sys.modules})}))
+"""
+
+
+def probe(*argv):
+    """``agents ARGV`` in a fresh interpreter: its exit code, output, and the top-level modules it loaded."""
+    result = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize(
+    ("argv", "heavy"),
+    [
+        (["--help"], {"torch", "transformers", "agentenv"}),
+        (["--version"], {"torch", "transformers", "agentenv"}),
+        (["train", "--help"], {"torch", "transformers", "agentenv"}),
+        (["eval", "--help"], {"torch", "transformers"}),  # its defaults live beside the environments
+    ],
+)
+def test_help_and_version_answer_without_loading_torch(argv, heavy):
+    result = probe(*argv)
+    assert result["code"] == 0 and result["out"].startswith(("usage: agents", "agents "))
+    assert heavy.isdisjoint(result["loaded"]), sorted(heavy & set(result["loaded"]))
+
+
+def test_an_unknown_env_is_reported_before_anything_loads_or_is_written(tmp_path):
+    result = probe("train", "--env", "nope-qa", "--out", str(tmp_path / "run"))
+    assert result["code"] == 2 and result["err"].count("\n") == 1
+    assert (
+        result["err"].startswith("agents train: error: ") and "No environment registered as 'nope-qa'" in result["err"]
+    )
+    assert {"torch", "transformers"}.isdisjoint(result["loaded"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_both_commands_print_their_version(capsys):
+    from agentenv.__main__ import main as agentenv_main
+
+    installed = importlib.metadata.version("agentenv")
+    for name, command in (("agents", main), ("agentenv", agentenv_main)):
+        with pytest.raises(SystemExit) as exited:
+            command(["--version"])
+        assert exited.value.code == 0 and capsys.readouterr().out == f"{name} {installed}\n"
+
+
+def test_train_help_shows_the_defaults_and_names_every_learner(capsys, monkeypatch):
+    from agents.learners import LEARNERS
+
+    monkeypatch.setenv("COLUMNS", "400")  # no wrapped lines (textwrap would break cpu-demo at its hyphen)
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for expected in (
+        f"--algo NAME the learner: {', '.join(LEARNERS)} (default at2po)",
+        "--steps STEPS rollout batches to train on (default 100; --preset cpu-demo: 3)",
+        "--prompts-per-step PROMPTS_PER_STEP prompts per rollout batch (default 64; --preset cpu-demo: 2)",
+        "--holdout HOLDOUT the env's first N tasks are never trained on (default 100; --preset cpu-demo: 50)",
+        "--eval-questions EVAL_QUESTIONS held-out questions evaluated before, during and after "
+        "(default 100; --preset cpu-demo: 8)",
+        "--checkpoint-every CHECKPOINT_EVERY checkpoint every N steps and after the last "
+        "(default 10; --preset cpu-demo: 2)",
+        "every one (default 2)",
+    ):
+        assert expected in text, expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "start"),
+    [
+        (
+            ["eval", "--env", "multihop-qa", "--model", "/no/such/folder", "--env-arg", "topk=0"],
+            "agents eval: error: multihop-qa with the options topk=0 (from --env-arg): ",  # before the model
+        ),
+        (
+            ["eval", "--env", "multihop-qa", "--env-arg", "colour=1"],
+            "agents eval: error: multihop-qa with the options colour=1 (from --env-arg): ",
+        ),
+        (
+            ["train", "--set", "env_kwargs.colour=1", "--print-config"],
+            "agents train: error: multihop-qa with the options colour=1 "
+            "(from env_kwargs: --preset, --config or --set env_kwargs.NAME): ",
+        ),
+        (
+            ["train", "--preset", "cpu-demo", "--set", "env_kwargs.topk=0", "--print-config"],
+            "agents train: error: multihop-qa with the options reward='at2po', max_tool_calls=2, topk=0, "
+            "result_chars=300, example=True, require_boxed=False (from env_kwargs: --preset, --config or --set ",
+        ),
+        (
+            ["train", "--set", "trainer.nope=1", "--print-config"],
+            "agents train: error: trainer has no setting 'nope'; the settings are lr, ",
+        ),
+        (
+            ["train", "--set", "trainer.lr", "--print-config"],
+            "agents train: error: --set takes KEY=VALUE (e.g. trainer.lr=1e-5), got 'trainer.lr'",
+        ),
+        (
+            ["train", "--algo", "ppo", "--print-config"],
+            "agents train: error: unknown algo 'ppo'; choose one of at2po, aepo, grpo, tree-grpo, arpo, "
+            "or pass your own learner to agents.train.train",
+        ),
+    ],
+)
+def test_user_errors_are_one_line_with_the_value_given_and_exit_2(capsys, argv, start):
+    code, err = run_main(capsys, *argv)
+    assert code == 2 and err.startswith(start), err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_train_without_a_preset_on_a_cpu_warns_what_the_papers_budget_costs(capsys, monkeypatch, tmp_path):
+    import torch
+
+    import agents.train
+
+    runs = []
+
+    async def recorded_train(config, out, **options):  # what the command would train, without training it
+        runs.append(config)
+        return agents.train.TrainResult(Path(out), config, 0, None)
+
+    monkeypatch.setattr(agents.train, "train", recorded_train)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["train", "--out", str(tmp_path / "papers"), "--no-progress"]) == 0
+    assert capsys.readouterr().err == (
+        "warning: no --preset and no GPU here, so this is the papers' budget on the CPU: 100 steps of 64 prompts, "
+        "6,400 rollout trees (1,067x the 6 of --preset cpu-demo, which take minutes on two cores), responses of up "
+        "to 6192 tokens (24x the demo's 256) and 100 held-out questions before and after. For a first run add "
+        "--preset cpu-demo; --print-config shows every value\n"
+    )
+    assert main(["train", "--preset", "cpu-demo", "--out", str(tmp_path / "demo"), "--no-progress"]) == 0
+    assert capsys.readouterr().err == "" and [config.steps for config in runs] == [100, 3]
+
+
+def test_keep_checkpoints_takes_a_count_or_all(capsys):
+    for flags, kept in (([], 2), (["--keep-checkpoints", "1"], 1), (["--keep-checkpoints", "all"], None)):
+        assert main(["train", "--algo", "grpo", *flags, "--print-config"]) == 0
+        assert json.loads(capsys.readouterr().out)["keep_checkpoints"] == kept
+    code, err = run_main(capsys, "train", "--keep-checkpoints", "0")
+    assert code == 2 and err.endswith(
+        "argument --keep-checkpoints: takes a number >= 1 (the newest checkpoint always stays) or 'all', got '0'\n"
+    )
 
 
 @pytest.mark.slow

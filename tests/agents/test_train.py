@@ -7,6 +7,7 @@ rollout trees, credit, trainer steps, checkpoints and held-out evaluation.
 
 import dataclasses
 import json
+import re
 import struct
 import zipfile
 
@@ -17,7 +18,8 @@ from safetensors.torch import load_file
 import agentenv
 from agents.cli import main
 from agents.config import TrainConfig, merge
-from agents.learners import AEPO, Learner
+from agents.learners import AEPO, GRPOCredit, Learner
+from agents.models import ModelNotAvailableError
 from agents.rollout.strategies import Chain
 from agents.train import TaskOrder, rollout_seed, train
 from agents.training.checkpoint import verify_checkpoint
@@ -178,12 +180,17 @@ async def test_resume_continues_with_the_same_tasks_seeds_and_weights(tiny_model
 async def test_resume_refuses_a_changed_run_and_a_new_run_refuses_a_used_folder(tiny_model, tmp_path):
     config = letters_config(tiny_model, steps=1, eval_questions=0)
     await train(config, tmp_path, progress=False, log=lambda note: None)
-    with pytest.raises(FileExistsError, match="already holds a training run; continue it with --resume"):
+    with pytest.raises(
+        FileExistsError,
+        match=re.escape(
+            "already holds a training run (its newest checkpoint is step_000001); continue it with --resume"
+        ),
+    ):
         await train(config, tmp_path, progress=False)
     changed = letters_config(tiny_model, steps=2, eval_questions=0, trainer={"lr": 1e-3})
     with pytest.raises(ValueError, match="these settings differ from it: trainer.lr; drop them"):
         await train(changed, tmp_path, resume=True, progress=False)
-    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint to resume from"):
         await train(config, tmp_path / "empty", resume=True, progress=False)
     with pytest.raises(
         ValueError, match="trained with algo 'grpo', but this run asks for 'at2po'; the algorithm differs"
@@ -212,7 +219,7 @@ def damage_pickle(archive):
 
 
 async def test_resume_falls_back_past_damaged_checkpoints_and_continues_exactly(tiny_model, tmp_path):
-    config = letters_config(tiny_model, steps=3, eval_questions=0)
+    config = letters_config(tiny_model, steps=3, eval_questions=0, keep_checkpoints=None)  # all three to damage
     await train(config, tmp_path, progress=False, log=lambda note: None)
     checkpoints = tmp_path / "checkpoints"
     straight = load_file(checkpoints / "step_000003" / "model" / "model.safetensors")
@@ -303,3 +310,88 @@ async def test_budget_reward_scores_the_paths_the_token_budget_ended(tiny_model,
     assert record["rollout/budget_cut_frac"] == 1.0
     assert record["reward/mean"] == record["reward/max"] == -1.0
     assert record["tree/reward_max"] == 0.0  # what the environment itself had paid so far
+
+
+# -- run folders: failed starts, lost steps, bounded checkpoints --------------------------------
+
+
+async def test_a_run_that_stopped_before_its_first_step_is_no_run_to_protect(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises((TypeError, ValueError), match="colour"):  # a bad option: nothing is written
+        await train(letters_config(tiny_model, env_kwargs={"colour": 1}), out, progress=False)
+    assert not out.exists()
+    with pytest.raises(ModelNotAvailableError):  # a model that is not there fails after config.json is written
+        await train(letters_config("/no/such/model"), out, progress=False, log=lambda note: None)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+    config = letters_config(tiny_model, steps=1, eval_questions=0)
+    with pytest.raises(FileNotFoundError) as refused:
+        await train(config, out, resume=True, progress=False)
+    assert str(refused.value) == (
+        f"{out} holds no checkpoint to resume from (no step of a run there was trained); start the run without --resume"
+    )
+    notes = []
+    result = await train(config, out, progress=False, log=notes.append)  # the retry without --resume runs
+    assert notes[0] == (
+        f"{out} held a run that stopped before its first step (no checkpoint, no trained step): starting anew, "
+        "in place of its config.json"
+    )
+    assert result.steps == 1 and json.loads((out / "config.json").read_text())["model"] == tiny_model
+
+
+async def test_a_run_whose_steps_were_lost_before_a_checkpoint_names_the_way_out(tiny_model, tmp_path):
+    config = letters_config(tiny_model, steps=1, eval_questions=0)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')  # two steps, then a crash
+    lost = f"{tmp_path} holds a run that trained 2 steps but stopped before its first checkpoint, so there is nothing"
+    with pytest.raises(FileExistsError) as refused:
+        await train(config, tmp_path, progress=False)
+    assert str(refused.value) == (
+        f"{lost} to resume; to start it again there, delete the folder first (rm -r {tmp_path}), or choose another --out"
+    )
+    with pytest.raises(FileNotFoundError) as refused:
+        await train(config, tmp_path, resume=True, progress=False)
+    assert str(refused.value) == (
+        f"{lost} to resume; to start it again without --resume, delete the folder first (rm -r {tmp_path}), "
+        "or choose another --out"
+    )
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "config.json").write_text('{"name": "my project"}')  # not a run's: never cleared
+    with pytest.raises(FileExistsError, match="config.json is not the configuration of a training run"):
+        await train(config, tmp_path, progress=False)
+    assert (tmp_path / "config.json").read_text() == '{"name": "my project"}'
+
+
+async def test_a_preset_s_strategy_sizes_never_replace_a_learner_s_own(tiny_model, tmp_path):
+    mine = Learner(strategy=Chain(4), credit=GRPOCredit(), name="mine")
+    with pytest.raises(ValueError, match=re.escape("the config's strategy section {'n': 6} is for algo 'grpo'")):
+        await train(letters_config(tiny_model), tmp_path / "run", learner=mine, progress=False)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+async def test_keep_checkpoints_bounds_the_run_folder_and_resume_continues_exactly(tiny_model, tmp_path):
+    straight = await train(
+        letters_config(tiny_model, steps=3, eval_questions=0, keep_checkpoints=None),
+        tmp_path / "a",
+        progress=False,
+        log=lambda note: None,
+    )
+    assert len(list((tmp_path / "a" / "checkpoints").iterdir())) == 3  # None: every checkpoint stays
+
+    notes = []
+    kept = letters_config(tiny_model, steps=2, eval_questions=0, keep_checkpoints=1)
+    await train(kept, tmp_path / "b", progress=False, log=notes.append)
+    checkpoints = tmp_path / "b" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["step_000002"]
+    resumed = await train(
+        dataclasses.replace(kept, steps=3), tmp_path / "b", resume=True, progress=False, log=notes.append
+    )
+    assert [note for note in notes if "removed" in note] == [
+        f"step 2: removed checkpoint {checkpoints / 'step_000001'} (keep_checkpoints=1)",
+        f"step 3: removed checkpoint {checkpoints / 'step_000002'} (keep_checkpoints=1)",
+    ]
+    assert [p.name for p in checkpoints.iterdir()] == ["step_000003"]
+    assert resumed.history[-1]["policy/loss"] == straight.history[-1]["policy/loss"]  # resumed from the newest
+    a = load_file(tmp_path / "a" / "checkpoints" / "step_000003" / "model" / "model.safetensors")
+    b = load_file(checkpoints / "step_000003" / "model" / "model.safetensors")
+    assert all(torch.equal(a[name], b[name]) for name in a)

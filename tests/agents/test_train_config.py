@@ -6,6 +6,7 @@ import pytest
 
 from agents.config import (
     PRESETS,
+    RESUMABLE,
     TrainConfig,
     build,
     effective_config,
@@ -195,8 +196,9 @@ def test_changed_names_the_differing_values_by_their_dotted_path():
 
 def test_a_learner_of_your_own_takes_the_config_sections_too():
     mine = Learner(strategy=Chain(3), credit=GRPOCredit(), loss=gspo_loss, name="mine")
-    parts = build(config_with(parse_overrides(["strategy.n=5", "loss.eps_high=5e-4"])), learner=mine)
+    parts = build(config_with(parse_overrides(["algo=mine", "strategy.n=5", "loss.eps_high=5e-4"])), learner=mine)
     assert parts.learner.strategy == Chain(5) and parts.trainer.loss is gspo_loss
+    assert build(config_with({"loss": {"eps_high": 5e-4}}), learner=mine).learner.loss_kwargs == {"eps_high": 5e-4}
     effective = effective_config(TrainConfig(), build(TrainConfig(), learner=mine))
     assert effective.algo == "mine"
     assert effective.loss == {
@@ -207,6 +209,52 @@ def test_a_learner_of_your_own_takes_the_config_sections_too():
         "entropy_coef": 0.0,
     }
     assert build(TrainConfig(), learner=AT2PO(name="x")).learner.name == "x"
+
+
+@pytest.mark.parametrize(("strategy", "size"), [(EntropyTree(M=2, L=1, K=2), "M"), (Chain(4), "n")])
+def test_a_preset_never_replaces_the_strategy_sizes_of_a_learner_passed_in(strategy, size):
+    mine = Learner(strategy=strategy, credit=GRPOCredit(), name="mine")
+    with pytest.raises(ValueError) as conflict:  # the README's trap: a config resolved for at2po
+        build(resolve(preset_name="cpu-demo"), learner=mine)
+    assert str(conflict.value) == (
+        "the config's strategy section {'M': 4, 'L': 1, 'K': 2} is for algo 'at2po' (a preset fills it with the "
+        "sizes of that learner's strategy), but the learner passed in is 'mine', whose strategy is "
+        f"{strategy!r}: the section would replace its sizes; resolve the config for your learner with "
+        "agents.config.resolve(..., learner=yours), which leaves a preset's strategy sizes out, or set algo to "
+        "'mine' to apply the section to it"
+    )
+
+    config = resolve(preset_name="cpu-demo", learner=mine)  # the preset's shared settings, your sizes
+    assert (config.algo, config.strategy, config.steps, config.trainer["lr"]) == ("mine", {}, 3, 5e-5)
+    assert build(config, learner=mine).learner.strategy == strategy
+    assert effective_config(config, build(config, learner=mine)).algo == "mine"
+    resized = resolve(preset_name="cpu-demo", learner=mine, assignments=[f"strategy.{size}=3"])
+    assert getattr(build(resized, learner=mine).learner.strategy, size) == 3  # your own --set still applies
+
+
+def test_a_learner_named_like_a_shipped_one_keeps_its_sizes_and_a_misfit_section_says_why():
+    small = AT2PO(strategy=EntropyTree(M=2, L=1, K=1))
+    assert build(resolve(preset_name="cpu-demo", learner=small), learner=small).learner.strategy.M == 2
+    with pytest.raises(ValueError, match="the config names algo 'grpo', but it is resolved for the learner 'at2po'"):
+        resolve(values={"algo": "grpo"}, learner=small)
+    chains = Learner(strategy=Chain(4), credit=GRPOCredit(), name="grpo")
+    with pytest.raises(ValueError) as misfit:  # named like grpo, so grpo's preset sizes apply: they must fit
+        build(resolve(preset_name="cpu-demo", values={"algo": "grpo", "strategy": {"k": 6}}), learner=chains)
+    assert str(misfit.value) == (
+        "strategy Chain has no field k; its fields are n: the config's strategy section {'n': 6, 'k': 6} does not "
+        "fit the learner passed in (Chain(n=4)); leave the section empty to keep the learner's own sizes "
+        "(agents.config.resolve(..., learner=yours) leaves a preset's out)"
+    )
+
+
+def test_keep_checkpoints_is_a_count_or_none_and_may_change_on_resume():
+    assert TrainConfig().keep_checkpoints == 2 and resolve(preset_name="cpu-demo").keep_checkpoints == 2
+    assert TrainConfig(keep_checkpoints=None).keep_checkpoints is None  # every checkpoint stays
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="keep_checkpoints must be an int >= 1 .*, or None to keep every"):
+            TrainConfig(keep_checkpoints=bad)
+    assert TrainConfig().changed(TrainConfig(keep_checkpoints=5)) == ["keep_checkpoints"]
+    assert "keep_checkpoints" in RESUMABLE
 
 
 def test_resolve_layers_defaults_preset_file_flags_and_set_in_that_order(tmp_path):
