@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 import warnings
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TextIO, TypeVar, get_args
 
 from agentenv.tools import Tool, ToolError
 
@@ -170,6 +171,7 @@ class _Server:
 
     def client(self) -> Client:
         from mcp import Client, StdioServerParameters
+        from mcp.client.stdio import stdio_client
 
         if isinstance(self.spec, MCPHttpServer):
             return Client(self.spec.url, read_timeout_seconds=self.timeout_s)
@@ -179,11 +181,23 @@ class _Server:
             env=dict(self.spec.env) if self.spec.env is not None else None,
             cwd=self.spec.cwd,
         )
-        return Client(params, read_timeout_seconds=self.timeout_s)
+        # The SDK's default errlog is the sys.stderr of its import, which may be a stream without a
+        # file descriptor (pytest's capture, some notebooks) that the subprocess cannot inherit.
+        return Client(stdio_client(params, errlog=_server_stderr()), read_timeout_seconds=self.timeout_s)
 
     def error(self, tool: str | None, what: str) -> ToolError:
         where = f"MCP server `{self.label}`" + (f", tool `{tool}`" if tool else "")
         return ToolError(f"{where}: {what}")
+
+
+def _server_stderr() -> TextIO:
+    """Where a stdio server's stderr goes: this process's stderr, or the original one when the current
+    stream has no file descriptor."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both OSError and ValueError
+        return sys.__stderr__ or sys.stderr
+    return sys.stderr
 
 
 class _Session:

@@ -263,3 +263,17 @@ def test_bad_servers_and_options_fail_at_mcp_tools():
         TypeError, match=r"args is a sequence of arguments, got the string 'server.py': pass \['server.py'\]"
     ):
         MCPStdioServer("python", "server.py")
+
+
+async def test_a_stdio_server_starts_when_sys_stderr_has_no_file_descriptor(monkeypatch):
+    # pytest's capture and some notebooks replace sys.stderr with a stream the subprocess cannot inherit;
+    # the SDK's stdio_client binds the sys.stderr of its import as its default errlog
+    import io
+
+    import mcp.client.stdio
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.setattr(mcp.client.stdio.stdio_client.__wrapped__, "__defaults__", (sys.stderr,))
+    tools = {t.name: t for t in mcp_tools(STDIO, fork="share")}
+    assert await tools["incr"].acall({"key": "no-fileno"}) == "no-fileno=1"
+    tools["incr"].fn.close()
