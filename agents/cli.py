@@ -533,6 +533,19 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="device of the trainer's model (default: cuda if present, else cpu)")
     p.add_argument("--out", type=Path, help="the run folder (default runs/ALGO-ENV-TIME)")
     p.add_argument(
+        "--report-to",
+        nargs="+",
+        metavar="NAME",
+        help="where metrics go besides OUT/metrics.jsonl: tensorboard (OUT/tensorboard/), wandb (Weights & Biases, "
+        "files in OUT/wandb/; WANDB_MODE=offline needs no network), several at once, or none "
+        "(default tensorboard; trainer.report_to)",
+    )
+    p.add_argument(
+        "--wandb-project",
+        metavar="NAME",
+        help="the W&B project (default $WANDB_PROJECT, else agentenv); the W&B run is named after the run folder",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="continue the run in --out from its newest intact checkpoint (a damaged one is skipped, with a note)",
@@ -617,6 +630,15 @@ def _run_train(args: argparse.Namespace) -> int:
     cluster = {field: getattr(args, flag) for flag, field in _CLUSTER_FLAGS.items() if getattr(args, flag) is not None}
     if cluster:
         values["cluster"] = cluster
+    trainer: dict[str, Any] = {}
+    if args.report_to is not None:
+        from agents.training.reporting import check_report_to
+
+        trainer["report_to"] = list(check_report_to(args.report_to, "--report-to"))
+    if args.wandb_project is not None:
+        trainer["wandb_project"] = args.wandb_project
+    if trainer:
+        values["trainer"] = trainer
     base = None
     if args.resume:
         from agents.train import saved_config
@@ -654,7 +676,8 @@ def _run_train(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"{config.algo}-{config.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
     print(
         f"=== agents train --algo {config.algo} on {config.env} with {config.model} ({config.engine}): "
-        f"{config.steps} steps of {config.prompts_per_step} prompts; run folder {out}"
+        f"{config.steps} steps of {config.prompts_per_step} prompts; run folder {out}",
+        flush=True,  # before the progress lines on stderr, in a log file of both
     )
     from agents.heldout import comparison_table
     from agents.train import train
@@ -665,7 +688,8 @@ def _run_train(args: argparse.Namespace) -> int:
         first, last = result.heldout[0], result.heldout[-1]
         print("\n=== held-out questions (greedy; never trained on), before and after training, 95% intervals")
         print(comparison_table([first, last], [f"before (step {first.step})", f"after (step {last.step})"]))
-    print(f"\nrun folder:  {out}  (config.json, metrics.jsonl, tensorboard/, heldout/)")
+    reporters = "".join(f", {name}/" for name in ("tensorboard", "wandb") if (out / name).is_dir())
+    print(f"\nrun folder:  {out}  (config.json, metrics.jsonl{reporters}, heldout/)")
     print(f"curves:      {out / 'curves.png'}" + (f", {out / 'heldout.png'}" if result.heldout else ""))
     if result.checkpoint is not None:
         print(f"checkpoint:  {result.checkpoint}")

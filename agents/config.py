@@ -86,7 +86,8 @@ SECTIONS = (
     "cluster",
 )
 #: Values that may change when a run resumes; any other change would make it another run.
-#: (A run resumes at any number of trainer ranks and rollout workers: ``cluster`` may change too.)
+#: (A run resumes at any number of trainer ranks and rollout workers: ``cluster`` may change too;
+#: where metrics are reported, ``trainer.report_to`` and ``trainer.wandb_project``, as well.)
 RESUMABLE = frozenset(
     {
         "steps",
@@ -97,6 +98,8 @@ RESUMABLE = frozenset(
         "keep_checkpoints",
         "engine_kwargs",
         "cluster",
+        "trainer.report_to",
+        "trainer.wandb_project",
     }
 )
 # Set by the run itself (or by the learner), never through a section.
@@ -212,7 +215,12 @@ class TrainConfig:
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"unknown config key {unknown[0]!r}; the keys are {', '.join(known)}")
-        return cls(**copy.deepcopy(dict(values)))
+        values = copy.deepcopy(dict(values))
+        trainer = values.get("trainer")
+        if isinstance(trainer, dict) and isinstance(trainer.get("tensorboard"), bool):
+            # config.json of runs written before trainer.report_to replaced the tensorboard switch
+            trainer["report_to"] = ["tensorboard"] if trainer.pop("tensorboard") else ["none"]
+        return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a nested, JSON-ready dict (the layout of a config file)."""

@@ -36,7 +36,6 @@ import asyncio
 import dataclasses
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -444,12 +443,13 @@ async def evaluate(
         on_trajectory: Called with each trajectory as soon as its episode ends (e.g. to append
             it to a JSONL file); with a judge, once its answer is judged, the
             :class:`~agentenv.judge.Judgement` in ``info["judge"]``.
-        progress: Show a progress bar (episodes, rate, ETA, running EM) on stderr.
+        progress: Show the progress (episodes, rate, ETA, running EM) on stderr: a tqdm bar on a
+            terminal, a line every 30 s elsewhere (:func:`agents.progress.progress_bar`).
         judge: An LLM judge (``grader="judge"``): each answer is judged while the other episodes
             run, and the judge's verdicts decide ``judge`` and pass@k. Only for environments
             with a task list (questions and gold answers).
     """
-    from tqdm.auto import tqdm
+    from agents.progress import progress_bar
 
     rollout = dataclasses.replace(rollout or RolloutConfig(sampling=SamplingParams(temperature=0)), keep_states=False)
     if not env_ids:
@@ -504,9 +504,7 @@ async def evaluate(
             on_trajectory(trajectory)
 
     try:
-        with tqdm(
-            total=len(episodes), desc="eval", unit="episode", file=sys.stderr, disable=not progress, dynamic_ncols=True
-        ) as bar:
+        with progress_bar("eval", len(episodes), unit="episodes", show=progress) as bar:
             async for trajectory in stream_episodes(engine, episodes, rollout):
                 env_id, index, number = trajectory.key
                 sample = Sample.of(trajectory)

@@ -4,10 +4,12 @@ A training run keeps the first ``holdout`` tasks of its environment out of train
 the policy on them before training, every ``eval_every`` steps and after the last step:
 greedy decoding, no tree, the papers' evaluation (:func:`agents.evaluation.evaluate`). Each
 score comes with a 95% confidence interval over the questions: the Wilson interval for a
-proportion (EM, format adherence), the normal interval of a mean otherwise (F1, reward), so that
-a change between two evaluations can be told from noise.
+proportion (EM, format adherence), the normal interval of a mean otherwise (F1, reward), kept
+inside the score's range (F1's [0, 1]), so that a change between two evaluations can be told
+from noise.
 
-Results go to ``heldout/metrics.jsonl`` (and TensorBoard) in the run folder, one record per
+Results go to ``heldout/metrics.jsonl`` in the run folder (and to the run's reporters:
+TensorBoard under ``heldout/tensorboard/``, the run's W&B run as ``heldout/em``, …), one record per
 evaluation with ``em``, ``em_low``, ``em_high``, … (see :data:`SCORES`), and are drawn into
 ``heldout.png``.
 """
@@ -20,20 +22,27 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.engines.base import Engine, SamplingParams
 from agents.evaluation import evaluate
 from agents.rollout import RolloutConfig
 from agents.rollout.tree_loop import TreeConfig
-from agents.training.metrics import MetricsLog
+from agents.training.metrics import FRACTION, Display, MetricsLog, label_axis, save_figure
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.container import ErrorbarContainer
+    from matplotlib.figure import Figure
 
 __all__ = [
     "SCORES",
+    "SCORE_DISPLAY",
     "HeldOut",
     "HeldOutLog",
     "Score",
     "comparison_table",
+    "draw_scores",
     "evaluate_heldout",
     "greedy_rollout",
     "interval",
@@ -45,6 +54,14 @@ SCORES: dict[str, str] = {
     "f1": "word F1 of the final answer",
     "format_ok": "answer given in the required format",
     "reward": "the environment's reward (the training reward)",
+}
+#: How each score is drawn in ``heldout.png``: the panel's title, the unit and the score's range,
+#: which its interval stays inside (the reward's is the reward scheme's, not known here).
+SCORE_DISPLAY: dict[str, Display] = {
+    "em": Display("exact match", "fraction of questions", FRACTION),
+    "f1": Display("word F1", "mean F1 (0 to 1)", FRACTION),
+    "format_ok": Display("answer format followed", "fraction of questions", FRACTION),
+    "reward": Display("reward", "mean reward"),
 }
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 
@@ -61,12 +78,15 @@ class Score:
         return f"{self.mean:.3f} [{self.low:.3f}, {self.high:.3f}]"
 
 
-def interval(values: Sequence[float]) -> Score:
+def interval(values: Sequence[float], bounds: tuple[float, float] | None = None) -> Score:
     """The mean of ``values`` with a 95% confidence interval.
 
     Values that are all 0 or 1 are a proportion: Wilson score interval (Wilson 1927), which
     stays inside [0, 1] and is not empty at 0 or 1. Otherwise the normal interval
-    ``mean ± z·s/√n`` with the sample standard deviation ``s``.
+    ``mean ± z·s/√n`` with the sample standard deviation ``s``, clipped to ``bounds``, the range
+    the values can take (F1's [0, 1]): the mean cannot leave it, but the symmetric normal
+    interval does near its ends (F1 0.06 over 8 questions: [-0.06, 0.18]). A single value's
+    interval is the whole of ``bounds`` (unbounded without them).
     """
     n = len(values)
     if n == 0:
@@ -79,7 +99,8 @@ def interval(values: Sequence[float]) -> Score:
         half = Z_95 * math.sqrt(mean * (1 - mean) / n + z2 / (4 * n * n)) / (1 + z2 / n)
         return Score(mean, max(0.0, centre - half), min(1.0, centre + half))
     half = Z_95 * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.inf  # mean ± z·s/√n
-    return Score(mean, mean - half, mean + half)
+    low, high = bounds if bounds is not None else (-math.inf, math.inf)
+    return Score(mean, max(low, mean - half), min(high, mean + half))
 
 
 @dataclass(frozen=True)
@@ -143,55 +164,90 @@ async def evaluate_heldout(
         "format_ok": [float(s.format_ok) for s in samples],
         "reward": rewards,
     }
-    return HeldOut(step, len(samples), {name: interval(values) for name, values in columns.items()}, report.seconds)
+    scores = {name: interval(values, SCORE_DISPLAY[name].bounds) for name, values in columns.items()}
+    return HeldOut(step, len(samples), scores, report.seconds)
 
 
 class HeldOutLog:
-    """The held-out evaluations of a run: ``heldout/metrics.jsonl``, TensorBoard and ``heldout.png``.
+    """The held-out evaluations of a run: ``heldout/metrics.jsonl``, the reporters and ``heldout.png``.
 
     Args:
         out_dir: The run folder (``None``: keep them in memory).
         resume_step: Continuing a run from this step: evaluations after it are dropped.
-        tensorboard: Also write TensorBoard scalars.
+        report_to: Reporters besides the JSONL file (see :class:`~agents.training.metrics.MetricsLog`):
+            TensorBoard under ``heldout/tensorboard/``; W&B in the run folder's W&B run, the one the
+            trainer's metrics go to in this process, as ``heldout/...``.
+        wandb_project: The W&B project (``None``: ``$WANDB_PROJECT``, else ``agentenv``).
     """
 
-    def __init__(self, out_dir: str | Path | None, *, resume_step: int | None = None, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path | None,
+        *,
+        resume_step: int | None = None,
+        report_to: str | Sequence[str] = ("tensorboard",),
+        wandb_project: str | None = None,
+    ) -> None:
         self.out_dir = None if out_dir is None else Path(out_dir)
         self._log = MetricsLog(
-            None if self.out_dir is None else self.out_dir / "heldout", resume_step=resume_step, tensorboard=tensorboard
+            None if self.out_dir is None else self.out_dir / "heldout",
+            resume_step=resume_step,
+            report_to=report_to,
+            run_dir=self.out_dir,
+            wandb_project=wandb_project,
         )
         self.results = [HeldOut.from_record(record) for record in self._log.history]
 
-    def add(self, result: HeldOut) -> None:
-        """Record an evaluation and redraw the plot."""
+    def add(self, result: HeldOut, *, plot_title: str | None = None) -> None:
+        """Record an evaluation and redraw the plot (headed ``plot_title``, e.g. the run's name)."""
         self._log.log(result.step, result.record())
         self.results.append(result)
         if self.out_dir is not None:
-            self.plot(self.out_dir / "heldout.png")
+            self.plot(self.out_dir / "heldout.png", title=plot_title)
 
-    def plot(self, path: str | Path) -> Path:
-        """Each score against the training step, with its 95% interval as a band."""
+    def figure(self, *, title: str | None = None) -> Figure:
+        """Each score at each evaluated step: a point with its 95% interval, headed ``title``.
+
+        Points, not a line: between two evaluations nothing was measured.
+        """
         from matplotlib.figure import Figure
 
-        figure = Figure(figsize=(4.2 * len(SCORES), 3.0), layout="constrained")
+        figure = Figure(figsize=(4.2 * len(SCORE_DISPLAY), 3.0), layout="constrained")
+        figure.suptitle(f"{title}: held-out scores, 95% intervals" if title else "held-out scores, 95% intervals")
         steps = [result.step for result in self.results]
-        for axis, (name, description) in zip(figure.subplots(1, len(SCORES)), SCORES.items()):
-            scores = [result.scores[name] for result in self.results]
-            axis.plot(steps, [s.mean for s in scores], marker="o", label=name)
-            axis.fill_between(steps, [s.low for s in scores], [s.high for s in scores], alpha=0.2, label="95% CI")
-            axis.set_title(f"held-out {name}")
-            axis.set_xlabel("step")
-            axis.set_ylabel(description, fontsize="x-small")
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize="x-small")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, dpi=100)
-        return path
+        for axis, (name, display) in zip(figure.subplots(1, len(SCORE_DISPLAY)), SCORE_DISPLAY.items()):
+            draw_scores(axis, steps, [result.scores[name] for result in self.results], display.bounds)
+            label_axis(axis, display.name, display.unit)
+        return figure
+
+    def plot(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Draw :meth:`figure` as a PNG at ``path``; returns ``path``."""
+        return save_figure(self.figure(title=title), path)
 
     def close(self) -> None:
-        """Close the TensorBoard writer."""
+        """Close the reporters."""
         self._log.close()
+
+
+def draw_scores(
+    axis: Axes,
+    x: Sequence[float],
+    scores: Sequence[Score],
+    bounds: tuple[float, float] | None,
+    **style: Any,
+) -> ErrorbarContainer:
+    """Draw ``scores`` at ``x`` as points with capped 95% interval bars, unconnected.
+
+    With ``bounds`` (a proportion's [0, 1]) the y-axis shows the whole range, so that scores of
+    panels and of runs compare at a glance. ``style`` goes to ``Axes.errorbar`` (``color``, ``label``).
+    """
+    means = [score.mean for score in scores]
+    errors = [[m - s.low for m, s in zip(means, scores)], [s.high - m for m, s in zip(means, scores)]]
+    container = axis.errorbar(x, means, yerr=errors, fmt="o", capsize=4, **style)
+    if bounds is not None:
+        margin = 0.05 * (bounds[1] - bounds[0])  # points and caps at 0 or 1 stay clear of the frame
+        axis.set_ylim(bounds[0] - margin, bounds[1] + margin)
+    return container
 
 
 def comparison_table(results: Sequence[HeldOut], labels: Sequence[str] | None = None) -> str:

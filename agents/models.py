@@ -18,6 +18,7 @@ checkpoint behind, and a file lock keeps two processes from converting at the sa
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -140,14 +141,26 @@ def load_model(
     name: str = DEFAULT_MODEL,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    *,
+    progress: bool | None = False,
 ) -> PreTrainedModel:
-    """Load the causal LM ``name`` in ``dtype`` (default float32) on ``device``, in eval mode."""
+    """Load the causal LM ``name`` in ``dtype`` (default float32) on ``device``, in eval mode.
+
+    ``progress`` ``True`` or ``None`` prints a line on stderr when loading starts and one with its
+    seconds (:func:`agents.progress.phase`), and transformers' own bar shows on a terminal only
+    (:func:`agents.progress.transformers_bars`); ``False`` (the default) prints none of its own and
+    leaves transformers' bar as it is.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype or torch.float32)
-    # transformers wraps `to` with functools.wraps, whose typeshed type does not bind `self` on instances
-    return model.to(device).eval()  # type: ignore[arg-type]
+    from agents.progress import phase, transformers_bars
+
+    bars = transformers_bars(progress) if progress is not False else contextlib.nullcontext()
+    with phase(f"loading model {name}", show=progress), bars:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype or torch.float32)
+        # transformers wraps `to` with functools.wraps, whose typeshed type does not bind `self` on instances
+        return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def tiny_llama(seed: int = 0, **config: Any) -> PreTrainedModel:

@@ -9,7 +9,8 @@ One step (read :func:`train` top to bottom):
    (:func:`agents.rollout.strategies.rollout_trees`), seeded from the run's seed and the step;
 3. credit assignment per prompt (the learner's ``credit``) into training paths;
 4. :meth:`agents.training.trainer.Trainer.step`: old log-probs, the loss's mini-batch updates, weight
-   sync to the engine, metrics (with the rollout's numbers) to ``metrics.jsonl`` and TensorBoard;
+   sync to the engine, metrics (with the rollout's numbers) to ``metrics.jsonl`` and the reporters of
+   ``trainer.report_to`` (TensorBoard, W&B);
 5. every ``checkpoint_every`` steps and after the last, a checkpoint holding the task order's
    position, and the checkpoints older than the newest ``keep_checkpoints`` intact ones removed
    (:func:`~agents.training.checkpoint.prune_checkpoints`); every ``eval_every`` steps, before
@@ -25,8 +26,9 @@ a logit differently when batches form differently; samples are unaffected unless
 within that rounding, and the trainer's own computation is deterministic.)
 
 The run folder holds ``config.json`` (the effective configuration: every hyper-parameter, a
-valid ``--config`` file), ``metrics.jsonl``, ``tensorboard/``, ``curves.png``,
-``heldout/metrics.jsonl``, ``heldout.png`` and ``checkpoints/step_NNNNNN/`` (``model/`` is a
+valid ``--config`` file, and the run configuration W&B gets), ``metrics.jsonl``, ``tensorboard/``
+and ``wandb/`` (as ``trainer.report_to`` says), ``curves.png``, ``heldout/metrics.jsonl``,
+``heldout.png`` and ``checkpoints/step_NNNNNN/`` (``model/`` is a
 transformers checkpoint that ``agents eval --model`` loads). The environment is made before the
 folder is touched, so that a bad id or option leaves nothing behind; a folder that holds neither a
 checkpoint nor a trained step (a run that stopped before its first) is no run to protect, and a
@@ -42,7 +44,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,11 +59,12 @@ from agents.config import RESUMABLE, RunParts, TrainConfig, build, effective_con
 from agents.engines.base import Engine
 from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, greedy_rollout
 from agents.learners import Learner
+from agents.progress import note, progress_bar
 from agents.rollout import task_episode
 from agents.rollout.diagnostics import rollout_metrics
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import TrainingPath
-from agents.rollout.tree_loop import TreeConfig, rollout_trees
+from agents.rollout.tree_loop import TreeConfig, planned_branches, rollout_trees
 from agents.training.checkpoint import (
     CorruptCheckpointError,
     latest_checkpoint,
@@ -71,12 +73,13 @@ from agents.training.checkpoint import (
     remove_stale_temporaries,
 )
 from agents.training.metrics import read_jsonl
+from agents.training.reporting import import_wandb
 from agents.training.trainer import Trainer
 
 if TYPE_CHECKING:
     from agents.cluster.trainer_ranks import TrainerGroup
 
-__all__ = ["CONFIG_FILE", "TaskOrder", "TrainResult", "rollout_seed", "saved_config", "train"]
+__all__ = ["CONFIG_FILE", "TaskOrder", "TrainResult", "plot_title", "rollout_seed", "saved_config", "train"]
 
 #: The effective configuration in the run folder.
 CONFIG_FILE = "config.json"
@@ -171,7 +174,7 @@ async def train(
     learner: Learner | None = None,
     resume: bool = False,
     progress: bool | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = note,
 ) -> TrainResult:
     """Train ``config``'s learner (or ``learner``) and write the run to ``out_dir``.
 
@@ -185,15 +188,19 @@ async def train(
             :func:`agents.config.build`).
         resume: Continue the run in ``out_dir`` from its newest intact checkpoint. Only
             :data:`~agents.config.RESUMABLE` values (``steps``, evaluation and checkpoint
-            cadence, ``keep_checkpoints``) may differ from the saved configuration; another
+            cadence, ``keep_checkpoints``, the reporters) may differ from the saved configuration; another
             ``algo`` is refused first.
-        progress: Progress bars (``None``: when writing to a terminal).
-        log: Where one-line notes go (checkpoints, evaluations).
+        progress: Progress of model loading, every step (``train``), its rollout, its update
+            and the held-out evaluations: ``False`` none; ``True`` or ``None`` tqdm bars on a
+            terminal, and plain lines every 30 s when stderr is a file or a pipe (:mod:`agents.progress`).
+        log: Where one-line notes go (checkpoints, evaluations; default stdout, flushed).
     """
     out = Path(out_dir)
     if resume:
         _require_the_runs_algorithm(out, learner.name if learner is not None else config.algo)
     parts = build(config, learner)
+    if "wandb" in parts.trainer.report_to:
+        import_wandb()  # a missing client fails before the run folder is touched
     effective = effective_config(config, parts)
     cleanup = contextlib.AsyncExitStack()  # closes what was made, in reverse, however the run ends
     try:
@@ -223,23 +230,29 @@ async def train(
         heldout = HeldOutLog(
             out,
             resume_step=trainer.step_count if checkpoint is not None else None,
-            tensorboard=parts.trainer.tensorboard,
+            report_to=_heldout_reporters(parts, trainer, log),
+            wandb_project=parts.trainer.wandb_project,
         )
         cleanup.callback(heldout.close)
         order = TaskOrder(len(env.tasks) if hasattr(env, "tasks") else None, config.holdout, config.seed, **position)
-        evaluation = _HeldOutEvaluation(config, parts.tree, rollout, heldout, progress, log)
+        title = plot_title(parts.learner.name, config, out)
+        evaluation = _HeldOutEvaluation(config, parts.tree, rollout, heldout, progress, log, title)
+        trainer.open_steps_bar()  # the run's bar from its first step on, before any rollout
         if trainer.step_count == 0 and config.eval_before:
             await evaluation.run(step=0)
         last_checkpoint = checkpoint
+        planned = planned_branches(parts.learner.strategy, parts.tree)
         for step in range(trainer.step_count + 1, config.steps + 1):
             tasks = order.take(config.prompts_per_step)
-            paths, metrics = await _rollout(
-                rollout, parts, tasks, rollout_seed(config.seed, step), config.budget_reward
-            )
+            total = None if planned is None else planned * len(tasks)
+            with progress_bar(f"rollout step {step}", total, unit="leaves", leave=False, show=progress) as bar:
+                paths, metrics = await _rollout(
+                    rollout, parts, tasks, rollout_seed(config.seed, step), config.budget_reward, bar.update
+                )
             record = await trainer.step(paths, metrics)
             log(_step_note(step, config.steps, record))
             if step % config.checkpoint_every == 0 or step == config.steps:
-                last_checkpoint = trainer.save_checkpoint(data_position=order.position())
+                last_checkpoint = trainer.save_checkpoint(data_position=order.position(), plot_title=title)
                 log(f"step {step}: checkpoint {last_checkpoint}")
                 if config.keep_checkpoints is not None:
                     for old in prune_checkpoints(last_checkpoint.parent, config.keep_checkpoints):
@@ -250,6 +263,21 @@ async def train(
         return TrainResult(out, effective, trainer.step_count, last_checkpoint, history, list(heldout.results))
     finally:
         await cleanup.aclose()
+
+
+def plot_title(algo: str, config: TrainConfig, out_dir: str | Path) -> str:
+    """The heading of a run's ``curves.png`` and ``heldout.png``: what was trained on what, and where."""
+    return f"{algo} · {config.env} · {config.model} ({out_dir})"
+
+
+def _heldout_reporters(parts: RunParts, trainer: Trainer | TrainerGroup, log: Callable[[str], None]) -> tuple[str, ...]:
+    """The held-out log's reporters: the trainer's, but W&B only in the process whose trainer logs to it (one
+    W&B run takes one process; trainer ranks log from rank 0's)."""
+    report_to = tuple(parts.trainer.report_to)
+    if "wandb" not in report_to or isinstance(trainer, Trainer):
+        return report_to
+    log("W&B gets the trainer's metrics from trainer rank 0's process, not the held-out scores (heldout/ has them)")
+    return tuple(name for name in report_to if name != "wandb") or ("none",)
 
 
 def _on_gpu(config: TrainConfig) -> bool:
@@ -301,11 +329,15 @@ class _LocalRollout:
     def __init__(self, env: TokenEnv, engine: Engine, tokenizer: Any, parts: RunParts) -> None:
         self.env, self.engine, self.tokenizer, self.parts = env, engine, tokenizer, parts
 
-    async def rollout(self, tasks: list[int], seed: int) -> list[PromptTrees]:
+    async def rollout(
+        self, tasks: list[int], seed: int, on_branches: Callable[[int], None] | None = None
+    ) -> list[PromptTrees]:
         episodes = [task_episode(self.env, task) for task in tasks]
         try:
             tree = dataclasses.replace(self.parts.tree, seed=seed)
-            return await rollout_trees(self.engine, episodes, self.parts.learner.strategy, tree)
+            return await rollout_trees(
+                self.engine, episodes, self.parts.learner.strategy, tree, on_branches=on_branches
+            )
         finally:
             for episode in episodes:
                 episode.env.close()
@@ -360,11 +392,17 @@ def _make_rollout(
 
 
 async def _rollout(
-    rollout: Any, parts: RunParts, tasks: list[int], seed: int, budget_reward: float | None
+    rollout: Any,
+    parts: RunParts,
+    tasks: list[int],
+    seed: int,
+    budget_reward: float | None,
+    on_branches: Callable[[int], None],
 ) -> tuple[list[TrainingPath], dict[str, float]]:
-    """Steps 2-3 of the module docstring: the trees of ``tasks``, credit, and the rollout's metrics."""
+    """Steps 2-3 of the module docstring: the trees of ``tasks`` (``on_branches`` counts the ended
+    branches, see :func:`~agents.rollout.tree_loop.rollout_trees`), credit, and the rollout's metrics."""
     start = time.perf_counter()
-    prompts = await rollout.rollout(tasks, seed)
+    prompts = await rollout.rollout(tasks, seed, on_branches)
     seconds = time.perf_counter() - start
     cut = [leaf for prompt in prompts for leaf in prompt.leaves if leaf.info.get("status") == "budget"]
     if budget_reward is not None:
@@ -403,9 +441,10 @@ class _HeldOutEvaluation:
         log: HeldOutLog,
         progress: bool | None,
         note: Callable[[str], None],
+        plot_title: str,
     ) -> None:
-        self.config, self.rollout, self.log, self.note = config, rollout, log, note
-        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.config, self.rollout, self.log, self.note, self.plot_title = config, rollout, log, note, plot_title
+        self.progress = progress is not False  # None: shown, as a bar or as lines (agents.progress)
         self.settings = greedy_rollout(tree)
 
     async def run(self, step: int) -> None:
@@ -423,7 +462,7 @@ class _HeldOutEvaluation:
                 "progress": self.progress,
             }
         )
-        self.log.add(result)
+        self.log.add(result, plot_title=self.plot_title)
         scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
         self.note(f"step {step}: held-out ({result.questions} questions) {scores}")
 
@@ -468,7 +507,7 @@ def _require_the_runs_algorithm(out: Path, algo: str) -> None:
 
 
 #: What a run writes at the top of its folder besides ``checkpoints/``.
-_RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "tensorboard", "heldout", "curves.png", "heldout.png")
+_RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "tensorboard", "wandb", "heldout", "curves.png", "heldout.png")
 
 
 def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool, log: Callable[[str], None]) -> Path | None:
@@ -509,7 +548,7 @@ def _prepare_run_folder(out: Path, effective: TrainConfig, resume: bool, log: Ca
             f"put the {CONFIG_FILE} of the run back, or start a new run in another folder"
         )
     saved = TrainConfig.from_dict(saved_config(out))
-    changed = [name for name in saved.changed(effective) if name.split(".")[0] not in RESUMABLE]
+    changed = [name for name in saved.changed(effective) if not {name, name.split(".")[0]} & RESUMABLE]
     if changed:
         raise ValueError(
             f"--resume continues the run saved in {saved_path}, but these settings differ from it: "

@@ -40,14 +40,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.config import TrainConfig, build, resolve
-from agents.heldout import HeldOut, comparison_table, evaluate_heldout, greedy_rollout
+from agents.heldout import SCORE_DISPLAY, HeldOut, comparison_table, draw_scores, evaluate_heldout, greedy_rollout
 from agents.models import cache_root, resolve_model
-from agents.train import TaskOrder, TrainResult, train
+from agents.train import TaskOrder, TrainResult, plot_title, train
+from agents.training.metrics import draw_curve, label_axis, save_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 ALGOS = ("at2po", "aepo", "grpo")
+ALGO_NAMES = {"at2po": "AT²PO", "aepo": "AEPO", "grpo": "GRPO"}  # in the plot's legends
 DEFAULT_STEPS = 5
 DEFAULT_EVAL_QUESTIONS = 32
 DEFAULT_TRL_STEPS = 3
@@ -342,30 +347,38 @@ def throughput_table(splits: dict[str, dict[str, float]], trl: dict[str, float] 
     return table(["run", *columns], rows)
 
 
-def plot(results: dict[str, TrainResult], before: HeldOut, path: Path) -> Path:
+def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path) -> Figure:
+    """Each learner's training reward per step, and the held-out scores before and after training.
+
+    The title names the learners, the environment, the model and ``out``, the runs' folder.
+    """
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(13, 3.4), layout="constrained")
+    names = {algo: ALGO_NAMES.get(algo, algo) for algo in results}
+    config = next(iter(results.values())).config  # the learners share environment and model
+    figure = Figure(figsize=(13, 3.6), layout="constrained")
+    figure.suptitle(f"{plot_title(', '.join(names.values()), config, out)}: held-out 95% intervals")
     train_axis, *score_axes = figure.subplots(1, 3)
-    for name, result in results.items():
-        steps = [record["step"] for record in result.history]
-        train_axis.plot(steps, [record["reward/mean"] for record in result.history], marker="o", label=name)
-    train_axis.set(title="training reward (mean over leaves)", xlabel="step")
-    for axis, score in zip(score_axes, ("format_ok", "reward")):
-        labels = ["before"] + list(results)
-        heldout = [before] + [result.heldout[-1] for result in results.values()]
-        means = [h.scores[score].mean for h in heldout]
-        errors = [
-            [m - h.scores[score].low for m, h in zip(means, heldout)],
-            [h.scores[score].high - m for m, h in zip(means, heldout)],
-        ]
-        axis.bar(labels, means, yerr=errors, capsize=4, color=["grey"] + [f"C{i}" for i in range(len(results))])
-        axis.set(title=f"held-out {score} (95% CI)")
-    for axis in (train_axis, *score_axes):
-        axis.grid(alpha=0.3)
+    for index, (algo, result) in enumerate(results.items()):
+        draw_curve(train_axis, result.history, "reward/mean", label=names[algo], band_label=None, color=f"C{index}")
+    label_axis(train_axis, "training reward (mean ± std over leaves)", "reward")
     train_axis.legend(fontsize="small")
-    figure.savefig(path, dpi=100)
-    return path
+    after = {f"{names[algo]}\n{result.steps} steps": result.heldout[-1] for algo, result in results.items()}
+    policies = {"before\ntraining": before, **after}
+    colors = ["grey"] + [f"C{index}" for index in range(len(results))]
+    for axis, score in zip(score_axes, ("format_ok", "reward")):
+        display = SCORE_DISPLAY[score]
+        for x, (heldout, color) in enumerate(zip(policies.values(), colors)):
+            draw_scores(axis, [x], [heldout.scores[score]], display.bounds, color=color)
+        axis.set_xticks(range(len(policies)), list(policies))
+        axis.set_xlim(-0.5, len(policies) - 0.5)  # room for the outer labels
+        label_axis(axis, f"held-out {display.name}", display.unit, steps=False)
+    return figure
+
+
+def plot(results: dict[str, TrainResult], before: HeldOut, path: Path) -> Path:
+    """:func:`learning_figure` as a PNG at ``path`` (in the runs' folder); returns ``path``."""
+    return save_figure(learning_figure(results, before, path.parent), path)
 
 
 # -- main -------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def _worker(job_path: str, result_path: str) -> None:
         paths = pickle.load(f)
     torch.manual_seed(0)
     config = AT2PO().trainer_config(
-        lr=1e-6, micro_batch_size=4, packing=job["packing"], progress=False, tensorboard=False
+        lr=1e-6, micro_batch_size=4, packing=job["packing"], progress=False, report_to=("none",)
     )
     trainer = Trainer(DEFAULT_MODEL, config)
     metrics = asyncio.run(trainer.step(paths))

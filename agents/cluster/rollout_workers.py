@@ -34,7 +34,7 @@ from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
 from agents.engines.base import Engine
 from agents.rollout.episodes import task_episode
 from agents.rollout.strategies import PromptTrees, Strategy
-from agents.rollout.tree_loop import TreeConfig, rollout_trees
+from agents.rollout.tree_loop import TreeConfig, planned_branches, rollout_trees
 
 __all__ = ["RolloutPool", "RolloutWorker", "WorkerSpec"]
 
@@ -210,6 +210,7 @@ class RolloutPool:
             num_cpus=cpus, num_gpus=gpus, max_restarts=restarts, max_task_retries=0, max_concurrency=1000
         )
         self._ray, self.log, self.bucket_bytes, self.colocated = ray, log, bucket_bytes, colocated
+        self._planned = planned_branches(spec.strategy, spec.tree)  # each prompt's branches, for on_branches
         self.workers = [_Worker(actor.remote(spec, rank), rank) for rank in range(workers)]
         try:
             self.info = ray.get([worker.handle.ready.remote() for worker in self.workers])
@@ -231,11 +232,15 @@ class RolloutPool:
 
     # ---- rollout ----------------------------------------------------------------------------
 
-    async def rollout(self, tasks: Sequence[int], seed: int) -> list[PromptTrees]:
+    async def rollout(
+        self, tasks: Sequence[int], seed: int, on_branches: Callable[[int], None] | None = None
+    ) -> list[PromptTrees]:
         """The trees of every task, in order; prompt ``i`` of the batch keeps index ``i``.
 
         A prompt whose worker died goes to the least-loaded live worker (or waits for a
-        restarted one); the step fails only when no worker is left.
+        restarted one); the step fails only when no worker is left. ``on_branches`` counts each
+        prompt's branches when its trees come back (as
+        :func:`~agents.rollout.tree_loop.rollout_trees` counts them: the planned ones, when known).
         """
         self._step_failures = self._step_reruns = 0
         results: dict[int, PromptTrees] = {}
@@ -262,6 +267,8 @@ class RolloutPool:
                 worker.in_flight -= 1
                 try:
                     results[index] = future.result()
+                    if on_branches is not None:
+                        on_branches(self._planned if self._planned is not None else len(results[index].leaves))
                 except _lost_worker_errors(self._ray) as error:
                     pending.append((index, task))
                     self._step_reruns += 1

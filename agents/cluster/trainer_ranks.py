@@ -84,7 +84,8 @@ class _Rank:
         device = config.device or ("cuda" if backend == "nccl" else "cpu")
         if config.device is None:
             config = dataclasses.replace(config, device=device)
-        policy = load_model(model, dtype=getattr(torch, config.base_dtype), device=device)
+        shown = config.progress if self.rank == 0 else False  # as the Trainer's own bars
+        policy = load_model(model, dtype=getattr(torch, config.base_dtype), device=device, progress=shown)
         if seed is not None:  # what the trainer initialises at random (LoRA's A) repeats; rank 0's goes to all
             torch.manual_seed(seed)
         self.trainer = Trainer(policy, config, tokenizer=_tokenizer_of(model), out_dir=out_dir, distributed=True)
@@ -97,6 +98,9 @@ class _Rank:
     def step(self, paths: Sequence[Any], rollout_metrics: Mapping[str, float] | None) -> dict[str, float]:
         return asyncio.run(self._trainer().step(paths, rollout_metrics))
 
+    def open_steps_bar(self) -> None:
+        self._trainer().open_steps_bar()
+
     def weight_refs(self, bucket_bytes: int) -> tuple[list[Any], int] | None:
         from agents.cluster.weight_sync import put_buckets
 
@@ -106,8 +110,8 @@ class _Rank:
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         return self._trainer().engine_state_dict()
 
-    def save_checkpoint(self, data_position: dict[str, Any] | None) -> str:
-        return str(self._trainer().save_checkpoint(data_position=data_position))
+    def save_checkpoint(self, data_position: dict[str, Any] | None, plot_title: str | None) -> str:
+        return str(self._trainer().save_checkpoint(data_position=data_position, plot_title=plot_title))
 
     def resume(self, path: str) -> tuple[dict[str, Any], int]:
         trainer = self._trainer()
@@ -207,6 +211,10 @@ class TrainerGroup:
         await self.sync_weights()
         return records[0]
 
+    def open_steps_bar(self) -> None:
+        """Show rank 0's ``train`` bar now (:meth:`agents.training.trainer.Trainer.open_steps_bar`)."""
+        self._collect([self._actors[0].open_steps_bar.remote()])
+
     async def sync_weights(self) -> None:
         """Hand the current weights to :attr:`engine` through the object store (nothing without one).
 
@@ -234,9 +242,11 @@ class TrainerGroup:
         """The full weights (engine names), fetched to the driver: for tests and small models."""
         return self._collect([a.engine_state_dict.remote() for a in self._actors])[0]
 
-    def save_checkpoint(self, data_position: dict[str, Any] | None = None) -> Path:
-        """A checkpoint under ``out_dir/checkpoints`` (sharded, plus the consolidated ``model/``)."""
-        return Path(self._collect([a.save_checkpoint.remote(data_position) for a in self._actors])[0])
+    def save_checkpoint(self, data_position: dict[str, Any] | None = None, *, plot_title: str | None = None) -> Path:
+        """A checkpoint under ``out_dir/checkpoints`` (sharded, plus the consolidated ``model/``) and
+        ``curves.png``, headed ``plot_title``."""
+        saves = [a.save_checkpoint.remote(data_position, plot_title) for a in self._actors]
+        return Path(self._collect(saves)[0])
 
     def resume(self, path: str | Path) -> dict[str, Any]:
         """Continue from a checkpoint written at any number of ranks; returns its data position."""

@@ -40,7 +40,7 @@ import asyncio
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,7 +60,7 @@ from agents.rollout.episodes import (
 from agents.rollout.strategies.base import Branch, BranchEvent, BranchPoint, Budget, PromptTrees, Strategy, TreeStats
 from agents.rollout.tree import Node, RolloutTree
 
-__all__ = ["TreeConfig", "rollout_trees"]
+__all__ = ["TreeConfig", "planned_branches", "rollout_trees"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,12 @@ class TreeConfig:
             raise ValueError(f"turn_timeout must be > 0 seconds or None, got {self.turn_timeout!r}")
 
 
+def planned_branches(strategy: Strategy, config: TreeConfig | None = None) -> int | None:
+    """The branches one prompt's rollout starts: the strategy's count, capped by ``Budget.leaves`` (``None``: not known)."""
+    planned, cap = strategy.branches_per_prompt, (config or TreeConfig()).budget.leaves
+    return planned if cap is None or planned is None else min(planned, cap)
+
+
 async def rollout_trees(
     engine: Engine,
     episodes: Iterable[Episode],
@@ -115,6 +121,7 @@ async def rollout_trees(
     config: TreeConfig | None = None,
     *,
     indices: Sequence[int] | None = None,
+    on_branches: Callable[[int], None] | None = None,
 ) -> list[PromptTrees]:
     """Grow the rollout trees of every episode's prompt under ``strategy``, all prompts concurrently.
 
@@ -126,6 +133,12 @@ async def rollout_trees(
     ``indices`` are the prompts' positions in the whole batch (default ``0, 1, …``), from which
     their seeds derive: a rollout worker running some prompts of a batch grows the same trees
     as one process running them all.
+
+    ``on_branches(count)`` is called as branches end (at their leaf, or abandoned), with how many
+    just ended (a progress bar's ``update``). When a prompt ends it is also called with the
+    branches that :func:`planned_branches` counted but never ran (a budget refused them, the
+    prompt failed), so that the counts of a strategy that knows its branches add up to
+    ``len(episodes) × planned_branches(strategy, config)``.
 
     Returns:
         One :class:`PromptTrees` per episode, in order, with ``metrics`` filled
@@ -143,7 +156,7 @@ async def rollout_trees(
     indices = list(range(len(episodes))) if indices is None else [int(index) for index in indices]
     if len(indices) != len(episodes) or len(set(indices)) != len(indices):
         raise ValueError(f"indices must give each of the {len(episodes)} episodes its own position, got {indices}")
-    run = _Run(engine, strategy, config)
+    run = _Run(engine, strategy, config, on_branches)
     tasks = [asyncio.create_task(_PromptLoop(run, index, episode).grow()) for index, episode in zip(indices, episodes)]
     try:
         return list(await asyncio.gather(*tasks))
@@ -155,10 +168,14 @@ async def rollout_trees(
 class _Run:
     """What all prompts of one :func:`rollout_trees` call share."""
 
-    def __init__(self, engine: Engine, strategy: Strategy, config: TreeConfig) -> None:
+    def __init__(
+        self, engine: Engine, strategy: Strategy, config: TreeConfig, on_branches: Callable[[int], None] | None
+    ) -> None:
         self.engine = engine
         self.strategy = strategy
         self.config = config
+        self.on_branches = on_branches
+        self.planned = planned_branches(strategy, config)
         sampling = config.rollout.sampling
         sampling = dataclasses.replace(sampling, logprobs_topk=max(sampling.logprobs_topk, strategy.logprobs_topk))
         # The turns' own config: the loop forks the states it needs itself.
@@ -233,6 +250,7 @@ class _PromptLoop:
             type(run.strategy).after_turn is Strategy.after_turn and budget.tokens is None and budget.tool_calls is None
         )
         self.ahead: dict[Branch, _Ahead] = {}  # the branches taking their turns ahead of the steps
+        self.reported = 0  # branches counted to run.on_branches
 
     async def grow(self) -> PromptTrees:
         group, strategy = self.group, self.run.strategy
@@ -272,6 +290,8 @@ class _PromptLoop:
             tree_metrics(tree, stats, [e for e in group.events if e.tree == position])
             for position, (tree, stats) in enumerate(zip(group.trees, group.stats))
         ]
+        if self.run.planned is not None:
+            self.report(self.run.planned - self.reported)  # those never started: the prompt is done
         return group
 
     # -- branches -----------------------------------------------------------------------------
@@ -481,6 +501,15 @@ class _PromptLoop:
         del self.unclosed[branch]
         self.ahead.pop(branch, None)
         branch.env.close()
+        self.report(1)
+
+    def report(self, count: int) -> None:
+        """Count ``count`` ended branches to ``run.on_branches``, never past the planned ones."""
+        if self.run.planned is not None:
+            count = min(count, self.run.planned - self.reported)
+        if count > 0 and self.run.on_branches is not None:
+            self.reported += count
+            self.run.on_branches(count)
 
     async def stop_running_ahead(self) -> None:
         """Stop the branches still taking turns ahead (the prompt failed) and close the states they kept."""

@@ -15,12 +15,18 @@ action tokens whose ratio lies outside the clip range on the side where clipping
 ``A < 0`` below ``1 − ε_low``, ``A > 0`` above ``1 + ε_high``), ``ratio_mean`` (of the ratio
 the loss clips), ``approx_kl`` (k3 estimate of KL(π_old ‖ π_θ) from the token ratios), plus
 per-loss extras. Formulas and defaults: docs/algorithms.md "Losses".
+
+Every loss also takes ``behaviour_logprobs``, for rollouts sampled by an older policy than
+``old_logprobs``'s (asynchronous training): the decoupled objective (AReaL) then clips against
+π_old, the proximal policy, and weights each token's loss by ``π_old / π_behaviour``
+(:func:`behaviour_weights`; docs/algorithms.md "Decoupled objective"). Without it, or with
+``behaviour_logprobs`` equal to ``old_logprobs``, every loss is exactly the one above.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,7 @@ __all__ = [
     "aepo_loss",
     "aggregate",
     "atpo_loss",
+    "behaviour_weights",
     "entropy_aware_advantages",
     "gspo_loss",
     "ppo_clip_loss",
@@ -87,6 +94,8 @@ def ppo_clip_loss(
     kl_coef: float = 0.001,  # GRPO's β (DeepSeekMath; verl kl_loss_coef); used only with ref_logprobs
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,  # no entropy bonus in GRPO, AT²PO or AEPO
+    behaviour_logprobs: torch.Tensor | None = None,
+    behaviour_weight_cap: float | None = None,  # AReaL behav_imp_weight_cap (its default: no cap)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (GRPO, DAPO): ``ℓ = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high))``.
 
@@ -96,9 +105,18 @@ def ppo_clip_loss(
     ``dual_clip_frac``, and ``kl_ref``/``entropy`` with their optional inputs.
     Formulas and defaults: docs/algorithms.md "PPO-clip" (eqs. 39, 40), with eqs. 50, 51 for the optional terms.
     """
-    mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy)
+    mask = _check_inputs(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        behaviour_logprobs=behaviour_logprobs,
+    )
+    behaviour = _Behaviour(behaviour_logprobs, behaviour_weight_cap)
     pg_loss, metrics = _clipped_policy_loss(
-        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip, balanced_upper=False, agg=agg
+        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip, False, agg, behaviour
     )
     return _with_regularizers(pg_loss, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
@@ -120,6 +138,8 @@ def aepo_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,  # AEPO trains without a KL term
     entropy_coef: float = 0.0,  # no entropy bonus by default
+    behaviour_logprobs: torch.Tensor | None = None,
+    behaviour_weight_cap: float | None = None,  # AReaL behav_imp_weight_cap (its default: no cap)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """AEPO's entropy-balanced policy loss (Dong et al. 2025).
 
@@ -140,12 +160,21 @@ def aepo_loss(
             "[batch, tokens] from the training forward pass; pass it, or set "
             "entropy_aware_advantage=False"
         )
-    mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy)
+    mask = _check_inputs(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        behaviour_logprobs=behaviour_logprobs,
+    )
     if entropy_aware_advantage and entropy is not None:  # entropy is never None here: checked above
         # docs/algorithms.md eq. 37
         advantages = entropy_aware_advantages(advantages, entropy, mask, coef=entropy_advantage_coef)
+    behaviour = _Behaviour(behaviour_logprobs, behaviour_weight_cap)
     pg_loss, metrics = _clipped_policy_loss(
-        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip, balanced_upper=clip_balanced, agg=agg
+        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip, clip_balanced, agg, behaviour
     )
     return _with_regularizers(pg_loss, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
@@ -187,6 +216,8 @@ def gspo_loss(
     kl_coef: float = 0.0,  # GSPO trains without a KL term
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    behaviour_logprobs: torch.Tensor | None = None,
+    behaviour_weight_cap: float | None = None,  # AReaL behav_imp_weight_cap (its default: no cap)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: one importance ratio per sequence, ``s = exp(mean_t log r_t)`` over its action tokens.
 
@@ -195,10 +226,19 @@ def gspo_loss(
     −A_t·clip(s_t, 1−ε_low, 1+ε_high))``, no dual clip. Extra metrics: ``sequences`` and
     ``clipped_sequences``. Formulas and defaults: docs/algorithms.md "GSPO" (eqs. 41–43).
     """
-    mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy)
+    mask = _check_inputs(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        behaviour_logprobs=behaviour_logprobs,
+    )
     first_action_token = mask & (mask.long().cumsum(-1) == 1)  # one segment per sequence (docs/algorithms.md eq. 41)
+    behaviour = _Behaviour(behaviour_logprobs, behaviour_weight_cap)
     pg_loss, metrics = _segment_ratio_loss(
-        logprobs, old_logprobs, advantages, mask, first_action_token, eps_low, eps_high, agg, unit="sequences"
+        logprobs, old_logprobs, advantages, mask, first_action_token, eps_low, eps_high, agg, "sequences", behaviour
     )
     return _with_regularizers(pg_loss, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
@@ -217,6 +257,8 @@ def atpo_loss(
     kl_coef: float = 0.0,  # AT²PO trains without a KL term
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,  # AT²PO: no entropy bonus
+    behaviour_logprobs: torch.Tensor | None = None,
+    behaviour_weight_cap: float | None = None,  # AReaL behav_imp_weight_cap (its default: no cap)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """ATPO: turn-level importance sampling and clipping (AT²PO).
 
@@ -231,15 +273,23 @@ def atpo_loss(
     ``clipped_turns``. Formulas and defaults: docs/algorithms.md "ATPO" (eqs. 44–46).
     """
     mask = _check_inputs(
-        logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy, turn_ids=turn_ids
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        turn_ids=turn_ids,
+        behaviour_logprobs=behaviour_logprobs,
     )
     previous = F.pad(mask[:, :-1], (1, 0), value=False)
     turn_start = mask & ~previous  # docs/algorithms.md eq. 44
     if turn_ids is not None:
         previous_turn = F.pad(turn_ids[:, :-1], (1, 0), value=-1)
         turn_start = turn_start | (mask & previous & (turn_ids != previous_turn))  # docs/algorithms.md eq. 44
+    behaviour = _Behaviour(behaviour_logprobs, behaviour_weight_cap)
     pg_loss, metrics = _segment_ratio_loss(
-        logprobs, old_logprobs, advantages, mask, turn_start, eps_low, eps_high, agg, unit="turns"
+        logprobs, old_logprobs, advantages, mask, turn_start, eps_low, eps_high, agg, "turns", behaviour
     )
     return _with_regularizers(pg_loss, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
@@ -254,6 +304,7 @@ def _clipped_policy_loss(
     dual_clip: float | None,
     balanced_upper: bool,
     agg: str,
+    behaviour: _Behaviour,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The token-ratio clipped surrogate shared by PPO/GRPO and AEPO."""
     advantages = torch.where(mask, advantages, 0.0)
@@ -273,6 +324,10 @@ def _clipped_policy_loss(
         token_loss = torch.where(advantages < 0, torch.minimum(token_loss, -advantages * dual_clip), token_loss)
         with torch.no_grad():
             metrics["dual_clip_frac"] = _masked_mean((advantages < 0) & (ratio > dual_clip), mask)
+    if behaviour.logprobs is not None:
+        weights = behaviour_weights(old_logprobs, behaviour.logprobs, mask, cap=behaviour.cap)
+        token_loss = token_loss * weights  # docs/algorithms.md eq. 77
+        metrics.update(_behaviour_metrics(old_logprobs, behaviour.logprobs, weights, mask))
     return aggregate(token_loss, mask, agg), metrics
 
 
@@ -286,19 +341,13 @@ def _segment_ratio_loss(
     eps_high: float,
     agg: str,
     unit: str,
+    behaviour: _Behaviour,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate with one geometric-mean ratio per segment (GSPO: sequence, ATPO: turn)."""
     advantages = torch.where(mask, advantages, 0.0)
     log_ratio = _log_ratio(logprobs, old_logprobs, mask)
-    # Segment index of every token in row-major order; tokens off the mask go to a spare bucket.
-    segments = int(segment_start.sum())
-    index = torch.where(mask, segment_start.long().cumsum(-1) + _row_offsets(segment_start) - 1, segments).flatten()
-    # float64 statistics: a bfloat16 count or sum would be inexact for turns of a few hundred tokens
-    counts = torch.zeros(segments + 1, dtype=torch.float64, device=log_ratio.device)
-    counts.index_add_(0, index, mask.flatten().to(torch.float64))
-    sums = torch.zeros_like(counts).index_add_(0, index, log_ratio.detach().flatten().to(torch.float64))
-    # docs/algorithms.md eqs. 41, 45
-    segment_mean = (sums / counts.clamp(min=1))[index].view_as(log_ratio).to(log_ratio.dtype)
+    segments = _Segments(mask, segment_start)
+    segment_mean = segments.mean(log_ratio.detach())  # docs/algorithms.md eqs. 41, 45
     # log s_t = sg(mean_{u∈segment} log r_u) + log π_θ(t) − sg(log π_θ(t))   (GSPO token form)
     log_s = segment_mean + torch.where(mask, logprobs - logprobs.detach(), 0.0)  # docs/algorithms.md eqs. 42, 45
     s = torch.exp(torch.clamp(log_s, max=_MAX_LOG_SEGMENT_RATIO))  # docs/algorithms.md eqs. 42, 45
@@ -308,16 +357,84 @@ def _segment_ratio_loss(
     metrics = _clip_metrics(s, log_ratio, advantages, mask, eps_low, eps_high)
     with torch.no_grad():
         clipped_tokens = ((advantages > 0) & (s > 1 + eps_high)) | ((advantages < 0) & (s < 1 - eps_low))
-        per_segment = torch.zeros_like(counts).index_add_(0, index, (clipped_tokens & mask).flatten().to(counts.dtype))
-        metrics[unit] = float(segments)
-        metrics[f"clipped_{unit}"] = float((per_segment[:segments] > 0).sum())
+        metrics[unit] = float(segments.count)
+        metrics[f"clipped_{unit}"] = float((segments.sums(clipped_tokens & mask) > 0).sum())
+    if behaviour.logprobs is not None:
+        weights = behaviour_weights(old_logprobs, behaviour.logprobs, mask, cap=behaviour.cap, segments=segments)
+        token_loss = token_loss * weights  # docs/algorithms.md eq. 77
+        metrics.update(_behaviour_metrics(old_logprobs, behaviour.logprobs, weights, mask))
     return aggregate(token_loss, mask, agg), metrics
 
 
-def _row_offsets(segment_start: torch.Tensor) -> torch.Tensor:
-    """Number of segments that start in the rows above each row, as a ``[batch, 1]`` column."""
-    per_row = segment_start.long().sum(-1)
-    return (per_row.cumsum(0) - per_row).unsqueeze(-1)
+class _Segments:
+    """The segments (GSPO: sequences, ATPO: turns) of a ``[batch, tokens]`` mask, for per-segment sums and means."""
+
+    def __init__(self, mask: torch.Tensor, segment_start: torch.Tensor) -> None:
+        self.mask, self.count = mask, int(segment_start.sum())
+        per_row = segment_start.long().sum(-1)
+        row_offsets = (per_row.cumsum(0) - per_row).unsqueeze(-1)  # segments that start in the rows above
+        # Segment index of every token in row-major order; tokens off the mask go to a spare bucket.
+        self.index = torch.where(mask, segment_start.long().cumsum(-1) + row_offsets - 1, self.count).flatten()
+        self.tokens = self.sums(mask)
+
+    def sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Each segment's sum of ``values`` (float64: a bfloat16 sum over a few hundred tokens would be
+        inexact), and the spare bucket's last."""
+        totals = torch.zeros(self.count + 1, dtype=torch.float64, device=values.device)
+        return totals.index_add_(0, self.index, values.flatten().to(torch.float64))
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Each token's segment mean of ``values`` over the mask (0 off it), shaped and typed like ``values``."""
+        means = self.sums(torch.where(self.mask, values, 0.0)) / self.tokens.clamp(min=1)
+        return means[self.index].view_as(values).to(values.dtype)
+
+
+class _Behaviour(NamedTuple):
+    """The behaviour policy's log-probs (``None``: the sampler was π_old) and the weight cap."""
+
+    logprobs: torch.Tensor | None
+    cap: float | None
+
+
+def behaviour_weights(
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float | None = None,
+    segments: _Segments | None = None,
+) -> torch.Tensor:
+    """The decoupled objective's weights ``w_t = π_old(a_t) / π_behaviour(a_t)``, without gradient.
+
+    ``old_logprobs`` are the proximal policy's (recomputed before the update) and
+    ``behaviour_logprobs`` the sampler's. With ``segments`` (the GSPO and ATPO losses) a token's
+    weight is its segment's geometric mean, as its ratio is. Tokens whose weight exceeds ``cap``
+    get weight 0 (AReaL filters them out) but stay in the aggregation's count; off the mask, 0.
+    docs/algorithms.md "Decoupled objective" (eqs. 75–77).
+    """
+    mask = mask.bool()
+    if cap is not None and not cap > 1:
+        raise ValueError(f"behaviour_weight_cap must be > 1 (AReaL's rule), got {cap}")
+    log_w = _log_ratio(old_logprobs.detach(), behaviour_logprobs.detach(), mask)  # docs/algorithms.md eq. 75
+    if segments is not None:
+        log_w = segments.mean(log_w)  # docs/algorithms.md eq. 75
+    weights = torch.where(mask, torch.exp(log_w), 0.0)
+    if cap is not None:
+        weights = torch.where(weights > cap, 0.0, weights)  # docs/algorithms.md eq. 76
+    return weights
+
+
+def _behaviour_metrics(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    with torch.no_grad():
+        d = _log_ratio(behaviour_logprobs, old_logprobs, mask)
+        return {
+            "behaviour_weight_mean": _masked_mean(weights, mask),
+            "behaviour_dropped_frac": _masked_mean(weights == 0, mask),
+            # k3 estimate of KL(π_behaviour ‖ π_old): how far the proximal policy has moved from the sampler
+            "behaviour_kl": _masked_mean(torch.exp(d) - 1 - d, mask),  # docs/algorithms.md eq. 56
+        }
 
 
 def _with_regularizers(
@@ -415,7 +532,14 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 #: What the trainer hands a loss that names it as a keyword parameter: the tensors it computes and
 #: the run's coefficients. They are never hyper-parameters (``loss_kwargs`` cannot set them).
-TRAINER_INPUTS: tuple[str, ...] = ("entropy", "ref_logprobs", "turn_ids", "kl_coef", "entropy_coef")
+TRAINER_INPUTS: tuple[str, ...] = (
+    "entropy",
+    "ref_logprobs",
+    "turn_ids",
+    "behaviour_logprobs",
+    "kl_coef",
+    "entropy_coef",
+)
 
 #: The losses known by name (``TrainerConfig(loss=...)``, a learner's ``loss``, ``--set loss...``).
 LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "atpo": atpo_loss, "aepo": aepo_loss}

@@ -1,4 +1,4 @@
-"""Training metrics: one record per step to a JSONL file and TensorBoard, and a plot of the curves.
+"""Training metrics: one record per step to a JSONL file and the reporters (TensorBoard, W&B), and a plot of the curves.
 
 A record is a flat ``{name: float}`` dict. Names are ``group/quantity``; the trainer writes:
 
@@ -33,22 +33,34 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agents.rollout.diagnostics import GENERATED_TOKENS, ROLLOUT_TIME
+from agents.training.reporting import Reporter, open_reporters
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = [
+    "FRACTION",
     "GENERATED_TOKENS",
+    "METRIC_DISPLAY",
     "PLOT_PANELS",
     "ROLLOUT_TIME",
+    "Display",
     "MetricsLog",
+    "curves_figure",
+    "draw_curve",
+    "label_axis",
     "plot_curves",
     "read_jsonl",
+    "save_figure",
 ]
 
 
-#: The panels of :func:`plot_curves`: a title and the metrics drawn in it. ``reward/mean`` is
-#: drawn with a ±``reward/std`` band.
+#: The panels of :func:`plot_curves`: a title and the metrics drawn in it (named and with the
+#: unit of :data:`METRIC_DISPLAY`). ``reward/mean`` is drawn with a ±``reward/std`` band.
 PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward/mean",)),
     ("exact match", ("reward/em",)),
@@ -61,30 +73,75 @@ PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokens/s", ("throughput/update_tokens_per_s", "throughput/rollout_tokens_per_s")),
 )
 
+
+class Display(NamedTuple):
+    """How a metric is shown: its name in a legend, its unit (the y-axis label) and its range."""
+
+    name: str
+    unit: str
+    bounds: tuple[float, float] | None = None  # the values it can take; None: not known
+
+
+#: The range of a proportion.
+FRACTION = (0.0, 1.0)
+
+#: The legend name, unit and range of each metric of :data:`PLOT_PANELS`; the metrics of a panel
+#: share its unit.
+METRIC_DISPLAY: dict[str, Display] = {
+    "reward/mean": Display("mean over leaves", "reward"),
+    "reward/em": Display("exact match", "fraction of leaves", FRACTION),
+    "policy/entropy": Display("token entropy", "nats per token"),
+    "policy/clip_frac_low": Display("clipped (low side)", "fraction of tokens", FRACTION),
+    "policy/clip_frac_high": Display("clipped (high side)", "fraction of tokens", FRACTION),
+    "policy/approx_kl": Display("to the rollout policy (k3)", "nats"),
+    "policy/kl_ref": Display("to the reference policy", "nats"),
+    "mismatch/max_abs": Display("max over tokens", "|Δ log p| (nats)"),
+    "mismatch/mean_abs": Display("mean over tokens", "|Δ log p| (nats)"),
+    "optim/grad_norm": Display("before clipping", "L2 norm"),
+    "time/rollout_s": Display("rollout", "seconds"),
+    "time/old_logprobs_s": Display("old log-probs", "seconds"),
+    "time/update_s": Display("update", "seconds"),
+    "time/sync_s": Display("weight sync", "seconds"),
+    "throughput/update_tokens_per_s": Display("update (all tokens)", "tokens/s"),
+    "throughput/rollout_tokens_per_s": Display("rollout (generated)", "tokens/s"),
+}
+
 _JSONL = "metrics.jsonl"
-_TENSORBOARD = "tensorboard"
 
 
 class MetricsLog:
     """Per-step metrics kept in memory and, with ``out_dir``, written as they come.
 
-    Files under ``out_dir``: ``metrics.jsonl`` (one JSON object per step, ``{"step": n, ...}``)
-    and TensorBoard event files under ``tensorboard/`` (when ``tensorboard`` is true).
+    Files under ``out_dir``: ``metrics.jsonl`` (one JSON object per step, ``{"step": n, ...}``),
+    always, and what the reporters of ``report_to`` write (:mod:`agents.training.reporting`):
+    TensorBoard event files under ``tensorboard/``, the W&B run's files under ``wandb/``.
 
     Args:
-        out_dir: the run folder, or ``None`` to keep the history in memory only.
-        tensorboard: also write TensorBoard scalars.
+        out_dir: the run folder, or ``None`` to keep the history in memory only (no reporters).
+        report_to: reporters besides the JSONL file: ``tensorboard``, ``wandb``, or ``none``.
         resume_step: continue a run from this step: records of later steps (written after the
-            checkpoint being resumed) are dropped from the JSONL file and TensorBoard. Without
-            it, ``out_dir`` must not hold another run's metrics.
+            checkpoint being resumed) are dropped from the JSONL file and TensorBoard, and W&B
+            continues the run's W&B run (it cannot drop steps). Without it, ``out_dir`` must not
+            hold another run's metrics.
+        run_dir: the run folder when ``out_dir`` is a folder inside it (``heldout/``): W&B then
+            logs to the run's W&B run, each name after that folder's (``heldout/em``).
+        wandb_project: the W&B project (``None``: ``$WANDB_PROJECT``, else ``agentenv``).
+        wandb_config: attached to the W&B run when the run folder holds no ``config.json``.
     """
 
     def __init__(
-        self, out_dir: str | Path | None = None, *, tensorboard: bool = True, resume_step: int | None = None
+        self,
+        out_dir: str | Path | None = None,
+        *,
+        report_to: str | Sequence[str] = ("tensorboard",),
+        resume_step: int | None = None,
+        run_dir: str | Path | None = None,
+        wandb_project: str | None = None,
+        wandb_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.history: list[dict[str, float]] = []
-        self._writer = None
+        self.reporters: list[Reporter] = []
         if self.out_dir is None:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -98,12 +155,14 @@ class MetricsLog:
                     "its checkpoints, or choose an empty folder"
                 )
             self.jsonl_path.write_text("")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step hides events of steps after the checkpoint from TensorBoard's view.
-            purge = None if resume_step is None else resume_step + 1
-            self._writer = SummaryWriter(str(self.out_dir / _TENSORBOARD), purge_step=purge)
+        self.reporters = open_reporters(
+            report_to,
+            self.out_dir,
+            resume_step=resume_step,
+            run_dir=None if run_dir is None else Path(run_dir),
+            wandb_project=wandb_project,
+            wandb_config=wandb_config,
+        )
 
     @property
     def jsonl_path(self) -> Path:
@@ -122,16 +181,14 @@ class MetricsLog:
             return
         with self.jsonl_path.open("a") as file:
             file.write(json.dumps({k: v if math.isfinite(v) else None for k, v in record.items()}) + "\n")
-        if self._writer is not None:
-            for name, value in metrics.items():
-                self._writer.add_scalar(name, float(value), step)
-            self._writer.flush()
+        for reporter in self.reporters:
+            reporter.log(step, metrics)
 
     def close(self) -> None:
-        """Close the TensorBoard writer (the JSONL file is closed after every record)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Close the reporters (the JSONL file is closed after every record)."""
+        reporters, self.reporters = self.reporters, []
+        for reporter in reporters:
+            reporter.close()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, float]]:
@@ -148,50 +205,119 @@ def read_jsonl(path: str | Path) -> list[dict[str, float]]:
     return records
 
 
-def plot_curves(
-    history: Sequence[Mapping[str, Any]],
-    path: str | Path,
-    panels: Sequence[tuple[str, Sequence[str]]] = PLOT_PANELS,
-) -> Path:
-    """Draw the metrics of ``history`` (records with a ``step``) against the step as a PNG.
+def label_axis(axis: Axes, title: str, unit: str, *, steps: bool = True) -> None:
+    """Title a panel and label its y-axis with ``unit``; with ``steps``, the x-axis is the training step.
 
-    One panel per entry of ``panels`` that has data; panels whose metrics never occur are left
-    out. Returns ``path``.
+    The step axis gets integer ticks only, at least one even for a single step.
+    """
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_title(title)
+    axis.set_ylabel(unit)
+    if steps:
+        axis.set_xlabel("training step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    axis.grid(alpha=0.3)
+
+
+def draw_curve(
+    axis: Axes,
+    history: Sequence[Mapping[str, Any]],
+    name: str,
+    *,
+    label: str | None = None,
+    band_label: str | None = "± std (within min–max)",
+    color: str | None = None,
+) -> None:
+    """Draw metric ``name`` of ``history`` against the step; ``reward/mean`` with its ±std band.
+
+    The line is labelled ``label`` (default: the metric's :data:`METRIC_DISPLAY` name). The band
+    is clipped to each step's ``[reward/min, reward/max]`` where those are logged, since the mean
+    ± std can reach past the rewards the batch had (the std of rewards of -1 and 1 is 1).
+    """
+    records = [record for record in history if name in record]
+    steps = [record["step"] for record in records]
+    values = [record[name] for record in records]
+    (line,) = axis.plot(steps, values, marker="o", markersize=3, color=color, label=label or _display(name).name)
+    if name != "reward/mean" or not all("reward/std" in record for record in records):
+        return
+    low = [value - record["reward/std"] for value, record in zip(values, records)]
+    high = [value + record["reward/std"] for value, record in zip(values, records)]
+    if all("reward/min" in record and "reward/max" in record for record in records):
+        low = [max(v, record["reward/min"]) for v, record in zip(low, records)]
+        high = [min(v, record["reward/max"]) for v, record in zip(high, records)]
+    band_color = line.get_color()
+    if len(records) == 1:  # one step has no area to fill: the spread is an error bar
+        spread = [[values[0] - low[0]], [high[0] - values[0]]]
+        axis.errorbar(steps, values, yerr=spread, fmt="none", capsize=4, color=band_color, label=band_label)
+    else:
+        axis.fill_between(steps, low, high, alpha=0.2, linewidth=0, color=band_color, label=band_label)
+
+
+def curves_figure(
+    history: Sequence[Mapping[str, Any]],
+    panels: Sequence[tuple[str, Sequence[str]]] = PLOT_PANELS,
+    *,
+    title: str | None = None,
+) -> Figure:
+    """The figure of :func:`plot_curves`: one panel per entry of ``panels`` that has data.
+
+    Panels whose metrics never occur are left out; a panel of several metrics has a legend of
+    their :data:`METRIC_DISPLAY` names, and a panel of proportions shows no value outside [0, 1].
+    ``title`` (e.g. the run's algorithm, environment, model and folder) heads the figure.
     """
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
     present = [
-        (title, [name for name in names if any(name in record for record in history)]) for title, names in panels
+        (panel, [name for name in names if any(name in record for record in history)]) for panel, names in panels
     ]
-    present = [(title, names) for title, names in present if names]
+    present = [(panel, names) for panel, names in present if names]
     if not present:
         raise ValueError("nothing to plot: no record holds any metric named in the panels")
     columns = min(3, len(present))
     rows = math.ceil(len(present) / columns)
     figure = Figure(figsize=(4.2 * columns, 3.0 * rows), layout="constrained")
+    if title:
+        figure.suptitle(title)
     axes = figure.subplots(rows, columns, squeeze=False).flatten()
-    for axis, (title, names) in zip(axes, present):
+    for axis, (panel, names) in zip(axes, present):
         for name in names:
-            points = [(record["step"], record[name]) for record in history if name in record]
-            steps, values = zip(*points)
-            axis.plot(steps, values, marker="o", markersize=3, label=name)
-            if name == "reward/mean" and all("reward/std" in record for record in history if name in record):
-                spread = [record["reward/std"] for record in history if name in record]
-                axis.fill_between(
-                    steps,
-                    [v - s for v, s in zip(values, spread)],
-                    [v + s for v, s in zip(values, spread)],
-                    alpha=0.2,
-                    label="± reward/std",
-                )
-        axis.set_title(title)
-        axis.set_xlabel("step")
-        axis.grid(alpha=0.3)
-        if len(names) > 1 or title == "reward":
+            draw_curve(axis, history, name)
+        label_axis(axis, panel, _display(names[0]).unit)
+        bounds = _display(names[0]).bounds
+        if bounds is not None:  # autoscaling pads past the range: clip fractions of 0 showed -0.04
+            low, high = axis.get_ylim()
+            pad = 0.02 * (high - low)
+            axis.set_ylim(max(low, bounds[0] - pad), min(high, bounds[1] + pad))
+        if len(names) > 1 or names == ["reward/mean"]:
             axis.legend(fontsize="x-small")
     for axis in axes[len(present) :]:
         axis.set_visible(False)
+    return figure
+
+
+def plot_curves(
+    history: Sequence[Mapping[str, Any]],
+    path: str | Path,
+    panels: Sequence[tuple[str, Sequence[str]]] = PLOT_PANELS,
+    *,
+    title: str | None = None,
+) -> Path:
+    """Draw the metrics of ``history`` (records with a ``step``) against the step as a PNG.
+
+    The figure is :func:`curves_figure`'s (``title`` heads it). Returns ``path``.
+    """
+    return save_figure(curves_figure(history, panels, title=title), path)
+
+
+def save_figure(figure: Figure, path: str | Path) -> Path:
+    """Write ``figure`` as a PNG at 100 dpi (its folder made if needed); returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     return path
+
+
+def _display(name: str) -> Display:
+    """A metric's :data:`METRIC_DISPLAY` entry; a metric without one is shown by its key, unit unknown."""
+    return METRIC_DISPLAY.get(name, Display(name, "value"))

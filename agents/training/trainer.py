@@ -14,7 +14,7 @@ One :meth:`Trainer.step` (read :meth:`Trainer._update` top to bottom):
    built on ``trainer.model``), ``await engine.update_weights(state_dict)`` otherwise. An engine
    that can sleep (vLLM on the same GPU) sleeps through steps 2-4 and wakes before the sync;
 6. metrics (:mod:`agents.training.metrics`), merged with the caller's rollout numbers, to JSONL and
-   TensorBoard.
+   the reporters of ``report_to`` (TensorBoard, W&B).
 
 Every hyper-parameter is a field of :class:`TrainerConfig` with its default and source.
 
@@ -44,17 +44,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import distributed as dist
 from torch.distributed.tensor import DTensor
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from agents.models import load_model, load_tokenizer
+from agents.progress import progress_bar, transformers_bars
 from agents.rollout.tree import TrainingPath
 from agents.training.batch import PathBatch, collate
 from agents.training.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
 from agents.training.losses import LOSSES, TRAINER_INPUTS, LossFn
 from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog, plot_curves
 from agents.training.packing import PackedPaths, new_tokens, pack_paths
+from agents.training.reporting import import_wandb
 from agents.training.scoring import score_logits, score_positions, score_states, score_tokens
 from agents.training.trainer_config import TrainerConfig
 from agents.training.tree_attention import (
@@ -106,7 +107,7 @@ class Trainer:
         ref_model: the reference policy of the KL penalty. Without it, ``kl_coef > 0`` uses
             the base model with the adapters switched off under LoRA, and otherwise a frozen
             copy of the initial policy.
-        out_dir: the run folder for ``metrics.jsonl``, TensorBoard events, ``curves.png`` and
+        out_dir: the run folder for ``metrics.jsonl``, the reporters' files (``report_to``), ``curves.png`` and
             ``checkpoints/``; ``None`` keeps metrics in memory (``trainer.metrics.history``).
         distributed: be one rank of the initialised default ``torch.distributed`` group (what
             :class:`agents.cluster.trainer_ranks.TrainerGroup` starts). With a world size N > 1
@@ -139,10 +140,15 @@ class Trainer:
                     "or leave distributed=False for the single process"
                 )
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if "wandb" in cfg.report_to and out_dir is not None and self.rank == 0:
+            import_wandb()  # a missing client fails here, before the model loads
         if isinstance(model, str):
             device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
             tokenizer = tokenizer or load_tokenizer(model)
-            model = load_model(model, dtype=getattr(torch, cfg.base_dtype), device=device)
+            with transformers_bars(self._shows_progress):  # off with progress=False too
+                model = load_model(
+                    model, dtype=getattr(torch, cfg.base_dtype), device=device, progress=self._shows_progress
+                )
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.compute_dtype = _compute_dtype(cfg.compute_dtype, self.device)
@@ -214,7 +220,7 @@ class Trainer:
         self.metrics: MetricsLog | None = None  # opened by the first step, or by resume()
         self._passes: defaultdict[str, int] = defaultdict(int)  # what the step's update passes forwarded
         self._last_pass: dict[str, int] = {}
-        self._steps_bar: tqdm | None = None
+        self._steps_bar: Any = None  # the ``train`` bar (progress_bar), opened by open_steps_bar
 
     @property
     def engine(self) -> Any:
@@ -263,9 +269,10 @@ class Trainer:
                 or ``reward/em``; names must differ from the trainer's own.
         """
         rollout_metrics = _checked_rollout_metrics(rollout_metrics or {})
+        self.open_steps_bar()
         batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
         if self.metrics is None:  # before the update, so that a folder holding another run fails first
-            self.metrics = MetricsLog(self._metrics_dir, tensorboard=self.config.tensorboard)
+            self.metrics = self._open_metrics(resume_step=None)
         sleeps = self.config.sleep_engine and bool(getattr(self.engine, "supports_sleep", False))
         start = time.perf_counter()
         if sleeps:
@@ -310,12 +317,12 @@ class Trainer:
         ]
         # This rank's passes over each mini-batch: all of them in one process (see _rank_passes).
         passes = [self._rank_passes(mini_batch) for mini_batch in micro_batches]
-        bar = tqdm(
-            total=cfg.epochs * sum(len(p) for p in passes),
-            desc=f"step {self.step_count + 1}",
-            unit="micro-batch",
+        bar = progress_bar(
+            f"update step {self.step_count + 1}",
+            cfg.epochs * sum(len(p) for p in passes),
+            unit="micro-batches",
             leave=False,
-            disable=self._progress_disabled,
+            show=self._shows_progress,
         )
         mismatch = _Mismatch()
         self._passes = defaultdict(int)
@@ -368,6 +375,8 @@ class Trainer:
                         "entropy_coef": cfg.entropy_coef,
                         "ref_logprobs": None if ref_logprobs is None else ref_logprobs[cut],
                         "kl_coef": cfg.kl_coef,
+                        # π_behav of the decoupled objective: the sampler's (docs/algorithms.md eq. 75)
+                        "behaviour_logprobs": batch.old_logprobs[cut] if cfg.decoupled else None,
                     }
                     loss, metrics = self.loss_fn(
                         logprobs,
@@ -757,32 +766,40 @@ class Trainer:
                 merged[f"{name}.bias"] = full[f"{name}.base_layer.bias"]
         return merged
 
-    def save_checkpoint(self, path: str | Path | None = None, data_position: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(
+        self,
+        path: str | Path | None = None,
+        data_position: dict[str, Any] | None = None,
+        *,
+        plot_title: str | None = None,
+    ) -> Path:
         """Write a checkpoint (weights, optimiser, schedule, RNG, step, ``data_position``) and the plot.
 
         ``path`` defaults to ``out_dir/checkpoints/step_NNNNNN``. ``data_position`` is the caller's
         opaque, JSON-serialisable place in its data, returned by :meth:`resume`. The curves of
-        every step so far are drawn into ``curves.png`` in the checkpoint and in ``out_dir``.
+        every step so far are drawn into ``curves.png`` in the checkpoint and in ``out_dir``,
+        headed ``plot_title`` (e.g. the run's algorithm, environment, model and folder).
         """
         if path is None:
             if self.out_dir is None:
                 raise ValueError("save_checkpoint needs a path, or a Trainer with out_dir")
             path = self.out_dir / "checkpoints" / checkpoint_name(self.step_count)
-        path = save_checkpoint(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            step=self.step_count,
-            data_position=data_position,
-            config=self.config.to_dict(),
-            tokenizer=self.tokenizer,
-            sharded=self.world_size > 1,
-        )
+        with transformers_bars(self._shows_progress):  # its "Writing model shards" bar
+            path = save_checkpoint(
+                path,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                step=self.step_count,
+                data_position=data_position,
+                config=self.config.to_dict(),
+                tokenizer=self.tokenizer,
+                sharded=self.world_size > 1,
+            )
         if self.metrics is not None and self.metrics.history and self.rank == 0:
-            plot_curves(self.metrics.history, path / "curves.png")
+            plot_curves(self.metrics.history, path / "curves.png", title=plot_title)
             if self.out_dir is not None:
-                plot_curves(self.metrics.history, self.out_dir / "curves.png")
+                plot_curves(self.metrics.history, self.out_dir / "curves.png", title=plot_title)
         return path
 
     def resume(self, path: str | Path) -> dict[str, Any]:
@@ -796,18 +813,17 @@ class Trainer:
         with self._weights_changing():
             checkpoint = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         self.step_count = checkpoint.step
+        self._close_steps_bar()  # the next one counts from the checkpoint's step
         if self.metrics is not None:
             self.metrics.close()
-        self.metrics = MetricsLog(self._metrics_dir, tensorboard=self.config.tensorboard, resume_step=checkpoint.step)
+        self.metrics = self._open_metrics(resume_step=checkpoint.step)
         return checkpoint.data_position
 
     def close(self) -> None:
         """Close the metric writers and progress bars."""
         if self.metrics is not None:
             self.metrics.close()
-        if self._steps_bar is not None:
-            self._steps_bar.close()
-            self._steps_bar = None
+        self._close_steps_bar()
 
     def _weights_changing(self) -> contextlib.AbstractContextManager:
         """Held while weights change in place: a sharing engine must not read them half-written."""
@@ -820,6 +836,17 @@ class Trainer:
     def _metrics_dir(self) -> Path | None:
         """Where metrics go: ``out_dir`` on rank 0; the other ranks keep theirs in memory."""
         return self.out_dir if self.rank == 0 else None
+
+    def _open_metrics(self, resume_step: int | None) -> MetricsLog:
+        """The step metrics' log, with the reporters of ``report_to`` (W&B gets the trainer's configuration
+        unless the run folder holds the run's own ``config.json``)."""
+        return MetricsLog(
+            self._metrics_dir,
+            report_to=self.config.report_to,
+            resume_step=resume_step,
+            wandb_project=self.config.wandb_project,
+            wandb_config={"trainer": self.config.to_dict()},
+        )
 
     def _shard(self) -> None:
         """Shard the policy (and a reference copy) over the group with FSDP2: each decoder layer, then the rest.
@@ -865,21 +892,29 @@ class Trainer:
                 module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # plain SUM (gloo has no PREMUL_SUM)
             self._roots[id(model)] = root
 
+    def open_steps_bar(self) -> None:
+        """Show the ``train`` bar (``total_steps``, from ``step_count``) now; :meth:`step` opens it otherwise.
+
+        A run opens it before its first rollout, so that the bar (a line, in a log file) is there
+        from the start; :meth:`resume` closes it, and the next one counts from the checkpoint's step.
+        """
+        if self._steps_bar is None:
+            self._steps_bar = progress_bar(
+                "train", self.config.total_steps, unit="steps", initial=self.step_count, show=self._shows_progress
+            )
+
+    def _close_steps_bar(self) -> None:
+        if self._steps_bar is not None:
+            self._steps_bar.close()
+            self._steps_bar = None
+
     @property
-    def _progress_disabled(self) -> bool | None:
-        if self.rank != 0:
-            return True
-        return None if self.config.progress is None else not self.config.progress  # None: tty only
+    def _shows_progress(self) -> bool | None:
+        """``config.progress`` on rank 0; the other ranks show none (agents.progress says what None shows)."""
+        return self.config.progress if self.rank == 0 else False
 
     def _advance_steps_bar(self, record: Mapping[str, float]) -> None:
-        if self._steps_bar is None:
-            self._steps_bar = tqdm(
-                total=self.config.total_steps,
-                initial=self.step_count - 1,
-                desc="train",
-                unit="step",
-                disable=self._progress_disabled,
-            )
+        self.open_steps_bar()
         self._steps_bar.set_postfix(
             reward=f"{record['reward/mean']:.3f}", loss=f"{record['policy/loss']:.4f}", refresh=False
         )
@@ -930,11 +965,13 @@ def _loss_parameters(loss_fn: LossFn, cfg: TrainerConfig, uses_reference: bool) 
         "ref_logprobs": uses_reference,
         "entropy": cfg.entropy_coef > 0,
         "entropy_coef": cfg.entropy_coef > 0,
+        "behaviour_logprobs": cfg.decoupled,
     }
     missing = [param for param, need in needed.items() if need and param not in params and not takes_any]
     if missing:
         raise ValueError(
-            f"loss {name} takes no {', '.join(missing)}, so it cannot apply the configured KL penalty or entropy bonus"
+            f"loss {name} takes no {', '.join(missing)}, so it cannot apply the configured KL penalty, "
+            "entropy bonus or decoupled objective"
         )
     if takes_any:
         params.update(dict.fromkeys(TRAINER_INPUTS))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agents.training.losses import LOSSES, LossFn
+from agents.training.reporting import check_report_to
 
 __all__ = ["TrainerConfig"]
 
@@ -75,6 +77,11 @@ class TrainerConfig:
     # code) or "sampler" (the engine's, skipping that forward pass; the mismatch is then measured
     # on the first mini-batch, the only one trained before the policy changes). docs/algorithms.md "Old log-probs".
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    # The decoupled objective for rollouts sampled by an older policy (asynchronous training): the
+    # recomputed log-probs are the proximal policy the loss clips around, and the sampler's weight
+    # each token by π_prox/π_behav (AReaL; docs/algorithms.md "Decoupled objective", eqs. 75-77).
+    # Needs old_logprobs="recompute"; the weight cap is the loss's behaviour_weight_cap.
+    decoupled: bool = False
     # the sampler's temperature: logits are divided by it (verl); papers: 1.0 (docs/algorithms.md eq. 4)
     temperature: float = 1.0
 
@@ -103,9 +110,14 @@ class TrainerConfig:
     # turns with the device's memory. Off: both keep theirs (an engine on other devices).
     sleep_engine: bool = True
 
-    # Logging.
-    tensorboard: bool = True  # TensorBoard events besides metrics.jsonl (with out_dir)
-    progress: bool | None = None  # tqdm bars; None: only when writing to a terminal
+    # Logging, with out_dir: metrics.jsonl always, and the reporters named here (agents.training.reporting):
+    # "tensorboard" (events under tensorboard/), "wandb" (Weights & Biases, files under wandb/), several
+    # at once, or "none" for nothing more. Transformers' TrainingArguments.report_to spelling.
+    report_to: Sequence[str] = ("tensorboard",)
+    wandb_project: str | None = None  # the W&B project; None: $WANDB_PROJECT, else "agentenv"
+    # The train and update bars (agents.progress): False none; True or None tqdm bars on a terminal,
+    # a plain line every 30 s on a file or a pipe.
+    progress: bool | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -143,12 +155,18 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.score_chunk must be an int >= 1 or None, got {self.score_chunk!r}")
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"TrainerConfig.total_steps must be >= 1 or None, got {self.total_steps!r}")
+        self.report_to = check_report_to(self.report_to, "TrainerConfig.report_to")
         if isinstance(self.packing, bool):  # configs written when packing was on or off
             self.packing = "flat" if self.packing else "padded"
         if self.packing not in ("tree", "flat", "padded"):
             raise ValueError(f"TrainerConfig.packing must be 'tree', 'flat' or 'padded', got {self.packing!r}")
         if self.old_logprobs not in ("recompute", "sampler"):
             raise ValueError(f"TrainerConfig.old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
+        if self.decoupled and self.old_logprobs != "recompute":
+            raise ValueError(
+                "TrainerConfig.decoupled=True needs old_logprobs='recompute': the decoupled objective clips "
+                "around the recomputed (proximal) log-probs and weights by the sampler's"
+            )
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(
                 f"TrainerConfig.compute_dtype must be 'auto', 'float32' or 'bfloat16', got {self.compute_dtype!r}"
@@ -175,4 +193,5 @@ class TrainerConfig:
         if callable(self.loss):
             values["loss"] = f"{self.loss.__module__}.{self.loss.__qualname__}"
         values["adam_betas"] = list(self.adam_betas)
+        values["report_to"] = list(self.report_to)
         return values

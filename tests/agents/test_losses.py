@@ -9,6 +9,7 @@ from agents.training.losses import (
     aepo_loss,
     aggregate,
     atpo_loss,
+    behaviour_weights,
     entropy_aware_advantages,
     gspo_loss,
     ppo_clip_loss,
@@ -258,3 +259,89 @@ def test_losses_reject_misshapen_input(loss_fn):
         loss_fn(x, [[0.0] * 3] * 2, x, x, **extra)
     with pytest.raises(ValueError, match="unknown aggregation"):
         loss_fn(x, x, x, torch.ones(2, 3), agg="sum", **extra)
+
+
+# --- The decoupled objective (docs/algorithms.md "Decoupled objective", eqs. 75-77) ---
+
+ALL_LOSSES = [ppo_clip_loss, gspo_loss, atpo_loss, aepo_loss]
+
+
+def _random_batch(seed):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (3, 9)
+    logprobs = (-torch.rand(shape, generator=generator, dtype=torch.float64) * 3).requires_grad_()
+    old = logprobs.detach() + 0.3 * torch.randn(shape, generator=generator, dtype=torch.float64)
+    behaviour = old + 0.5 * torch.randn(shape, generator=generator, dtype=torch.float64)
+    advantages = torch.randn(shape, generator=generator, dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 0, 1, 1], [0, 1, 0, 1, 0, 1, 0, 1, 0]])
+    entropy = torch.rand(shape, generator=generator, dtype=torch.float64)
+    return logprobs, old, behaviour, advantages, mask, entropy
+
+
+def _run(loss_fn, logprobs, old, advantages, mask, entropy, **kwargs):
+    extra = {"entropy": entropy} if loss_fn is aepo_loss else {}
+    logprobs.grad = None
+    loss, metrics = loss_fn(logprobs, old, advantages, mask, **extra, **kwargs)
+    loss.backward()
+    return loss.item(), logprobs.grad.clone(), metrics
+
+
+@pytest.mark.parametrize("loss_fn", ALL_LOSSES, ids=lambda f: f.__name__)
+def test_decoupled_loss_with_the_proximal_policy_as_behaviour_is_exactly_todays(loss_fn):
+    logprobs, old, _, advantages, mask, entropy = _random_batch(0)
+    plain, plain_grad, plain_metrics = _run(loss_fn, logprobs, old, advantages, mask, entropy)
+    same, same_grad, metrics = _run(loss_fn, logprobs, old, advantages, mask, entropy, behaviour_logprobs=old.clone())
+    assert same == plain  # bit for bit: every weight is exp(0) = 1
+    assert torch.equal(same_grad, plain_grad)
+    assert {k: v for k, v in metrics.items() if not k.startswith("behaviour_")} == plain_metrics
+    assert metrics["behaviour_weight_mean"] == 1.0
+    assert metrics["behaviour_dropped_frac"] == 0.0
+    assert metrics["behaviour_kl"] == 0.0
+
+
+def test_decoupled_ppo_weights_each_tokens_loss_by_proximal_over_behaviour():
+    # r_t = π_θ/π_prox drives the clip; w_t = π_prox/π_behav multiplies the clipped loss
+    logprobs, old, adv, mask = case(*PPO_CASE)
+    behaviour = old + torch.tensor([[0.0, 0.0, math.log(2), 0.0, -math.log(4), 0.0, 0.0]], dtype=torch.float64)
+    loss, metrics = ppo_clip_loss(logprobs, old, adv, mask, behaviour_logprobs=behaviour)
+    # weights: 1, 1/2 (prox has half the behaviour's probability), 1, 4, 1, 1 on the six action tokens
+    token_losses = [-1.1, -1.2 * 0.5, 0.8, -0.5 * 4, 2.0, 6.0]
+    assert loss.item() == pytest.approx(sum(token_losses) / 6, abs=1e-12)
+    # the weight carries no gradient: dℓ/dlog π = -w·A·r where unclipped
+    assert grad_of(loss, logprobs) == pytest.approx([0, -1.1 / 6, 0, 0, -0.5 * 4 / 6, 2.0 / 6, 0], abs=1e-12)
+    assert metrics["behaviour_weight_mean"] == pytest.approx((1 + 0.5 + 1 + 4 + 1 + 1) / 6, abs=1e-12)
+    assert metrics["clip_frac_high"] == pytest.approx(1 / 6)  # clipping is against π_prox, as before
+
+
+def test_behaviour_weight_cap_drops_tokens_but_keeps_them_in_the_count():
+    logprobs, old, adv, mask = case(*PPO_CASE)
+    behaviour = old + torch.tensor([[0.0, 0.0, 0.0, 0.0, -math.log(4), 0.0, 0.0]], dtype=torch.float64)
+    loss, metrics = ppo_clip_loss(logprobs, old, adv, mask, behaviour_logprobs=behaviour, behaviour_weight_cap=3.0)
+    # the r=0.5, A=+1 token has weight 4 > 3: it leaves the sum, not the denominator
+    assert loss.item() == pytest.approx((-1.1 - 1.2 + 0.8 + 0 + 2.0 + 6.0) / 6, abs=1e-12)
+    assert metrics["behaviour_dropped_frac"] == pytest.approx(1 / 6, abs=1e-12)
+    with pytest.raises(ValueError, match="behaviour_weight_cap must be > 1"):
+        ppo_clip_loss(logprobs, old, adv, mask, behaviour_logprobs=behaviour, behaviour_weight_cap=1.0)
+
+
+def test_decoupled_atpo_weights_a_turn_by_its_geometric_mean_weight():
+    # two turns of two tokens, split by an observation token; ratios 1 (no clipping)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1]])
+    old = torch.full((1, 6), -2.0, dtype=torch.float64)
+    logprobs = old.clone().requires_grad_()
+    advantages = torch.tensor([[0.0, 1.0, 1.0, 0.0, -1.0, -1.0]], dtype=torch.float64)
+    # turn 1: log w = (log 2 + log 8)/2 = log 4; turn 2: log w = (0 + log(1/4))/2 = log(1/2)
+    behaviour = old - torch.tensor([[0.0, math.log(2), math.log(8), 0.0, 0.0, -math.log(4)]], dtype=torch.float64)
+    weights = behaviour_weights(old, behaviour, mask, segments=None)
+    assert weights[0].tolist() == pytest.approx([0, 2, 8, 0, 1, 0.25], abs=1e-12)  # token level without segments
+    loss, metrics = atpo_loss(logprobs, old, advantages, mask, behaviour_logprobs=behaviour)
+    # seq-mean-token-mean over one row: (−1·4 −1·4 +1·0.5 +1·0.5)/4
+    assert loss.item() == pytest.approx((-4 - 4 + 0.5 + 0.5) / 4, abs=1e-12)
+    assert metrics["behaviour_weight_mean"] == pytest.approx((4 + 4 + 0.5 + 0.5) / 4, abs=1e-12)
+    assert grad_of(loss, logprobs) == pytest.approx([0, -1, -1, 0, 0.125, 0.125], abs=1e-12)
+
+
+def test_decoupled_loss_rejects_misaligned_behaviour_logprobs():
+    logprobs, old, adv, mask = case(*PPO_CASE)
+    with pytest.raises(ValueError, match="behaviour_logprobs has shape"):
+        ppo_clip_loss(logprobs, old, adv, mask, behaviour_logprobs=old[:, :3])

@@ -95,7 +95,7 @@ model, settings, length, n = json.loads(sys.argv[1])
 if isinstance(model, dict):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**model, tie_word_embeddings=True)).eval()
-trainer = Trainer(model, TrainerConfig(progress=False, tensorboard=False, old_logprobs="sampler", **settings))
+trainer = Trainer(model, TrainerConfig(progress=False, report_to=("none",), old_logprobs="sampler", **settings))
 rng, vocab, paths = random.Random(0), trainer.model.config.vocab_size, []
 for i in range(n):
     tree = RolloutTree([rng.randrange(vocab) for _ in range(32)])

@@ -67,7 +67,7 @@ def letters_config(model: str, **changes) -> TrainConfig:
             "eval_questions": 4,
             "checkpoint_every": 1,
             "strategy": changes.pop("strategy", {"n": 6}),
-            "trainer": {"lr": 3e-2, "mini_batches": 1, "micro_batch_size": 12, "tensorboard": False},
+            "trainer": {"lr": 3e-2, "mini_batches": 1, "micro_batch_size": 12, "report_to": ["none"]},
             "sampling": {"max_new_tokens": 6},
             "rollout": {"max_response_tokens": 6},
             "loss": {"kl_coef": 0.0},

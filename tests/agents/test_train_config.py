@@ -160,6 +160,7 @@ def test_the_effective_config_lists_every_value_and_rebuilds_the_same_run(tmp_pa
         "agg": "token-mean",
         "kl_coef": 0.0,
         "entropy_coef": 0.0,
+        "behaviour_weight_cap": None,
     }
     assert effective.trainer["lr"] == 5e-5 and "loss" not in effective.trainer
     assert effective.rollout["budget"] == {"leaves": None, "tool_calls": None, "tokens": None}
@@ -207,6 +208,7 @@ def test_a_learner_of_your_own_takes_the_config_sections_too():
         "agg": "seq-mean-token-mean",
         "kl_coef": 0.0,
         "entropy_coef": 0.0,
+        "behaviour_weight_cap": None,
     }
     assert build(TrainConfig(), learner=AT2PO(name="x")).learner.name == "x"
 
@@ -418,3 +420,19 @@ def test_weights_reach_vllm_once_per_storage_in_its_dtype_through_a_folder_with_
     assert transfer_folder(2**20, (str(shm), str(disk))) == str(shm)
     with pytest.raises(OSError, match=r"no room for the 16.00 GiB weights file .*--shm-size"):
         transfer_folder(16 * 2**30, (str(shm), str(disk)))
+
+
+def test_the_decoupled_objective_is_a_trainer_setting_with_its_cap_a_loss_setting():
+    parts = build(resolve(assignments=["trainer.decoupled=true", "loss.behaviour_weight_cap=5"]))
+    assert parts.trainer.decoupled is True
+    assert parts.trainer.loss == "atpo" and parts.trainer.loss_kwargs["behaviour_weight_cap"] == 5
+    # cpu-demo reuses the sampler's log-probs, so there is no proximal policy to clip around
+    with pytest.raises(ValueError, match="decoupled=True needs old_logprobs='recompute'"):
+        build(resolve(preset_name="cpu-demo", assignments=["trainer.decoupled=true"]))
+
+
+@pytest.mark.parametrize(("switch", "reporters"), [(True, ("tensorboard",)), (False, ("none",))])
+def test_a_config_file_from_before_report_to_keeps_its_tensorboard_choice(switch, reporters):
+    saved = TrainConfig().to_dict()
+    saved["trainer"] = {"mini_batches": 8, "tensorboard": switch}
+    assert tuple(build(TrainConfig.from_dict(saved)).trainer.report_to) == reporters

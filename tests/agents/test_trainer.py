@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+import agents.progress
 from agents.models import tiny_llama
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
@@ -81,7 +82,7 @@ async def run_step(trainer, paths, **kwargs):
 
 
 def config(**overrides) -> TrainerConfig:
-    return TrainerConfig(**{"lr": 1e-3, "progress": False, "tensorboard": False, **overrides})
+    return TrainerConfig(**{"lr": 1e-3, "progress": False, "report_to": ("none",), **overrides})
 
 
 @pytest.mark.parametrize("packing", ["padded", "flat", "tree"])
@@ -318,7 +319,7 @@ async def test_engine_sharing_the_model_needs_no_copy_and_others_get_the_state_d
 
 
 async def test_step_merges_the_callers_rollout_numbers(tmp_path):
-    trainer = Trainer(tiny_model(), config(tensorboard=True), out_dir=tmp_path)
+    trainer = Trainer(tiny_model(), config(report_to=("tensorboard",)), out_dir=tmp_path)
     metrics = await trainer.step(make_paths(), {"time/rollout_s": 4.0, "tokens/generated": 100, "reward/em": 0.25})
     assert metrics["reward/mean"] == 0.25 and metrics["reward/std"] == pytest.approx(math.sqrt(0.6875))
     assert metrics["reward/em"] == 0.25
@@ -414,14 +415,21 @@ async def test_bfloat16_compute_keeps_float32_weights_and_close_logprobs():
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
 
 
-async def test_progress_bars_count_steps_and_micro_batches(capsys):
+async def test_progress_counts_steps_and_micro_batches(capsys, monkeypatch):
+    monkeypatch.setattr(agents.progress, "LINE_INTERVAL", 0.0)  # a line at every count (stderr is no terminal here)
     trainer = Trainer(tiny_model(), config(progress=True, total_steps=3, micro_batch_size=2))
     await trainer.step(make_paths())
     trainer.close()
-    err = capsys.readouterr().err
-    # The micro-batch bar of step 1 (2 micro-batches; tqdm may skip redraws within its minimum interval).
-    assert re.search(r"step 1: +\d+%\|.*\| [0-2]/2 \[", err)
-    assert "train:  33%" in err and "1/3" in err
+    heads = [re.sub(r" (in|after) \d\d:\d\d.*", "", line) for line in capsys.readouterr().err.splitlines()]
+    assert heads == [
+        "train: 0/3 steps",  # from the start of the first step
+        "update step 1: 0/2 micro-batches",
+        "update step 1: 1/2 micro-batches",
+        "update step 1: 2/2 micro-batches",
+        "update step 1: 2/2 micro-batches",  # the final line
+        "train: 1/3 steps",
+        "train: 1/3 steps",
+    ]
 
 
 async def test_a_registered_loss_is_chosen_by_name_in_the_trainer_the_learner_and_the_run_config():
@@ -625,3 +633,40 @@ async def test_fused_adamw_gives_the_same_update():
         weights.append({name: p.detach().clone() for name, p in trainer.model.named_parameters()})
     for name, value in weights[0].items():
         torch.testing.assert_close(weights[1][name], value, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "atpo", "aepo"])
+async def test_decoupled_objective_weights_by_proximal_over_sampler(loss):
+    # The sampler's log-probs 0.3 above the policy's own: π_prox/π_behav = exp(-0.3) on every token.
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3)
+    plain = await Trainer(tiny_model(), config(loss=loss)).step(paths)
+    decoupled = await Trainer(tiny_model(), config(loss=loss, decoupled=True)).step(paths)
+    assert decoupled["policy/behaviour_weight_mean"] == pytest.approx(math.exp(-0.3), rel=1e-5)
+    assert decoupled["policy/behaviour_dropped_frac"] == 0.0
+    assert "policy/behaviour_weight_mean" not in plain
+    # recomputed π_old: the ratio is 1 in the first update either way, so only the weight differs
+    assert decoupled["policy/pg_loss"] == pytest.approx(plain["policy/pg_loss"] * math.exp(-0.3), rel=1e-5)
+
+
+async def test_decoupled_objective_hands_the_loss_the_samplers_logprobs():
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.1 * i)
+    seen = []
+
+    def loss_fn(logprobs, old_logprobs, advantages, mask, *, behaviour_logprobs=None):
+        seen.append(behaviour_logprobs[mask.bool()].tolist())
+        return (logprobs * mask).sum() * 0.0, {}
+
+    await Trainer(tiny_model(), config(loss=loss_fn, decoupled=True, micro_batch_size=4, packing="padded")).step(paths)
+    sampler = [lp for path in paths for lp, m in zip(path.old_logprobs, path.mask) if m]
+    assert seen[0] == pytest.approx(sampler, abs=1e-6)  # float32 of the sampler's values
+
+
+def test_decoupled_objective_needs_recomputed_logprobs_and_a_loss_that_takes_them():
+    with pytest.raises(ValueError, match="decoupled=True needs old_logprobs='recompute'"):
+        config(decoupled=True, old_logprobs="sampler")
+
+    def plain(logprobs, old_logprobs, advantages, mask):
+        return logprobs.sum() * 0.0, {}
+
+    with pytest.raises(ValueError, match="takes no behaviour_logprobs, so it cannot apply .* decoupled objective"):
+        Trainer(tiny_model(), config(loss=plain, decoupled=True))

@@ -49,7 +49,7 @@ async def test_shared_hf_engine_samples_match_the_trainer_and_one_update_moves_t
     engine = HFEngine(model, tokenizer, seed=0)
     trainer = Trainer(
         model,
-        TrainerConfig(lr=1e-5, micro_batch_size=2, progress=False, tensorboard=False),
+        TrainerConfig(lr=1e-5, micro_batch_size=2, progress=False, report_to=("none",)),
         tokenizer=tokenizer,
         engine=engine,
     )
@@ -79,7 +79,7 @@ async def test_separate_engine_receives_the_weights_after_the_step(tokenizer):
     engine = HFEngine("smollm2-135m", seed=0)
     trainer = Trainer(
         load_model("smollm2-135m"),
-        TrainerConfig(lr=1e-5, old_logprobs="sampler", progress=False, tensorboard=False),
+        TrainerConfig(lr=1e-5, old_logprobs="sampler", progress=False, report_to=("none",)),
         tokenizer=tokenizer,
         engine=engine,
     )

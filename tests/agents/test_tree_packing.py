@@ -88,7 +88,7 @@ def config(**overrides) -> TrainerConfig:
     values = {
         "lr": 1e-3,
         "progress": False,
-        "tensorboard": False,
+        "report_to": ["none"],
         "old_logprobs": "sampler",
         "max_grad_norm": 1e9,
         "micro_batch_size": 64,
@@ -248,7 +248,7 @@ async def test_an_at2po_step_on_the_packed_tree_leaves_the_weights_of_the_padded
     learner = AT2PO()
     weights = []
     for packing in ("padded", "tree"):
-        trainer_config = learner.trainer_config(lr=1e-3, progress=False, tensorboard=False, packing=packing)
+        trainer_config = learner.trainer_config(lr=1e-3, progress=False, report_to=("none",), packing=packing)
         trainer = Trainer(tiny_model(), trainer_config)
         metrics = await trainer.step(paths)
         weights.append({name: p.detach().clone() for name, p in trainer.model.named_parameters()})

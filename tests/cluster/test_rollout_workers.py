@@ -66,7 +66,7 @@ def letters_config(model: str, **changes) -> TrainConfig:
             "eval_questions": 2,
             "checkpoint_every": 1,
             "strategy": {"M": 2, "L": 1, "K": 2},
-            "trainer": {"lr": 3e-2, "mini_batches": 1, "micro_batch_size": 16, "tensorboard": False},
+            "trainer": {"lr": 3e-2, "mini_batches": 1, "micro_batch_size": 16, "report_to": ["none"]},
             "sampling": {"max_new_tokens": 6},
             "rollout": {"max_response_tokens": 24},
         },
@@ -95,7 +95,9 @@ async def test_workers_grow_the_trees_one_process_grows_and_hold_the_trainers_we
     pool, config, parts = pool
     assert len({info["pid"] for info in pool.info}) == 2 and os.getpid() not in {i["pid"] for i in pool.info}
     tasks = [2, 5, 3, 7]
-    spread = await pool.rollout(tasks, seed=11)
+    counted: list[int] = []
+    spread = await pool.rollout(tasks, seed=11, on_branches=counted.append)
+    assert counted == [4, 4, 4, 4]  # each prompt's M + L·K branches as its trees come back (the progress bar)
     tokenizer = load_tokenizer(config.model)
     env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), tokenizer)
     local = _LocalRollout(env, make_engine(config, parts, None), tokenizer, parts)

@@ -47,7 +47,7 @@ def make_paths(seed: int, trees: int = 2, vocab: int = VOCAB, length: int = 5) -
 
 
 def config(**overrides) -> TrainerConfig:
-    values = {"lr": 1e-3, "progress": False, "tensorboard": False, "micro_batch_size": 1, "mini_batches": 2}
+    values = {"lr": 1e-3, "progress": False, "report_to": ("none",), "micro_batch_size": 1, "mini_batches": 2}
     return TrainerConfig(**{**values, **overrides})
 
 
@@ -88,6 +88,7 @@ async def test_two_ranks_train_resume_and_checkpoint_like_one_process(ray_local,
 
     group = TrainerGroup(str(tiny_folder), config(), ranks=2, out_dir=tmp_path / "ranks")
     try:
+        group.open_steps_bar()  # rank 0's bar (what a run opens before its first rollout)
         # (a) one update at N = 2 is the single process's: metrics and every parameter.
         record = await group.step(BATCH_A)
         assert_same_record(record, expected_a)

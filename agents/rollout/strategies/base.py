@@ -305,6 +305,12 @@ class Strategy(abc.ABC):
         """Top log-probs each turn must come with (0: none)."""
         return 0
 
+    @property
+    def branches_per_prompt(self) -> int | None:
+        """The branches one prompt's rollout starts (each ends in at most one leaf), when known before it
+        starts; ``None``: not known. It sizes the rollout's progress bar."""
+        return None
+
     async def prepare(self, group: PromptTrees, probe: Probe) -> None:
         """Look at the prompt before any chain starts (AEPO's pre-monitoring); default: nothing."""
 

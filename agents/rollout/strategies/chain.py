@@ -24,5 +24,9 @@ class Chain(Strategy):
     def __post_init__(self) -> None:
         require_positive(self, "n")
 
+    @property
+    def branches_per_prompt(self) -> int:
+        return self.n
+
     def start(self, group: PromptTrees) -> list[BranchPoint]:
         return [fresh_chain(group, 0) for _ in range(self.n)]  # |leaves| = n  (docs/algorithms.md eq. 6)

@@ -102,6 +102,10 @@ class EntropyBalancedBranching(SegmentEntropyBranching):
     def rollouts(self, group: PromptTrees) -> int:
         return self.k
 
+    @property
+    def branches_per_prompt(self) -> int:
+        return self.k
+
     def initial_chains(self, group: PromptTrees) -> int:
         return group.notes["global_samples"]
 

@@ -236,6 +236,10 @@ class EntropyBranching(SegmentEntropyBranching):
     def rollouts(self, group: PromptTrees) -> int:
         return self.n
 
+    @property
+    def branches_per_prompt(self) -> int:
+        return self.n
+
     def initial_chains(self, group: PromptTrees) -> int:
         return self.N
 

@@ -51,6 +51,10 @@ class EntropyTree(Strategy):
         if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha >= 0):
             raise ValueError(f"EntropyTree.alpha must be a finite number >= 0, got {self.alpha!r}")
 
+    @property
+    def branches_per_prompt(self) -> int:
+        return self.M + self.L * self.K  # at most, without root_candidate
+
     def start(self, group: PromptTrees) -> list[BranchPoint]:
         return [fresh_chain(group, 0) for _ in range(self.M)]
 

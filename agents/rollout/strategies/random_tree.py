@@ -41,6 +41,10 @@ class RandomTree(Strategy):
     def trees_per_prompt(self) -> int:
         return self.M
 
+    @property
+    def branches_per_prompt(self) -> int:
+        return self.M * (1 + self.L * self.N)  # before finish() keeps K leaves of each tree
+
     def start(self, group: PromptTrees) -> list[BranchPoint]:
         return [fresh_chain(group, tree) for tree in range(self.M)]
 

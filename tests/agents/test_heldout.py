@@ -1,0 +1,127 @@
+"""Held-out scores: 95% intervals inside each score's range, and their plots read on the Axes."""
+
+import math
+import statistics
+import warnings
+from pathlib import Path
+
+import pytest
+from matplotlib.container import ErrorbarContainer
+
+from agents.heldout import SCORE_DISPLAY, Z_95, HeldOut, HeldOutLog, Score, interval
+
+TITLE = "at2po · multihop-qa · smollm2-135m (runs/demo)"
+
+
+def held_out(step: int, em: list[float], f1: list[float], format_ok: list[float], reward: list[float]) -> HeldOut:
+    columns = {"em": em, "f1": f1, "format_ok": format_ok, "reward": reward}
+    scores = {name: interval(values, SCORE_DISPLAY[name].bounds) for name, values in columns.items()}
+    return HeldOut(step, len(em), scores, seconds=1.0)
+
+
+def visible_ticks(axis):
+    """The x tick locations inside the axis' view."""
+    low, high = axis.get_xlim()
+    return [tick for tick in axis.get_xticks() if low <= tick <= high]
+
+
+def test_intervals_stay_inside_the_range_of_the_score():
+    nothing = interval([0.0] * 8)  # a proportion: Wilson's interval
+    assert (nothing.mean, nothing.low) == (0.0, 0.0)
+    assert nothing.high == pytest.approx(Z_95**2 / (8 + Z_95**2))  # 0.324, as the make demo's EM
+    f1 = [0.5] + [0.0] * 7  # the make demo's F1 after 3 steps, whose normal interval went below 0
+    half = Z_95 * statistics.stdev(f1) / math.sqrt(8)
+    assert interval(f1) == Score(0.0625, 0.0625 - half, 0.0625 + half)
+    assert 0.0625 - half == pytest.approx(-0.0600, abs=1e-4)
+    assert interval(f1, (0.0, 1.0)) == Score(0.0625, 0.0, 0.0625 + half)
+    assert interval([0.4], (0.0, 1.0)) == Score(0.4, 0.0, 1.0)  # one answer: anything in the range
+    assert interval([0.4]) == Score(0.4, -math.inf, math.inf)
+    assert {name: display.bounds for name, display in SCORE_DISPLAY.items()} == {
+        "em": (0.0, 1.0),
+        "f1": (0.0, 1.0),
+        "format_ok": (0.0, 1.0),
+        "reward": None,
+    }
+
+
+def test_heldout_plot_draws_each_evaluation_as_a_point_with_its_interval(tmp_path):
+    before = held_out(0, em=[0.0] * 8, f1=[0.0] * 8, format_ok=[0.0] * 8, reward=[-1.0] * 8)
+    after = held_out(3, em=[0.0] * 8, f1=[0.5] + [0.0] * 7, format_ok=[1.0] * 7 + [0.0], reward=[0.0] * 7 + [-1.0])
+    log = HeldOutLog(tmp_path, report_to=())
+    log.add(before, plot_title=TITLE)
+    log.add(after, plot_title=TITLE)
+    log.close()
+    assert (tmp_path / "heldout.png").is_file()
+    figure = log.figure(title=TITLE)
+    assert figure.get_suptitle() == f"{TITLE}: held-out scores, 95% intervals"
+    assert len(figure.axes) == 4
+    for axis, (name, display) in zip(figure.axes, SCORE_DISPLAY.items()):
+        assert (axis.get_title(), axis.get_ylabel(), axis.get_xlabel()) == (display.name, display.unit, "training step")
+        assert visible_ticks(axis) == [0.0, 1.0, 2.0, 3.0]
+        # No line joins the two evaluations: nothing was measured between them.
+        assert [line.get_linestyle() for line in axis.get_lines()] == ["None"] * 3  # points and two rows of caps
+        (bars,) = axis.containers
+        assert isinstance(bars, ErrorbarContainer) and bars.has_yerr
+        scores = [before.scores[name], after.scores[name]]
+        assert bars.lines[0].get_ydata().tolist() == [score.mean for score in scores]
+        segments = [segment.tolist() for segment in bars.lines[2][0].get_segments()]
+        assert segments == [
+            [[step, pytest.approx(score.low)], [step, pytest.approx(score.high)]] for step, score in zip((0, 3), scores)
+        ]
+        if display.bounds is not None:
+            assert axis.get_ylim() == pytest.approx((-0.05, 1.05))
+            assert all(0.0 <= y <= 1.0 for segment in segments for _, y in segment)
+    assert after.scores["f1"].low == 0.0
+
+
+def test_one_evaluation_draws_a_readable_figure_without_warnings(tmp_path):
+    log = HeldOutLog(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log.add(held_out(0, em=[1.0], f1=[0.5], format_ok=[1.0], reward=[1.0]))
+        path = log.plot(tmp_path / "heldout.png")
+        figure = log.figure()
+    assert path.is_file()
+    assert figure.get_suptitle() == "held-out scores, 95% intervals"
+    assert [visible_ticks(axis) for axis in figure.axes] == [[0.0]] * 4
+
+
+def test_the_learning_benchmark_plot_follows_the_same_rules(tmp_path):
+    from agents.train import TrainResult
+    from benchmarks.learning import learning_config, learning_figure, plot
+
+    before = held_out(0, em=[0.0] * 4, f1=[0.0] * 4, format_ok=[0.0] * 4, reward=[-1.0] * 4)
+    after = held_out(2, em=[0.0] * 4, f1=[0.0] * 4, format_ok=[1.0, 0.0, 0.0, 0.0], reward=[0.0, -1.0, -1.0, -1.0])
+    history = [
+        {"step": 1, "reward/mean": -0.5, "reward/std": 0.8, "reward/min": -1.0, "reward/max": 0.0},
+        {"step": 2, "reward/mean": 0.0, "reward/std": 0.8, "reward/min": -1.0, "reward/max": 1.0},
+    ]
+    results = {
+        algo: TrainResult(tmp_path / algo, learning_config(algo, 2, 4), 2, None, history, [after])
+        for algo in ("at2po", "grpo")
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = plot(results, before, tmp_path / "learning.png")
+    assert path.is_file()
+    figure = learning_figure(results, before, Path("runs/learning"))
+    assert figure.get_suptitle() == ("AT²PO, GRPO · multihop-qa · smollm2-135m (runs/learning): held-out 95% intervals")
+    train, format_ok, reward = figure.axes
+    assert (train.get_ylabel(), train.get_xlabel(), visible_ticks(train)) == ("reward", "training step", [1.0, 2.0])
+    assert [text.get_text() for text in train.get_legend().get_texts()] == ["AT²PO", "GRPO"]
+    for band in train.collections:  # each learner's ±std, clipped to the batch's rewards
+        assert band.get_paths()[0].vertices[:, 1].min() == -1.0 and band.get_paths()[0].vertices[:, 1].max() == 0.8
+    for axis, name in ((format_ok, "format_ok"), (reward, "reward")):
+        assert axis.get_ylabel() == SCORE_DISPLAY[name].unit
+        assert [label.get_text() for label in axis.get_xticklabels()] == [
+            "before\ntraining",
+            "AT²PO\n2 steps",
+            "GRPO\n2 steps",
+        ]
+        assert all(line.get_linestyle() == "None" for line in axis.get_lines())
+        assert [container.lines[0].get_ydata().tolist() for container in axis.containers] == [
+            [before.scores[name].mean],
+            [after.scores[name].mean],
+            [after.scores[name].mean],
+        ]
+    assert format_ok.get_ylim() == pytest.approx((-0.05, 1.05))
