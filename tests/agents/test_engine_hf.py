@@ -418,7 +418,9 @@ async def test_a_float32_model_generates_with_a_bfloat16_kv_cache_under_autocast
             torch.bfloat16
         }
         assert got.token_ids[0] == reference.token_ids[0]
-        assert abs(got.logprobs[0] - reference.logprobs[0]) < 0.1
+        # bfloat16 keeps 8 significant bits: over SmolLM2's 30 layers the first log-prob moves by about 0.1
+        # (0.1001 in one run, depending on the thread count's summation order); a broken cache moves it by nats
+        assert abs(got.logprobs[0] - reference.logprobs[0]) < 0.25
         assert next(model.parameters()).dtype == torch.float32  # autocast: the weights are untouched
     finally:
         await exact.close()
