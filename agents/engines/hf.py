@@ -257,7 +257,7 @@ class HFEngine(Engine):
         waiting: collections.deque[_Request] = collections.deque()
         batch: _Batch | None = None
         while True:
-            if not self._collect(waiting, block=batch is None):
+            if not self._collect(waiting, block=batch is None and not waiting):  # queued ones need no wait
                 break
             newcomers: list[_Request] = []
             while waiting and len(newcomers) + (len(batch.requests) if batch else 0) < self.max_batch_size:

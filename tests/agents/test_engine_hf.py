@@ -425,3 +425,19 @@ async def test_a_float32_model_generates_with_a_bfloat16_kv_cache_under_autocast
     finally:
         await exact.close()
         await half.close()
+
+
+async def test_one_request_at_a_time_serves_every_queued_request(tokenizer):
+    # max_batch_size=1 leaves requests queued while one runs; the worker once waited for a new
+    # arrival before taking them, so they hung.
+    from agents.models import tiny_llama
+
+    model = tiny_llama(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    engine = HFEngine(model=model, tokenizer=tokenizer, max_batch_size=1, prefix_cache_tokens=0)
+    try:
+        params = SamplingParams(max_new_tokens=4, seed=1)
+        done = await asyncio.wait_for(asyncio.gather(*(engine.generate([1, 2, 3], params) for _ in range(3))), 60)
+        assert [c.token_ids for c in done] == [done[0].token_ids] * 3  # alone, each seeded row is the same
+        assert engine.stats.largest_batch == 1
+    finally:
+        await engine.close()
