@@ -286,7 +286,8 @@ def turnwise_advantages(
                 node = None if node_id is None else nodes_by_id.get(node_id)
                 if node is None:
                     # Without node ids every row is its own chain: single children, whose backup
-                    # weight is 1 whatever the entropy, so placeholder log-probs change no value.
+                    # weight is 1 whatever the entropy, so log-probs of 0 (when verl passes none)
+                    # change no value.
                     logprobs = (
                         [0.0] * (end - start)
                         if rollout_log_probs is None
