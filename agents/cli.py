@@ -440,6 +440,7 @@ _TRAIN_FLAGS = (
     "eval_every",
     "checkpoint_every",
     "keep_checkpoints",
+    "max_staleness",
 )
 # The names of agents.learners.LEARNERS, written out because importing that module loads torch, which
 # `agents train --help` must not wait for. --algo takes any name of LEARNERS (agents.config.build checks
@@ -572,6 +573,13 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     cluster.add_argument("--rollout-workers", type=int, help="Ray actors that each own an engine (default 0)")
     cluster.add_argument("--tensor-parallel-size", type=int, help="GPUs of each rollout worker's vLLM (default 1)")
     cluster.add_argument("--placement", choices=PLACEMENTS, help="colocated (default) or split GPUs")
+    cluster.add_argument(
+        "--max-staleness",
+        type=int,
+        metavar="ETA",
+        help="asynchronous training: roll out up to ETA steps ahead of the trainer (needs --rollout-workers; "
+        "default 0, synchronous)",
+    )
     cluster.add_argument(
         "--ray-address", help="local (default: start Ray here) or auto (join the cluster of `ray start`)"
     )

@@ -142,6 +142,13 @@ class TrainConfig:
             or ``rollout.budget``) ended before the environment did, i.e. without an answer;
             ``None`` keeps what it earned so far. Under AT²PO's reward an unanswered response is
             a format failure (−1), so the presets using that reward set −1.
+        max_staleness: η of asynchronous training (the issue's ``async.max_staleness``; ``async`` is
+            a Python keyword, so the field is top-level). 0: every step is rollout, update, weight
+            sync, as always. η ≥ 1 (needs ``cluster.rollout_workers`` ≥ 1): the workers roll out
+            the next η steps while the trainer updates, a prompt's trees are trained on only when
+            the weights that sampled their oldest token are at most η versions behind the
+            trainer's, and the trainer's objective is the decoupled one (``trainer.decoupled``,
+            on unless set; it needs ``trainer.old_logprobs=recompute``). See :func:`agents.train.train`.
         strategy, credit, loss, trainer, sampling, rollout, env_kwargs, engine_kwargs, cluster:
             hyper-parameter overrides (see the module docstring).
     """
@@ -163,6 +170,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int | None = 2
     budget_reward: float | None = None
+    max_staleness: int = 0
     strategy: dict[str, Any] = field(default_factory=dict)
     credit: dict[str, Any] = field(default_factory=dict)
     loss: dict[str, Any] = field(default_factory=dict)
@@ -178,7 +186,7 @@ class TrainConfig:
             raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         for name in ("steps", "prompts_per_step", "checkpoint_every"):
             _require_int(name, getattr(self, name), minimum=1)
-        for name in ("seed", "holdout", "eval_questions", "eval_every"):
+        for name in ("seed", "holdout", "eval_questions", "eval_every", "max_staleness"):
             _require_int(name, getattr(self, name), minimum=0)
         keep = self.keep_checkpoints
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -369,9 +377,19 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
             "sampling.temperature is 0 (greedy): every sample of a prompt would be the same; "
             "train at a temperature above 0 (the papers: 1.0)"
         )
+    trainer_values = _checked(TrainerConfig, config.trainer, "trainer")
+    if config.max_staleness and "decoupled" not in trainer_values:
+        # Trees sampled by older weights: the decoupled objective, unless the run says otherwise.
+        if trainer_values.get("old_logprobs", TrainerConfig.old_logprobs) != "recompute":
+            raise ValueError(
+                f"max_staleness={config.max_staleness} trains on trees sampled by older weights, with the decoupled "
+                "objective, which needs the recomputed log-probs as the proximal policy: --set "
+                "trainer.old_logprobs=recompute (or --set trainer.decoupled=false to train without it)"
+            )
+        trainer_values["decoupled"] = True
     # The trainer scores tokens under the distribution they were sampled from (logits / T).
     trainer = learner.trainer_config(
-        **_checked(TrainerConfig, config.trainer, "trainer"),
+        **trainer_values,
         entropy_coef=entropy_coef,
         total_steps=config.steps,
         device=config.device,
@@ -387,7 +405,13 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
     _checked_rollout(rollout)
     turns = {name: rollout.pop(name) for name in _rollout_fields(RolloutConfig) if name in rollout}
     tree = TreeConfig(rollout=RolloutConfig(sampling=sampling, **turns), **rollout)
-    return RunParts(learner, trainer, tree, ClusterConfig.from_dict(config.cluster))
+    cluster = ClusterConfig.from_dict(config.cluster)
+    if config.max_staleness and not cluster.rollout_workers:
+        raise ValueError(
+            f"max_staleness={config.max_staleness} rolls out while the trainer updates, which needs rollout workers "
+            "of their own: --rollout-workers 1 (or more), or max_staleness=0"
+        )
+    return RunParts(learner, trainer, tree, cluster)
 
 
 def effective_config(config: TrainConfig, parts: RunParts) -> TrainConfig:

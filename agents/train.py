@@ -37,6 +37,7 @@ new run starts in it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import inspect
@@ -221,6 +222,11 @@ async def train(
         env = TokenEnv(task_env, trainer.tokenizer)
         rollout = _make_rollout(config, parts, env, trainer, log)
         cleanup.push_async_callback(rollout.close)
+        if config.max_staleness and getattr(rollout, "supports_sleep", False) and parts.trainer.sleep_engine:
+            raise ValueError(
+                f"max_staleness={config.max_staleness} rolls out during the update, but the engines share the "
+                "trainer's GPUs and sleep through it: cluster.placement=split (or max_staleness=0)"
+            )
         trainer.engine = rollout.engine  # each step ends with the weights synced to it
         position: dict[str, Any] = {}
         if checkpoint is not None:
@@ -241,18 +247,20 @@ async def train(
         if trainer.step_count == 0 and config.eval_before:
             await evaluation.run(step=0)
         last_checkpoint = checkpoint
-        planned = planned_branches(parts.learner.strategy, parts.tree)
+        if config.max_staleness:
+            batches: _SynchronousSteps | _PipelinedSteps = _PipelinedSteps(
+                config, parts, rollout, order, progress, ahead=config.max_staleness
+            )
+        else:
+            batches = _SynchronousSteps(config, parts, rollout, order, progress)
+        cleanup.push_async_callback(batches.close)
         for step in range(trainer.step_count + 1, config.steps + 1):
-            tasks = order.take(config.prompts_per_step)
-            total = None if planned is None else planned * len(tasks)
-            with progress_bar(f"rollout step {step}", total, unit="leaves", leave=False, show=progress) as bar:
-                paths, metrics = await _rollout(
-                    rollout, parts, tasks, rollout_seed(config.seed, step), config.budget_reward, bar.update
-                )
+            paths, metrics, position = await batches.batch(step)
             record = await trainer.step(paths, metrics)
+            batches.trained(step)
             log(_step_note(step, config.steps, record))
             if step % config.checkpoint_every == 0 or step == config.steps:
-                last_checkpoint = trainer.save_checkpoint(data_position=order.position(), plot_title=title)
+                last_checkpoint = trainer.save_checkpoint(data_position=position, plot_title=title)
                 log(f"step {step}: checkpoint {last_checkpoint}")
                 if config.keep_checkpoints is not None:
                     for old in prune_checkpoints(last_checkpoint.parent, config.keep_checkpoints):
@@ -404,6 +412,18 @@ async def _rollout(
     start = time.perf_counter()
     prompts = await rollout.rollout(tasks, seed, on_branches)
     seconds = time.perf_counter() - start
+    return _credit(rollout, parts, tasks, prompts, seconds, budget_reward)
+
+
+def _credit(
+    rollout: Any,
+    parts: RunParts,
+    tasks: list[int],
+    prompts: list[PromptTrees],
+    seconds: float,
+    budget_reward: float | None,
+) -> tuple[list[TrainingPath], dict[str, float]]:
+    """Step 3: credit for the finished trees of ``prompts`` (rolled out in ``seconds``), and the rollout's metrics."""
     cut = [leaf for prompt in prompts for leaf in prompt.leaves if leaf.info.get("status") == "budget"]
     if budget_reward is not None:
         for leaf in cut:  # no answer: what the environment's reward gives an unanswered episode
@@ -428,6 +448,152 @@ async def _rollout(
         metrics["reward/format_ok"] = statistics.fmean(float(grade.get("format_ok", False)) for grade in grades)
     metrics.update(rollout.metrics())
     return paths, metrics
+
+
+class _SynchronousSteps:
+    """The batches of ``max_staleness = 0``: each step's rollout after the previous step's update and sync."""
+
+    def __init__(
+        self, config: TrainConfig, parts: RunParts, rollout: Any, order: TaskOrder, progress: bool | None
+    ) -> None:
+        self.config, self.parts, self.rollout, self.order, self.progress = config, parts, rollout, order, progress
+        self.planned = planned_branches(parts.learner.strategy, parts.tree)
+
+    async def batch(self, step: int) -> tuple[list[TrainingPath], dict[str, float], dict[str, int]]:
+        """Step ``step``'s paths and rollout metrics, and the task order's position after its tasks."""
+        config = self.config
+        tasks = self.order.take(config.prompts_per_step)
+        total = None if self.planned is None else self.planned * len(tasks)
+        with progress_bar(f"rollout step {step}", total, unit="leaves", leave=False, show=self.progress) as bar:
+            paths, metrics = await _rollout(
+                self.rollout, self.parts, tasks, rollout_seed(config.seed, step), config.budget_reward, bar.update
+            )
+        return paths, metrics, self.order.position()
+
+    def trained(self, step: int) -> None:
+        """The trainer has updated on step ``step`` and synced the engines."""
+
+    async def close(self) -> None:
+        pass
+
+
+class _PipelinedSteps:
+    """The batches of ``max_staleness = η ≥ 1``: rollouts up to η steps ahead of the trainer, on rollout workers.
+
+    Step ``s``'s prompts go to the pool once the trainer has updated on step ``s − η − 1`` (so every
+    token of them is sampled by weights at most η syncs older than those that train on them), and
+    the trainer takes step ``s``'s trees when all of them are back. The tasks and seeds of a step
+    are the synchronous run's (:class:`TaskOrder`, :func:`rollout_seed`); which weights sample a
+    token depends on when the syncs land, so a run is not reproduced exactly. A prompt's trees
+    whose oldest token is more than η versions behind the trainer's are dropped (counted in
+    ``async/trees_dropped``); the rule above admits none, so this guards the bound.
+
+    With ``ahead = 0`` the steps are the synchronous ones, in the same order on the same weights
+    (tested against :class:`_SynchronousSteps`).
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        parts: RunParts,
+        rollout: Any,
+        order: TaskOrder,
+        progress: bool | None,
+        ahead: int,
+    ) -> None:
+        self.config, self.parts, self.pool, self.order, self.ahead = config, parts, rollout, order, ahead
+        self.running: dict[int, asyncio.Future[tuple[list[int], list[PromptTrees], float]]] = {}
+        self.positions: dict[int, dict[str, int]] = {}
+        self.next_step: int | None = None  # the next step to send to the pool
+        self.cycle_start = time.perf_counter()
+        self.idle_mark = rollout.idle_seconds()
+        self.failures_mark, self.reruns_mark = rollout.failures, rollout.reruns
+
+    def _send(self, last: int) -> None:
+        """Send steps up to ``last`` (and at most the run's last) to the pool, in order."""
+        assert self.next_step is not None
+        while self.next_step <= min(last, self.config.steps):
+            step = self.next_step
+            tasks = self.order.take(self.config.prompts_per_step)
+            self.positions[step] = self.order.position()
+            self.running[step] = asyncio.ensure_future(self._roll(tasks, rollout_seed(self.config.seed, step)))
+            self.next_step += 1
+
+    async def _roll(self, tasks: list[int], seed: int) -> tuple[list[int], list[PromptTrees], float]:
+        start = time.perf_counter()
+        prompts = await self.pool.rollout(tasks, seed)
+        return tasks, prompts, time.perf_counter() - start
+
+    async def batch(self, step: int) -> tuple[list[TrainingPath], dict[str, float], dict[str, int]]:
+        """Step ``step``'s paths and metrics (the trainer holds step ``step − 1``'s weights, synced)."""
+        if self.next_step is None:
+            self.next_step = step
+        self._send(step + self.ahead)
+        wait_start = time.perf_counter()
+        tasks, prompts, seconds = await self.running.pop(step)
+        ready = time.perf_counter()
+        version = self.pool.version  # the trainer's weights: the pool's latest sync
+        fresh = [prompt for prompt in prompts if version - _oldest_version(prompt, version) <= self.ahead]
+        if not fresh:
+            raise RuntimeError(
+                f"every prompt of step {step} was sampled more than max_staleness={self.ahead} weight versions "
+                f"before the trainer's ({version}); no tree is left to train on"
+            )
+        paths, metrics = _credit(self.pool, self.parts, tasks, fresh, seconds, self.config.budget_reward)
+        metrics.update(_staleness_metrics(fresh, version, self.ahead))
+        metrics["async/trees_dropped"] = float(len(prompts) - len(fresh))
+        idle = self.pool.idle_seconds()
+        metrics["time/engine_idle_s"] = idle - self.idle_mark
+        metrics["time/trainer_idle_s"] = ready - wait_start
+        metrics["time/cycle_s"] = ready - self.cycle_start
+        metrics["cluster/worker_failures"] = float(self.pool.failures - self.failures_mark)
+        metrics["cluster/prompts_rerun"] = float(self.pool.reruns - self.reruns_mark)
+        self.cycle_start, self.idle_mark = ready, idle
+        self.failures_mark, self.reruns_mark = self.pool.failures, self.pool.reruns
+        return paths, metrics, self.positions.pop(step)
+
+    def trained(self, step: int) -> None:
+        """The trainer has updated on step ``step`` and synced the engines: the steps up to ``step + 1 + η`` may go."""
+        if self.ahead:
+            self._send(step + 1 + self.ahead)
+
+    async def close(self) -> None:
+        """Stop the rollouts of steps that will not be trained (the run ended or failed)."""
+        for future in self.running.values():
+            future.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+        self.running.clear()
+
+
+def _oldest_version(prompt: PromptTrees, default: int) -> int:
+    """The version of the weights that sampled the prompt's oldest token (``default`` when no turn says)."""
+    versions = [node.version for tree in prompt.trees for node in tree.nodes() if node.version is not None]
+    return min(versions, default=default)
+
+
+def _staleness_metrics(prompts: list[PromptTrees], version: int, eta: int) -> dict[str, float]:
+    """``async/*`` of the trained prompts: how many versions behind ``version`` their trees and tokens were sampled.
+
+    ``async/staleness_k`` counts the prompts (a prompt's trees are one unit) whose oldest token is
+    ``k`` versions behind, ``async/tokens_stale_k`` the action tokens sampled ``k`` versions behind
+    (k = 0 … η); ``async/staleness_mean`` and ``_max`` are over the prompts.
+    """
+    staleness = [version - _oldest_version(prompt, version) for prompt in prompts]
+    tokens = [0] * (eta + 1)
+    for prompt in prompts:
+        for tree in prompt.trees:
+            for node in tree.nodes():
+                behind = version - (node.version if node.version is not None else version)
+                tokens[min(max(behind, 0), eta)] += len(node.action_ids)
+    metrics = {
+        "async/version": float(version),
+        "async/staleness_mean": statistics.fmean(staleness),
+        "async/staleness_max": float(max(staleness)),
+    }
+    for k in range(eta + 1):
+        metrics[f"async/staleness_{k}"] = float(sum(value == k for value in staleness))
+        metrics[f"async/tokens_stale_{k}"] = float(tokens[k])
+    return metrics
 
 
 class _HeldOutEvaluation:

@@ -15,15 +15,23 @@ an entry point given as a class or factory travels by value (with the module tha
 one given as ``"module:attr"`` must be importable on the workers (an installed package, or on
 ``PYTHONPATH``). The same holds for a user's own strategy. What the plug-in imports itself must
 be installed on every node.
+
+Weights change between requests: each worker's engine sits behind a :class:`VersionGate`, which
+lets a weight load start only once no generation is in flight (new ones wait meanwhile) and
+stamps every completion with the version of the weights that sampled it, so that every turn of a
+tree records its tokens' version (:attr:`agents.rollout.tree.Node.version`). Versions count the
+syncs the pool sent (0: the weights a worker started with). A request in flight when an update
+arrives finishes on the old weights; continuing it on the new ones is not implemented.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +39,96 @@ import agentenv
 from agentenv.registration import EnvSpec
 from agents.cluster.runtime import import_ray, require_resources
 from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
-from agents.engines.base import Engine
+from agents.engines.base import Completion, Engine, SamplingParams
 from agents.rollout.episodes import task_episode
 from agents.rollout.strategies import PromptTrees, Strategy
 from agents.rollout.tree_loop import TreeConfig, planned_branches, rollout_trees
 
-__all__ = ["RolloutPool", "RolloutWorker", "WorkerSpec"]
+__all__ = ["RolloutPool", "RolloutWorker", "VersionGate", "WorkerSpec"]
+
+
+class VersionGate(Engine):
+    """An engine whose weights change only between requests, with each completion stamped by version.
+
+    :meth:`generate` waits while an update is pending, counts as in flight while the engine
+    generates, and stamps its :class:`~agents.engines.Completion` with the version it ran under
+    (``weights_version``). :meth:`updating` marks an update pending, waits until no request is
+    in flight, and yields; the new ``version`` holds from when the block ends. Everything else
+    (``vocab_size``, ``model``, ``sleep``, ``close``, …) is the engine's own.
+
+    Example::
+
+        async with gate.updating(version=3):
+            await gate.engine.update_weights(state_dict)
+    """
+
+    def __init__(self, engine: Engine, version: int = 0) -> None:
+        self.engine, self.version = engine, version
+        self.in_flight = 0
+        self._pending = 0
+        self._changed = asyncio.Condition()
+        self._one_update = asyncio.Lock()
+
+    @property
+    def supports_entropy(self) -> bool:  # type: ignore[override]
+        return self.engine.supports_entropy
+
+    @property
+    def supports_sleep(self) -> bool:  # type: ignore[override]
+        return self.engine.supports_sleep
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":  # not set yet (unpickling): never recurse
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._pending)
+            self.in_flight += 1
+            version = self.version
+        try:
+            completion = await self.engine.generate(prompt_ids, params)
+        finally:
+            async with self._changed:
+                self.in_flight -= 1
+                self._changed.notify_all()
+        completion.weights_version = version
+        return completion
+
+    @contextlib.asynccontextmanager
+    async def updating(self, version: int) -> AsyncIterator[None]:
+        """Hold new requests, wait for those in flight, change the weights in the block, then ``version``."""
+        async with self._one_update:
+            async with self._changed:
+                self._pending += 1
+                try:
+                    await self._changed.wait_for(lambda: self.in_flight == 0)
+                except BaseException:
+                    self._pending -= 1
+                    self._changed.notify_all()
+                    raise
+            try:
+                yield
+                self.version = version
+            finally:
+                async with self._changed:
+                    self._pending -= 1
+                    self._changed.notify_all()
+
+    async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+        """Load ``state_dict`` between requests as version ``self.version + 1``."""
+        async with self.updating(self.version + 1):
+            await self.engine.update_weights(state_dict)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine.sleep(level=level)
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
+    async def close(self) -> None:
+        await self.engine.close()
 
 
 @dataclass(frozen=True)
@@ -84,12 +176,13 @@ class RolloutWorker:
         from agentenv.wrappers import TokenEnv
 
         if spec.engine is not None:
-            self.engine = spec.engine()
+            engine = spec.engine()
         else:
             from agents.config import build
             from agents.train import make_engine
 
-            self.engine = make_engine(spec.config, build(spec.config), None, log=lambda note: None)
+            engine = make_engine(spec.config, build(spec.config), None, log=lambda note: None)
+        self.engine = VersionGate(engine)
         if "torch" in sys.modules:  # the engine computes with torch: its threads are this worker's share of the cores
             sys.modules["torch"].set_num_threads(spec.threads)
         self.tokenizer = load_tokenizer(spec.config.model)
@@ -129,8 +222,9 @@ class RolloutWorker:
         Returns the seconds it took.
         """
         start = time.perf_counter()
-        for ref in refs:
-            await self.engine.update_weights(await ref)
+        async with self.engine.updating(version):  # between requests: those in flight finish first
+            for ref in refs:
+                await self.engine.engine.update_weights(await ref)
         self.weights_version = version
         return time.perf_counter() - start
 
@@ -172,6 +266,22 @@ class _Worker:
     in_flight: int = 0
     live: bool = True
     reviving: asyncio.Task | None = field(default=None, repr=False)
+    busy_s: float = 0.0  # seconds with at least one prompt (or an evaluation) in flight, until busy_from
+    busy_from: float | None = None
+
+    def take(self) -> None:
+        if self.in_flight == 0:
+            self.busy_from = time.perf_counter()
+        self.in_flight += 1
+
+    def give_back(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self.busy_from is not None:
+            self.busy_s += time.perf_counter() - self.busy_from
+            self.busy_from = None
+
+    def busy(self, now: float) -> float:
+        return self.busy_s + (now - self.busy_from if self.busy_from is not None else 0.0)
 
 
 class RolloutPool:
@@ -223,7 +333,9 @@ class RolloutPool:
         self.version = 0
         self.last_sync: SyncReport | None = None
         self.failures = 0  # worker deaths noticed so far
+        self.reruns = 0  # prompts run again after their worker died, so far
         self._step_failures = self._step_reruns = 0
+        self._started = time.perf_counter()
 
     @property
     def engine(self) -> RolloutPool:
@@ -250,7 +362,7 @@ class RolloutPool:
             while pending and any(worker.live for worker in self.workers):
                 worker = min((w for w in self.workers if w.live), key=lambda w: (w.in_flight, w.rank))
                 index, task = pending.pop(0)
-                worker.in_flight += 1
+                worker.take()
                 ref = worker.handle.rollout.remote(index, task, seed)
                 running[asyncio.ensure_future(_awaited(ref))] = (worker, index, task)
             revivals = [w.reviving for w in self.workers if w.reviving is not None]
@@ -264,7 +376,7 @@ class RolloutPool:
                 if future not in running:
                     continue  # a revival finished: the loop hands that worker work again
                 worker, index, task = running.pop(future)
-                worker.in_flight -= 1
+                worker.give_back()
                 try:
                     results[index] = future.result()
                     if on_branches is not None:
@@ -272,6 +384,7 @@ class RolloutPool:
                 except _lost_worker_errors(self._ray) as error:
                     pending.append((index, task))
                     self._step_reruns += 1
+                    self.reruns += 1
                     if worker.live:
                         self._lost(worker, error)
         return [results[index] for index in range(len(tasks))]
@@ -285,6 +398,15 @@ class RolloutPool:
             "cluster/prompts_rerun": float(self._step_reruns),
             "cluster/workers_live": float(sum(worker.live for worker in self.workers)),
         }
+
+    def idle_seconds(self) -> float:
+        """Seconds since the pool started in which a worker had nothing in flight, averaged over the workers.
+
+        A worker is busy while it holds at least one prompt (or an evaluation); the difference of two
+        readings is the engines' idle time between them (what ``time/engine_idle_s`` reports).
+        """
+        now = time.perf_counter()
+        return sum(now - self._started - worker.busy(now) for worker in self.workers) / len(self.workers)
 
     def _lost(self, worker: _Worker, error: BaseException) -> None:
         """A worker's process died: stop giving it work and bring it back with the current weights."""
@@ -358,7 +480,11 @@ class RolloutPool:
     async def evaluate(self, kwargs: Mapping[str, Any]) -> Any:
         """The held-out evaluation on the first live worker (no progress bar: it has no terminal)."""
         worker = next(worker for worker in self.workers if worker.live)
-        return await _awaited(worker.handle.evaluate.remote({**kwargs, "progress": False}))
+        worker.take()
+        try:
+            return await _awaited(worker.handle.evaluate.remote({**kwargs, "progress": False}))
+        finally:
+            worker.give_back()
 
     def pids(self) -> list[int]:
         """The workers' process ids (what a test kills)."""

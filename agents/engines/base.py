@@ -107,6 +107,8 @@ class Completion:
     asked for; ``entropies[i]`` is the full-vocabulary entropy at position ``i`` when asked for.
     ``stop_reason`` is the matched stop string or stop token id (``None`` for ``"length"`` and
     ``"eos"``); ``stop_overshoot`` the text the last token carries beyond a matched stop string.
+    ``weights_version`` is the version of the weights that sampled it, where a rollout worker's
+    gate stamps it (:class:`agents.cluster.rollout_workers.VersionGate`; ``None`` elsewhere).
     """
 
     token_ids: list[int]
@@ -116,6 +118,7 @@ class Completion:
     stop_overshoot: str = ""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     entropies: list[float] | None = None
+    weights_version: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):

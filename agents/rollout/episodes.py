@@ -162,6 +162,8 @@ class TurnRecord:
             ``keep_states``): ``state.sequence()`` is the context the action was sampled from, and
             stepping ``state`` with another action branches a sibling of this turn.
         info: The env's step info (tool used, parse error, grade on the last turn).
+        weights_version: The version of the weights that sampled the action
+            (:attr:`agents.engines.Completion.weights_version`; ``None`` when the engine does not say).
     """
 
     action_ids: list[int]
@@ -176,6 +178,7 @@ class TurnRecord:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     state: TokenEnv | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    weights_version: int | None = None
 
 
 @dataclass
@@ -482,6 +485,7 @@ async def take_turn(
         top_logprobs=completion.top_logprobs,
         state=state,
         info=step_info,
+        weights_version=completion.weights_version,
     )
     if terminated or truncated:
         return turn, "terminated" if terminated else "truncated"

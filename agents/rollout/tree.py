@@ -65,6 +65,9 @@ class Node:
         value: V(n), filled by credit assignment.
         advantage: A(n), filled by credit assignment.
         info: free JSON-serialisable metadata (tool names, finish reason, ...).
+        version: the version of the weights that sampled this turn's action (its tokens'
+            version: a rollout worker's count of weight syncs, 0 for the weights it started
+            with); ``None`` when the engine does not say (the root, an engine in the driver).
         children: the next turns, one per branch, in creation order.
     """
 
@@ -80,6 +83,7 @@ class Node:
     value: float | None = None
     advantage: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    version: int | None = None
     children: list[Node] = field(default_factory=list)
 
     @property
@@ -221,6 +225,7 @@ class RolloutTree:
         terminal: bool = False,
         reward: float | None = None,
         info: dict[str, Any] | None = None,
+        version: int | None = None,
     ) -> Node:
         """Append a turn under ``parent`` and return it.
 
@@ -236,12 +241,14 @@ class RolloutTree:
             terminal: whether this turn ended the episode (then ``reward`` is required).
             reward: the episode's reward, for a terminal turn.
             info: free JSON-serialisable metadata.
+            version: the version of the weights that sampled the action (see :attr:`Node.version`).
         """
         if self._nodes.get(parent.id) is not parent:
             raise ValueError(f"parent node {parent.id} is not in this tree (pruned, or from another tree)")
         node = _new_node(
             self._next_id, parent, obs_ids, action_ids, logprobs, token_entropies, env, terminal, reward, info
         )
+        node.version = _version(version)
         self._link(node)
         return node
 
@@ -350,6 +357,7 @@ class RolloutTree:
                     "value": node.value,
                     "advantage": node.advantage,
                     "info": node.info,
+                    "version": node.version,
                 }
                 for node in sorted(nodes, key=lambda node: node.id)
             ],
@@ -392,6 +400,7 @@ class RolloutTree:
                 record["info"],
             )
             node.value, node.advantage = record["value"], record["advantage"]
+            node.version = _version(record.get("version"))  # trees saved before versions were recorded have none
             tree._link(node)
         return tree
 
@@ -478,6 +487,12 @@ def _new_node(
     elif reward is not None:
         raise ValueError("reward given for a turn that is not terminal; pass terminal=True with it")
     return node
+
+
+def _version(value: Any) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"version must be a non-negative int or None, got {value!r}")
+    return value
 
 
 def _token_ids(name: str, values: Sequence[int]) -> list[int]:

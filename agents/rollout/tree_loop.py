@@ -469,6 +469,7 @@ class _PromptLoop:
             terminal=ended,
             reward=branch.reward if ended else None,
             info=info,
+            version=turn.weights_version,
         )
         if state is not None:
             self.kept.append(node)

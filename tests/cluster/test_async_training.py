@@ -1,0 +1,316 @@
+"""Asynchronous training (``max_staleness`` = η): the version gate, the pipeline's bound on staleness, its metrics.
+
+The gate and the pipeline's bookkeeping are tested without Ray, on scripted engines and hand-made
+trees; the runs use one rollout worker on the tiny model of tests/conftest.py, with one request
+at a time on its engine and no prefix cache, so that a tree's numbers do not depend on how
+requests happen to batch (what makes η = 0 comparable bit for bit).
+"""
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import agentenv
+from agents import train as train_module
+from agents.cluster.rollout_workers import VersionGate
+from agents.config import TrainConfig, build, merge
+from agents.engines.base import Completion, Engine, SamplingParams
+from agents.rollout.strategies import PromptTrees
+from agents.rollout.tree import RolloutTree
+from agents.train import TaskOrder, _PipelinedSteps, train
+from agents.training.metrics import read_jsonl
+
+# -- the gate -----------------------------------------------------------------------------------
+
+
+class HeldEngine(Engine):
+    """Each generate waits for ``release``; update_weights fails if a generation is in flight."""
+
+    def __init__(self) -> None:
+        self.active, self.weights, self.seen = 0, 0, []
+        self.release = asyncio.Event()
+
+    async def generate(self, prompt_ids, params):
+        self.active += 1
+        self.seen.append(self.weights)
+        try:
+            await self.release.wait()
+        finally:
+            self.active -= 1
+        return Completion([1], [-0.5], "length")
+
+    async def update_weights(self, state_dict):
+        assert self.active == 0, "weights loaded while a request was in flight"
+        await asyncio.sleep(0.01)
+        assert self.active == 0, "a request started while the weights were loading"
+        self.weights = state_dict["v"]
+
+
+async def ticks(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_the_gate_loads_weights_only_between_requests_and_stamps_each_completion_with_its_version():
+    engine = HeldEngine()
+    gate = VersionGate(engine)
+    params = SamplingParams(max_new_tokens=1)
+    first = [asyncio.create_task(gate.generate([1], params)) for _ in range(2)]
+    await ticks()
+    assert gate.in_flight == 2
+    update = asyncio.create_task(gate.update_weights({"v": 7}))
+    await ticks()
+    assert not update.done() and engine.weights == 0  # waits for the two in flight
+    late = asyncio.create_task(gate.generate([1], params))
+    await ticks()
+    assert engine.active == 2 and gate.in_flight == 2  # the new request waits for the update
+    engine.release.set()
+    stamped = [(await task).weights_version for task in first]
+    await update
+    completion = await late
+    assert stamped == [0, 0] and completion.weights_version == 1 and gate.version == 1
+    assert engine.seen == [0, 0, 7]  # each request ran on the weights its stamp names
+    async with gate.updating(version=5):  # the workers' load_buckets: the pool's version
+        pass
+    assert (await gate.generate([1], params)).weights_version == 5
+
+
+async def test_an_update_cancelled_while_it_waits_lets_requests_through_again():
+    engine = HeldEngine()
+    gate = VersionGate(engine)
+    params = SamplingParams(max_new_tokens=1)
+    held = asyncio.create_task(gate.generate([1], params))
+    await ticks()
+    update = asyncio.create_task(gate.update_weights({"v": 1}))
+    await ticks()
+    update.cancel()
+    await asyncio.gather(update, return_exceptions=True)
+    engine.release.set()
+    assert (await gate.generate([1], params)).weights_version == 0
+    assert (await held).weights_version == 0 and gate.version == 0
+
+
+# -- the configuration ----------------------------------------------------------------------------
+
+
+def test_max_staleness_is_an_int_at_least_0_and_needs_rollout_workers():
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="max_staleness must be an int >= 0"):
+            TrainConfig(max_staleness=bad)
+    with pytest.raises(ValueError) as error:
+        build(TrainConfig(max_staleness=1))
+    assert str(error.value) == (
+        "max_staleness=1 rolls out while the trainer updates, which needs rollout workers of their own: "
+        "--rollout-workers 1 (or more), or max_staleness=0"
+    )
+    assert "\n" not in str(error.value)
+
+
+def test_the_decoupled_objective_is_on_at_max_staleness_1_unless_the_run_says_otherwise():
+    workers = {"cluster": {"rollout_workers": 1}}
+    assert build(TrainConfig(**workers)).trainer.decoupled is False
+    assert build(TrainConfig(max_staleness=1, **workers)).trainer.decoupled is True
+    off = TrainConfig(max_staleness=1, trainer={"decoupled": False, "old_logprobs": "sampler"}, **workers)
+    assert build(off).trainer.decoupled is False
+    with pytest.raises(ValueError, match=r"--set trainer.old_logprobs=recompute \(or --set trainer.decoupled=false"):
+        build(TrainConfig(max_staleness=2, trainer={"old_logprobs": "sampler"}, **workers))
+
+
+# -- the pipeline's bookkeeping, on hand-made trees ---------------------------------------------
+
+
+def prompt_with_versions(index: int, versions: list[int]) -> PromptTrees:
+    """A prompt whose tree has one two-turn leaf per version pair: a shared first turn at ``versions[0]``."""
+    tree = RolloutTree([1, 2])
+    first = tree.add_turn(tree.root, action_ids=[3, 4], logprobs=[-0.5, -0.5], version=versions[0])
+    for number, version in enumerate(versions[1:]):
+        tree.add_turn(
+            first, obs_ids=[5], action_ids=[6], logprobs=[-0.5], terminal=True, reward=float(number), version=version
+        )
+    return PromptTrees(index=index, key=index, trees=[tree], rng=np.random.default_rng(0))
+
+
+def test_a_turns_version_is_saved_and_loaded_with_its_tree(tmp_path):
+    prompt = prompt_with_versions(0, [3, 4, 5])
+    prompt.trees[0].save(tmp_path / "tree.json")
+    loaded = RolloutTree.load(tmp_path / "tree.json")
+    assert [node.version for node in loaded.nodes()] == [3, 4, 5] and loaded.root.version is None
+    legacy = loaded.to_dict()
+    for record in legacy["nodes"]:
+        del record["version"]  # a tree saved before versions were recorded
+    assert {node.version for node in RolloutTree.from_dict(legacy).nodes()} == {None}
+    with pytest.raises(ValueError, match="version must be a non-negative int or None"):
+        loaded.add_turn(loaded.root, action_ids=[1], logprobs=[-1.0], version=-1)
+
+
+class FakePool:
+    """A pool whose rollouts are given prompts, and whose version the test sets."""
+
+    def __init__(self, batches: dict[int, list[PromptTrees]]) -> None:
+        self.batches, self.version, self.failures, self.reruns, self.sent = batches, 0, 0, 0, []
+
+    async def rollout(self, tasks, seed):
+        self.sent.append(tuple(tasks))
+        return self.batches[len(self.sent)]
+
+    def idle_seconds(self) -> float:
+        return 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_eta_versions():
+    config = TrainConfig(algo="grpo", steps=3, prompts_per_step=2, holdout=0, eval_questions=0, max_staleness=1)
+    config.cluster = {"rollout_workers": 1}
+    parts = build(config)
+    pool = FakePool(
+        {
+            1: [prompt_with_versions(0, [0, 0, 0]), prompt_with_versions(1, [0, 0, 0])],
+            2: [prompt_with_versions(0, [0, 1, 1]), prompt_with_versions(1, [1, 1, 1])],
+            # Step 3 is trained at version 2: a first turn sampled at version 0 is 2 behind (dropped).
+            3: [prompt_with_versions(0, [0, 2, 2]), prompt_with_versions(1, [1, 2, 2])],
+        }
+    )
+    order = TaskOrder(None, holdout=0, seed=0)
+    steps = _PipelinedSteps(config, parts, pool, order, False, ahead=1)
+    paths, metrics, position = await steps.batch(1)
+    assert pool.sent == [(0, 1), (2, 3)]  # steps 1 and 2 go at once: step 2 is at most 1 version behind
+    assert position == {"epoch": 0, "offset": 2} and len(paths) == 4
+    assert metrics["async/staleness_0"] == 2 and metrics["async/trees_dropped"] == 0
+    steps.trained(1)
+    pool.version = 1
+    await ticks()
+    assert pool.sent[-1] == (4, 5)  # the trainer holds step 1's weights: step 3 may go
+    paths, metrics, position = await steps.batch(2)
+    assert position == {"epoch": 0, "offset": 4}
+    assert (metrics["async/staleness_0"], metrics["async/staleness_1"], metrics["async/staleness_max"]) == (1, 1, 1)
+    assert metrics["async/staleness_mean"] == 0.5
+    # Tokens by versions behind: prompt 0's first turn (2 tokens) at version 0; the rest at 1.
+    assert (metrics["async/tokens_stale_0"], metrics["async/tokens_stale_1"]) == (6, 2)
+    steps.trained(2)
+    pool.version = 2
+    paths, metrics, _ = await steps.batch(3)
+    assert metrics["async/trees_dropped"] == 1 and metrics["async/staleness_1"] == 1
+    assert {path.leaf.version for path in paths} == {2} and len(paths) == 2  # prompt 1's leaves only
+    assert metrics["async/version"] == 2 and len(pool.sent) == 3
+    await steps.close()
+
+
+# -- runs on a rollout worker ---------------------------------------------------------------------
+
+
+class Letters(agentenv.Env):
+    """Two turns; the reward is the fraction of characters in a-z."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.said = []
+        return "Write letters.", {}
+
+    def step(self, action):
+        self.said.append(action)
+        text = "".join(self.said)
+        done = len(self.said) == 2
+        return "next", sum("a" <= ch <= "z" for ch in text) / max(1, len(text)) if done else 0.0, done, False, {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def letters(module_envs):
+    module_envs("async-tests/letters-v0", Letters)
+
+
+def run_config(model: str, **changes) -> TrainConfig:
+    """AT²PO on letters, 3 prompts × (2 + 1·2) leaves a step, on one worker whose engine runs one request at a time."""
+    values = merge(
+        TrainConfig(algo="at2po").to_dict(),
+        {
+            "env": "async-tests/letters",
+            "model": model,
+            "steps": 3,
+            "prompts_per_step": 3,
+            "holdout": 1,
+            "eval_questions": 0,
+            "checkpoint_every": 3,
+            "strategy": {"M": 2, "L": 1, "K": 2},
+            "trainer": {"lr": 3e-2, "mini_batches": 1, "micro_batch_size": 16, "report_to": ["none"]},
+            "sampling": {"max_new_tokens": 6},
+            "rollout": {"max_response_tokens": 24},
+            "engine_kwargs": {"max_batch_size": 1, "prefix_cache_tokens": 0},
+            "cluster": {"rollout_workers": 1},
+        },
+    )
+    return TrainConfig.from_dict(merge(values, changes))
+
+
+def capture_trees(monkeypatch) -> list[list[PromptTrees]]:
+    """The trees each step trains on, as the pipeline hands them to credit assignment."""
+    seen: list[list[PromptTrees]] = []
+    credit = train_module._credit
+
+    def spy(rollout, parts, tasks, prompts, seconds, budget_reward):
+        seen.append(prompts)
+        return credit(rollout, parts, tasks, prompts, seconds, budget_reward)
+
+    monkeypatch.setattr(train_module, "_credit", spy)
+    return seen
+
+
+def final_weights(run) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / "step_000003" / "model" / "model.safetensors")
+
+
+def versions(prompt: PromptTrees) -> set[int]:
+    return {node.version for tree in prompt.trees for node in tree.nodes()}
+
+
+@pytest.mark.slow
+async def test_max_staleness_0_through_the_pipeline_is_the_synchronous_run_bit_for_bit(
+    ray_local, tiny_model, tmp_path, monkeypatch
+):
+    config = run_config(tiny_model)
+    synchronous = await train(config, tmp_path / "sync", progress=False, log=lambda note: None)
+    seen = capture_trees(monkeypatch)
+    monkeypatch.setattr(train_module, "_SynchronousSteps", lambda *args: _PipelinedSteps(*args, ahead=0))
+    pipelined = await train(config, tmp_path / "pipeline", progress=False, log=lambda note: None)
+    assert len(synchronous.history) == len(pipelined.history) == 3
+    for step, (alone, piped) in enumerate(zip(synchronous.history, pipelined.history), start=1):
+        for name, value in alone.items():
+            if not name.startswith(("time/", "throughput/", "sync/")) and not name.endswith("_s"):  # timings
+                assert piped[name] == value or (math.isnan(value) and math.isnan(piped[name])), name
+        assert piped["async/staleness_0"] == 3 and piped["async/trees_dropped"] == 0
+        assert piped["async/version"] == step - 1
+    # Every turn of step s was sampled by the weights after step s − 1 (the worker's s − 1th sync).
+    assert [set().union(*map(versions, prompts)) for prompts in seen] == [{0}, {1}, {2}]
+    one, other = final_weights(tmp_path / "sync"), final_weights(tmp_path / "pipeline")
+    assert one.keys() == other.keys() and all(torch.equal(one[name], other[name]) for name in one)
+    assert read_jsonl(tmp_path / "sync" / "metrics.jsonl")[2]["policy/loss"] == synchronous.history[2]["policy/loss"]
+
+
+@pytest.mark.slow
+async def test_max_staleness_1_trains_every_step_on_trees_at_most_one_version_old(
+    ray_local, tiny_model, tmp_path, monkeypatch
+):
+    seen = capture_trees(monkeypatch)
+    config = run_config(tiny_model, max_staleness=1, steps=3)
+    result = await train(config, tmp_path / "run", progress=False, log=lambda note: None)
+    records = result.history
+    assert [r["step"] for r in records] == [1, 2, 3] and result.config.trainer["decoupled"] is True
+    for step, (record, prompts) in enumerate(zip(records, seen), start=1):
+        trained = step - 1  # the trainer's version: one sync a step
+        assert record["async/version"] == trained and record["async/trees_dropped"] == 0
+        assert record["async/staleness_0"] + record["async/staleness_1"] == 3
+        assert record["async/staleness_max"] <= 1
+        for prompt in prompts:
+            assert versions(prompt) <= {trained - 1, trained}
+        tokens = sum(len(node.action_ids) for prompt in prompts for tree in prompt.trees for node in tree.nodes())
+        assert record["async/tokens_stale_0"] + record["async/tokens_stale_1"] == tokens == record["tokens/generated"]
+        assert record["time/trainer_idle_s"] >= 0 and record["time/engine_idle_s"] >= 0
+        assert record["time/cycle_s"] >= record["time/trainer_idle_s"]
+    # Step 2 went to the worker with step 1, before the first update: its first turns are version 0.
+    assert records[1]["async/staleness_1"] == 3 and all(0 in versions(p) for p in seen[1])
+    assert (tmp_path / "run" / "checkpoints" / "step_000003" / "model").is_dir()
