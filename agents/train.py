@@ -247,7 +247,7 @@ async def train(
         if trainer.step_count == 0 and config.eval_before:
             await evaluation.run(step=0)
         last_checkpoint = checkpoint
-        if config.max_staleness:
+        if parts.cluster.rollout_workers:  # at η = 0 the synchronous steps, with the workers' idle time measured
             batches: _SynchronousSteps | _PipelinedSteps = _PipelinedSteps(
                 config, parts, rollout, order, progress, ahead=config.max_staleness
             )
@@ -502,7 +502,10 @@ class _PipelinedSteps:
         ahead: int,
     ) -> None:
         self.config, self.parts, self.pool, self.order, self.ahead = config, parts, rollout, order, ahead
+        self.progress, self.planned = progress, planned_branches(parts.learner.strategy, parts.tree)
         self.running: dict[int, asyncio.Future[tuple[list[int], list[PromptTrees], float]]] = {}
+        self.leaves: dict[int, int] = {}  # each running step's leaves back so far
+        self.bars: dict[int, Any] = {}  # the progress bar of the step the trainer waits for
         self.positions: dict[int, dict[str, int]] = {}
         self.next_step: int | None = None  # the next step to send to the pool
         self.cycle_start = time.perf_counter()
@@ -516,12 +519,18 @@ class _PipelinedSteps:
             step = self.next_step
             tasks = self.order.take(self.config.prompts_per_step)
             self.positions[step] = self.order.position()
-            self.running[step] = asyncio.ensure_future(self._roll(tasks, rollout_seed(self.config.seed, step)))
+            self.leaves[step] = 0
+            self.running[step] = asyncio.ensure_future(self._roll(step, tasks))
             self.next_step += 1
 
-    async def _roll(self, tasks: list[int], seed: int) -> tuple[list[int], list[PromptTrees], float]:
+    async def _roll(self, step: int, tasks: list[int]) -> tuple[list[int], list[PromptTrees], float]:
+        def back(leaves: int) -> None:
+            self.leaves[step] += leaves
+            if step in self.bars:
+                self.bars[step].update(leaves)
+
         start = time.perf_counter()
-        prompts = await self.pool.rollout(tasks, seed)
+        prompts = await self.pool.rollout(tasks, rollout_seed(self.config.seed, step), back)
         return tasks, prompts, time.perf_counter() - start
 
     async def batch(self, step: int) -> tuple[list[TrainingPath], dict[str, float], dict[str, int]]:
@@ -530,7 +539,12 @@ class _PipelinedSteps:
             self.next_step = step
         self._send(step + self.ahead)
         wait_start = time.perf_counter()
-        tasks, prompts, seconds = await self.running.pop(step)
+        total = None if self.planned is None else self.planned * self.config.prompts_per_step
+        with progress_bar(
+            f"rollout step {step}", total, unit="leaves", initial=self.leaves[step], leave=False, show=self.progress
+        ) as self.bars[step]:
+            tasks, prompts, seconds = await self.running.pop(step)
+        del self.bars[step], self.leaves[step]
         ready = time.perf_counter()
         version = self.pool.version  # the trainer's weights: the pool's latest sync
         fresh = [prompt for prompt in prompts if version - _oldest_version(prompt, version) <= self.ahead]

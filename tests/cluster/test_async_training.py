@@ -21,7 +21,7 @@ from agents.config import TrainConfig, build, merge
 from agents.engines.base import Completion, Engine, SamplingParams
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import RolloutTree
-from agents.train import TaskOrder, _PipelinedSteps, train
+from agents.train import TaskOrder, _PipelinedSteps, _SynchronousSteps, train
 from agents.training.metrics import read_jsonl
 
 # -- the gate -----------------------------------------------------------------------------------
@@ -153,9 +153,12 @@ class FakePool:
     def __init__(self, batches: dict[int, list[PromptTrees]]) -> None:
         self.batches, self.version, self.failures, self.reruns, self.sent = batches, 0, 0, 0, []
 
-    async def rollout(self, tasks, seed):
+    async def rollout(self, tasks, seed, on_branches=None):
         self.sent.append(tuple(tasks))
-        return self.batches[len(self.sent)]
+        prompts = self.batches[len(self.sent)]
+        for prompt in prompts:
+            on_branches(len(prompt.leaves))
+        return prompts
 
     def idle_seconds(self) -> float:
         return 0.0
@@ -164,7 +167,7 @@ class FakePool:
         return {}
 
 
-async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_eta_versions():
+async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_eta_versions(capsys):
     config = TrainConfig(algo="grpo", steps=3, prompts_per_step=2, holdout=0, eval_questions=0, max_staleness=1)
     config.cluster = {"rollout_workers": 1}
     parts = build(config)
@@ -177,7 +180,7 @@ async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_et
         }
     )
     order = TaskOrder(None, holdout=0, seed=0)
-    steps = _PipelinedSteps(config, parts, pool, order, False, ahead=1)
+    steps = _PipelinedSteps(config, parts, pool, order, None, ahead=1)
     paths, metrics, position = await steps.batch(1)
     assert pool.sent == [(0, 1), (2, 3)]  # steps 1 and 2 go at once: step 2 is at most 1 version behind
     assert position == {"epoch": 0, "offset": 2} and len(paths) == 4
@@ -199,6 +202,9 @@ async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_et
     assert {path.leaf.version for path in paths} == {2} and len(paths) == 2  # prompt 1's leaves only
     assert metrics["async/version"] == 2 and len(pool.sent) == 3
     await steps.close()
+    # Each step's bar (GRPO: 16 a prompt planned) counts the leaves back before the trainer waited (step 2's came with 1's).
+    ends = [line for line in capsys.readouterr().err.splitlines() if " in 00:" in line]
+    assert [line.split(" in ")[0] for line in ends] == [f"rollout step {s}: 4/32 leaves" for s in (1, 2, 3)]
 
 
 # -- runs on a rollout worker ---------------------------------------------------------------------
@@ -273,9 +279,11 @@ async def test_max_staleness_0_through_the_pipeline_is_the_synchronous_run_bit_f
     ray_local, tiny_model, tmp_path, monkeypatch
 ):
     config = run_config(tiny_model)
-    synchronous = await train(config, tmp_path / "sync", progress=False, log=lambda note: None)
+    with monkeypatch.context() as patch:  # the steps a run without rollout workers takes
+        patch.setattr(train_module, "_PipelinedSteps", lambda *args, ahead: _SynchronousSteps(*args))
+        synchronous = await train(config, tmp_path / "sync", progress=False, log=lambda note: None)
+    assert "async/version" not in synchronous.history[0]
     seen = capture_trees(monkeypatch)
-    monkeypatch.setattr(train_module, "_SynchronousSteps", lambda *args: _PipelinedSteps(*args, ahead=0))
     pipelined = await train(config, tmp_path / "pipeline", progress=False, log=lambda note: None)
     assert len(synchronous.history) == len(pipelined.history) == 3
     for step, (alone, piped) in enumerate(zip(synchronous.history, pipelined.history), start=1):
