@@ -547,6 +547,7 @@ class _PipelinedSteps:
         del self.bars[step], self.leaves[step]
         ready = time.perf_counter()
         version = self.pool.version  # the trainer's weights: the pool's latest sync
+        # the staleness bound, docs/algorithms.md eq. 78: a prompt's trees are kept or dropped whole
         fresh = [prompt for prompt in prompts if version - _oldest_version(prompt, version) <= self.ahead]
         if not fresh:
             raise RuntimeError(
