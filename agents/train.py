@@ -231,6 +231,8 @@ async def train(
         position: dict[str, Any] = {}
         if checkpoint is not None:
             checkpoint, position = _resume(trainer, checkpoint, log)
+            if hasattr(rollout, "version"):  # versions go on from the checkpoint's: the weights after step s are s
+                rollout.version = trainer.step_count - 1
             await trainer.sync_weights()
             log(f"resumed {out} at step {trainer.step_count} from {checkpoint}")
         heldout = HeldOutLog(

@@ -101,7 +101,7 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
             row["rollout_s"] = statistics.fmean(record["time/rollout_s"] for record in result.history)
             row["update_s"] = statistics.fmean(record["time/update_s"] for record in result.history)
             score = result.heldout[-1].scores["reward"]
-            row["heldout_reward"] = [score.value, score.low, score.high]
+            row["heldout_reward"] = [score.mean, score.low, score.high]
             row["heldout_questions"] = result.heldout[-1].questions
             rows[eta] = row
             print(f"  η={eta}: {row['steps_per_hour']:.1f} steps/h, held-out reward {score}", flush=True)

@@ -330,7 +330,7 @@ class RolloutPool:
             raise RuntimeError(f"a rollout worker could not start: {error}") from None
         self._weights: tuple[list[Any], int] | None = None  # the last sync's refs, for restarted workers
         self.supports_sleep = colocated and all(info["supports_sleep"] for info in self.info)
-        self.version = 0
+        self.version = 0  # the weights' version: each sync adds one (a resumed run starts it at its step)
         self.last_sync: SyncReport | None = None
         self.failures = 0  # worker deaths noticed so far
         self.reruns = 0  # prompts run again after their worker died, so far

@@ -8,6 +8,7 @@ requests happen to batch (what makes η = 0 comparable bit for bit).
 
 import asyncio
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -322,3 +323,26 @@ async def test_max_staleness_1_trains_every_step_on_trees_at_most_one_version_ol
     # Step 2 went to the worker with step 1, before the first update: its first turns are version 0.
     assert records[1]["async/staleness_1"] == 3 and all(0 in versions(p) for p in seen[1])
     assert (tmp_path / "run" / "checkpoints" / "step_000003" / "model").is_dir()
+
+
+@pytest.mark.slow
+async def test_an_asynchronous_run_resumes_at_its_checkpoint_with_the_next_steps_tasks_and_versions(
+    ray_local, tiny_model, tmp_path, monkeypatch
+):
+    trained_tasks: list[list[int]] = []
+    credit = train_module._credit
+
+    def spy(rollout, parts, tasks, prompts, seconds, budget_reward):
+        trained_tasks.append(list(tasks))
+        return credit(rollout, parts, tasks, prompts, seconds, budget_reward)
+
+    monkeypatch.setattr(train_module, "_credit", spy)
+    config = run_config(tiny_model, max_staleness=1, checkpoint_every=1)
+    first = await train(config, tmp_path / "run", progress=False, log=lambda note: None)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000003")  # as if stopped after step 2's checkpoint
+    again = await train(config, tmp_path / "run", resume=True, progress=False, log=lambda note: None)
+    assert trained_tasks[3] == trained_tasks[2]  # step 3's tasks again (step 4's, rolled out ahead, were not kept)
+    assert [record["step"] for record in again.history] == [1, 2, 3]
+    # Versions go on from the checkpoint: step 3 trains at version 2, as in the first run.
+    assert again.history[2]["async/version"] == first.history[2]["async/version"] == 2
+    assert again.history[2]["async/staleness_0"] == 3  # nothing older than the resumed weights
