@@ -16,7 +16,11 @@ action tokens whose ratio lies outside the clip range on the side where clipping
 the loss clips), ``approx_kl`` (k3 estimate of KL(π_old ‖ π_θ) from the token ratios), plus
 per-loss extras. Formulas and defaults: docs/algorithms.md "Losses".
 
-Every loss also takes ``behaviour_logprobs``, for rollouts sampled by an older policy than
+:func:`sft_loss` is no policy-gradient loss: supervised fine-tuning (a cold start before RL,
+:mod:`agents.sft`) takes the same four tensors and ignores ``old_logprobs`` and ``advantages``, so
+the trainer runs it as it runs the others; its metrics are ``loss``, ``pg_loss`` and ``nll``.
+
+Every policy-gradient loss also takes ``behaviour_logprobs``, for rollouts sampled by an older policy than
 ``old_logprobs``'s (asynchronous training): the decoupled objective (AReaL) then clips against
 π_old, the proximal policy, and weights each token's loss by ``π_old / π_behaviour``
 (:func:`behaviour_weights`; docs/algorithms.md "Decoupled objective"). Without it, or with
@@ -44,6 +48,7 @@ __all__ = [
     "gspo_loss",
     "ppo_clip_loss",
     "register_loss",
+    "sft_loss",
 ]
 
 #: Names of the ways a ``[batch, tokens]`` loss is reduced to a scalar (see :func:`aggregate`).
@@ -294,6 +299,33 @@ def atpo_loss(
     return _with_regularizers(pg_loss, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
 
+def sft_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg: str = "token-mean",  # the mean NLL per action token (transformers' causal-LM loss; TRL's SFTTrainer)
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,  # no KL term in a cold start; used only with ref_logprobs
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Supervised fine-tuning: the negative log-likelihood of the action tokens, ``ℓ = agg(−log π_θ)``.
+
+    ``old_logprobs`` and ``advantages`` are checked for shape and otherwise ignored (the loss is the
+    same whatever they hold). With the default ``agg="token-mean"`` the trainer weights its
+    micro-batches by action tokens (docs/algorithms.md eq. 58), so an update's loss and gradient are
+    those of the mean NLL over every action token of the batch. The optional KL and entropy terms
+    are the other losses' (eqs. 50, 51), off by default. Extra metric: ``nll`` (equal to
+    ``pg_loss``). Formula: docs/algorithms.md "Supervised cold start" (eq. 79).
+    """
+    mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy)
+    nll = aggregate(-logprobs, mask, agg)  # docs/algorithms.md eq. 79
+    metrics = {"nll": nll.item()}
+    return _with_regularizers(nll, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
+
+
 def _clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -542,7 +574,13 @@ TRAINER_INPUTS: tuple[str, ...] = (
 )
 
 #: The losses known by name (``TrainerConfig(loss=...)``, a learner's ``loss``, ``--set loss...``).
-LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "atpo": atpo_loss, "aepo": aepo_loss}
+LOSSES: dict[str, LossFn] = {
+    "ppo_clip": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "atpo": atpo_loss,
+    "aepo": aepo_loss,
+    "sft": sft_loss,
+}
 
 
 def register_loss(name: str, loss: LossFn | None = None) -> Any:

@@ -216,7 +216,10 @@ async def test_every_loss_aggregation_kl_and_entropy_bonus_gives_the_padded_loss
         assert padded_metrics["policy/kl_ref"] > 1e-3
     assert tree_grads.keys() == padded_grads.keys() and len(tree_grads) > 10
     for name in padded_grads:
-        torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-5, rtol=1e-4)
+        # float32 rounding grows with the gradient: 1e-5 up to gradients of 10 (ppo_clip's here reach 9.6,
+        # sft's, all of one sign, 27.6)
+        scale = max(1.0, padded_grads[name].abs().max().item() / 10)
+        torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-5 * scale, rtol=1e-4)
 
 
 async def test_trees_split_over_micro_batches_by_packed_tokens_give_the_same_update():
