@@ -36,6 +36,7 @@ from agents.config import build, resolve
 from agents.engines.base import Completion, SamplingParams
 from agents.engines.scripted import ScriptedEngine
 from agents.models import DEFAULT_MODEL
+from benchmarks.scale_bench import table
 
 REAL_STEPS = 4
 SIM_WORKERS = 8
@@ -44,14 +45,6 @@ SIM_PROMPTS_PER_STEP = 16  # two a worker
 SIM_TOKENS, SIM_TOKEN_LATENCY_S = 100, 0.01  # 1 s a turn
 SIM_MAX_TURNS = 6
 SIM_BATCH = 8  # requests an engine runs at once: one step's 2 prompts x 4 chains
-
-
-def _table(title: str, header: list[str], rows: list[list[Any]]) -> str:
-    cells = [header] + [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(cells[0], widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells[1:]]
-    return "\n".join(lines)
 
 
 def _timing(history: list[dict[str, float]]) -> dict[str, float]:
@@ -110,7 +103,7 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
         row["ratio"] = row["steps_per_hour"] / base
     results["real"] = {"rows": rows, "steps": REAL_STEPS}
     print(
-        _table(
+        table(
             f"(a) cpu-demo AT²PO on 1 rollout worker + 1 trainer, one core each, {REAL_STEPS} steps",
             [
                 "η",
@@ -229,7 +222,7 @@ async def _simulated(results: dict[str, Any], etas: list[int]) -> None:
         "max_turns": SIM_MAX_TURNS,
     }
     print(
-        _table(
+        table(
             f"(b) simulated cluster: {SIM_WORKERS} scripted workers, {SIM_PROMPTS_PER_STEP} prompts x 4 chains of 1-"
             f"{SIM_MAX_TURNS} {SIM_TOKENS * SIM_TOKEN_LATENCY_S:.0f}-s turns a step, update {update_s:.1f} s",
             ["η", "steps/h", f"× η={etas[0]}", "engine idle", "trainer idle", "staleness", "dropped"],

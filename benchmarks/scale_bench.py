@@ -54,7 +54,8 @@ SIM_TURNS = 4
 PROJECTED = {"Qwen3-4B": 4.02e9, "Qwen3-14B": 14.8e9}  # parameters; bfloat16 weights (2 bytes each)
 
 
-def _table(title: str, header: list[str], rows: list[list[Any]]) -> str:
+def table(title: str, header: list[str], rows: list[list[Any]]) -> str:
+    """A plain-text table under ``title``: the header, then the rows (floats to 3 significant digits)."""
     cells = [header] + [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(cells[0], widths))]
@@ -123,7 +124,7 @@ async def _real(results: dict[str, Any]) -> None:
         )
     results["real"] = {"rows": rows, "update_s": update_s, "sync_s": sync_s, "tasks": REAL_TASKS}
     print(
-        _table(
+        table(
             f"(a) real model on CPU: {len(REAL_TASKS)} cpu-demo AT2PO prompts; update {update_s:.1f} s, sync {sync_s:.2f} s",
             ["layout", "tokens", "rollout s", "tokens/s", "x single", "steps/h"],
             table,
@@ -213,7 +214,7 @@ async def _simulated(results: dict[str, Any], counts: list[int]) -> None:
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
     print(
-        _table(
+        table(
             f"(b) simulated cluster: {SIM_PROMPTS_PER_WORKER} prompts x 4 chains x {SIM_TURNS} turns per worker, "
             f"{SIM_TOKENS}-token turns at {SIM_TOKEN_LATENCY_S * 1000:.0f} ms/token",
             [
@@ -319,7 +320,7 @@ async def _sync(results: dict[str, Any]) -> None:
     ]
     share = "" if step_s is None else f"; {total / step_s:.1%} of a cpu-demo step"
     print(
-        _table(
+        table(
             f"(c) weight sync through the object store at {bandwidth / 1e9:.2f} GB/s{share}",
             ["weights", "GB", "put s", "load s", "total s"],
             rows,

@@ -459,3 +459,31 @@ def test_agents_eval_grader_judge_asks_the_embedded_model_and_reports_what_it_di
         "judge smollm2-135m: 2 answers; 1 model calls (0 failed), 0 from the cache, 1 identical to a gold answer" in out
     )
     assert len(cache.read_text().splitlines()) == (second["verdict"] != "unjudged")
+
+
+def test_sft_help_lists_the_flags_without_loading_torch():
+    result = probe("sft", "--help")
+    assert result["code"] == 0 and result["out"].startswith("usage: agents sft")
+    for flag in ("--data", "--model", "--out", "--min-reward", "--epochs", "--lr", "--batch-size", "--max-tokens"):
+        assert flag in result["out"]
+    assert "--seed" in result["out"] and "(default 2)" in result["out"]
+    assert {"torch", "transformers"}.isdisjoint(result["loaded"])
+    assert "sft" in probe("--help")["out"]
+
+
+def test_a_missing_data_file_exits_2_in_one_line(tmp_path):
+    result = probe("sft", "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "run"))
+    assert result["code"] == 2 and result["err"].count("\n") == 1
+    assert result["err"] == (
+        f"agents sft: error: --data {tmp_path / 'none.jsonl'}: no such file (a JSONL file of trajectories from "
+        "agents eval --save-trajectories, or of chats)\n"
+    )
+    assert {"torch", "transformers"}.isdisjoint(result["loaded"]) and not (tmp_path / "run").exists()
+
+
+def test_a_bad_sft_setting_exits_2_in_one_line(tmp_path):
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}\n')
+    result = probe("sft", "--data", str(data), "--out", str(tmp_path / "x"), "--batch-size", "0")
+    assert result["code"] == 2
+    assert result["err"] == "agents sft: error: SFTConfig.batch_size must be an int >= 1, got 0\n"
