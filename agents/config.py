@@ -377,6 +377,12 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
             "sampling.temperature is 0 (greedy): every sample of a prompt would be the same; "
             "train at a temperature above 0 (the papers: 1.0)"
         )
+    cluster = ClusterConfig.from_dict(config.cluster)
+    if config.max_staleness and not cluster.rollout_workers:
+        raise ValueError(
+            f"max_staleness={config.max_staleness} rolls out while the trainer updates, which needs rollout workers "
+            "of their own: --rollout-workers 1 (or more), or max_staleness=0"
+        )
     trainer_values = _checked(TrainerConfig, config.trainer, "trainer")
     if config.max_staleness and "decoupled" not in trainer_values:
         # Trees sampled by older weights: the decoupled objective, unless the run says otherwise.
@@ -405,12 +411,6 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
     _checked_rollout(rollout)
     turns = {name: rollout.pop(name) for name in _rollout_fields(RolloutConfig) if name in rollout}
     tree = TreeConfig(rollout=RolloutConfig(sampling=sampling, **turns), **rollout)
-    cluster = ClusterConfig.from_dict(config.cluster)
-    if config.max_staleness and not cluster.rollout_workers:
-        raise ValueError(
-            f"max_staleness={config.max_staleness} rolls out while the trainer updates, which needs rollout workers "
-            "of their own: --rollout-workers 1 (or more), or max_staleness=0"
-        )
     return RunParts(learner, trainer, tree, cluster)
 
 
