@@ -4,16 +4,18 @@
 
 (a) Real model on CPU. ``agents train`` with the ``cpu-demo`` preset (AT²PO on ``multihop-qa``,
     the embedded SmolLM2-135M) on one rollout worker process and the trainer in this process, one
-    core each, for ``REAL_STEPS`` steps at each η: rollout and update take comparable time there
-    (about a minute each on two cores). Steps per hour over the trained steps (model loads and
-    the held-out evaluation excluded), the engine's and the trainer's idle fractions, and the
-    ratio to η = 0. The learning check: the held-out reward after the same trees (the same
-    tasks, none dropped) at each η, with its 95% interval.
+    core each, at each η: rollout and update take comparable time there (about half a minute
+    each). Steps per hour and the engine's and the trainer's idle fractions over the steady state
+    (:func:`_timing`: steps 2 … ``REAL_MEASURED`` + 1 of ``1 + REAL_MEASURED + max(η)``; model
+    loads and the held-out evaluation excluded), and the ratio to the first η. The learning
+    check: the held-out reward after the same trees (the same tasks, none dropped) at each η,
+    with its 95% interval.
 (b) Simulated cluster. ``SIM_WORKERS`` rollout workers whose engine is a scripted one (each turn
-    ``SIM_TOKENS`` tokens after tokens × ``SIM_TOKEN_LATENCY_S``, ``SIM_BATCH`` requests at once) on a toy environment whose
-    episodes last 1 to ``SIM_MAX_TURNS`` turns (a long tail: a step waits for its longest), and a
-    trainer whose update takes as long as the median synchronous rollout, then a real weight sync
-    through the pool. The same pipeline code (``agents.train._PipelinedSteps``) drives both.
+    ``SIM_TOKENS`` tokens after tokens × ``SIM_TOKEN_LATENCY_S``, ``SIM_BATCH`` requests at once)
+    on a toy environment whose episodes last 1 to ``SIM_MAX_TURNS`` turns (a long tail: a step
+    waits for its longest), and a trainer whose update takes as long as one synchronous rollout
+    of a step (the warm-up's), then a real weight sync through the pool. The same pipeline code
+    (``agents.train._PipelinedSteps``) drives both.
 """
 
 from __future__ import annotations
@@ -38,26 +40,36 @@ from agents.engines.scripted import ScriptedEngine
 from agents.models import DEFAULT_MODEL
 from benchmarks.scale_bench import table
 
-REAL_STEPS = 4
+REAL_MEASURED = 3  # steps measured a run (the steady state; see _timing)
 SIM_WORKERS = 8
-SIM_STEPS = 10
+SIM_MEASURED = 6
 SIM_PROMPTS_PER_STEP = 16  # two a worker
 SIM_TOKENS, SIM_TOKEN_LATENCY_S = 100, 0.01  # 1 s a turn
 SIM_MAX_TURNS = 6
 SIM_BATCH = 8  # requests an engine runs at once: one step's 2 prompts x 4 chains
 
 
-def _timing(history: list[dict[str, float]]) -> dict[str, float]:
-    """Steps per hour and idle fractions over the trained steps of a run through the pipeline."""
-    cycle = sum(record["time/cycle_s"] for record in history)
+def _timing(history: list[dict[str, float]], measured: int) -> dict[str, float]:
+    """Steps per hour and idle fractions over steps 2 … ``measured`` + 1 of a run through the pipeline.
+
+    The steady state: step 1 starts the pipeline, and a run's last η steps have no later steps to
+    roll out while the trainer works on them, so each run goes ``1 + measured + max(η)`` steps and
+    only the steps in between are measured, the same ones at every η.
+    """
+    window = history[1 : 1 + measured]
+    cycle = sum(record["time/cycle_s"] for record in window)
     return {
-        "steps": len(history),
+        "steps": len(window),
         "seconds": cycle,
-        "steps_per_hour": 3600 * len(history) / cycle,
-        "engine_idle": sum(record["time/engine_idle_s"] for record in history) / cycle,
-        "trainer_idle": sum(record["time/trainer_idle_s"] for record in history) / cycle,
-        "staleness_mean": statistics.fmean(record["async/staleness_mean"] for record in history),
+        "steps_per_hour": 3600 * len(window) / cycle,
+        "engine_idle": sum(record["time/engine_idle_s"] for record in window) / cycle,
+        "trainer_idle": sum(record["time/trainer_idle_s"] for record in window) / cycle,
+        "staleness_mean": statistics.fmean(record["async/staleness_mean"] for record in window),
         "trees_dropped": sum(record["async/trees_dropped"] for record in history),
+        "per_step": [
+            {name: value for name, value in record.items() if name.startswith(("time/", "async/"))}
+            for record in history
+        ],
     }
 
 
@@ -71,6 +83,7 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
 
     torch.set_num_threads(1)  # the trainer's core; the worker gets the other (agents.train gives it 2 // 2)
     rows = {}
+    steps = 1 + REAL_MEASURED + max(etas)
     with tempfile.TemporaryDirectory() as folder:
         for eta in etas:
             config = resolve(
@@ -79,17 +92,17 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
                     "algo": "at2po",
                     "env": "multihop-qa",
                     "model": DEFAULT_MODEL,
-                    "steps": REAL_STEPS,
+                    "steps": steps,
                     "max_staleness": eta,
                     "eval_before": False,
-                    "eval_every": REAL_STEPS,
-                    "checkpoint_every": REAL_STEPS,
+                    "eval_every": steps,
+                    "checkpoint_every": steps,
                 },
                 assignments=["cluster.rollout_workers=1", "trainer.old_logprobs=recompute", "trainer.report_to=[none]"],
             )
             start = time.perf_counter()
             result = await train(config, Path(folder) / f"eta{eta}", progress=False, log=lambda note: None)
-            row = _timing(result.history)
+            row = _timing(result.history, REAL_MEASURED)
             row["wall_s"] = time.perf_counter() - start
             row["rollout_s"] = statistics.fmean(record["time/rollout_s"] for record in result.history)
             row["update_s"] = statistics.fmean(record["time/update_s"] for record in result.history)
@@ -101,10 +114,10 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
     base = rows[etas[0]]["steps_per_hour"]
     for row in rows.values():
         row["ratio"] = row["steps_per_hour"] / base
-    results["real"] = {"rows": rows, "steps": REAL_STEPS}
+    results["real"] = {"rows": rows, "steps": steps, "measured": REAL_MEASURED}
     print(
         table(
-            f"(a) cpu-demo AT²PO on 1 rollout worker + 1 trainer, one core each, {REAL_STEPS} steps",
+            f"(a) cpu-demo AT²PO on 1 rollout worker + 1 trainer, one core each: steps 2-{REAL_MEASURED + 1} of {steps}",
             [
                 "η",
                 "steps/h",
@@ -174,12 +187,13 @@ async def _simulated(results: dict[str, Any], etas: list[int]) -> None:
     from agents.train import TaskOrder, _PipelinedSteps
 
     agentenv.register("async-bench/long-tail-v0", LongTail)
+    steps = 1 + SIM_MEASURED + max(etas)
     config = resolve(
         values={
             "algo": "grpo",
             "env": "async-bench/long-tail",
             "model": DEFAULT_MODEL,
-            "steps": SIM_STEPS,
+            "steps": steps,
             "prompts_per_step": SIM_PROMPTS_PER_STEP,
         },
         assignments=[f"sampling.max_new_tokens={SIM_TOKENS}", "rollout.max_response_tokens=4096", "strategy.n=4"],
@@ -196,16 +210,16 @@ async def _simulated(results: dict[str, Any], etas: list[int]) -> None:
         rows = {}
         for eta in etas:
             config.max_staleness = eta
-            steps = _PipelinedSteps(config, parts, pool, TaskOrder(None, holdout=0, seed=0), False, ahead=eta)
+            pipeline = _PipelinedSteps(config, parts, pool, TaskOrder(None, holdout=0, seed=0), False, ahead=eta)
             history = []
-            for step in range(1, SIM_STEPS + 1):
-                _, metrics, _ = await steps.batch(step)
+            for step in range(1, steps + 1):
+                _, metrics, _ = await pipeline.batch(step)
                 await asyncio.sleep(update_s)  # the trainer's update
                 await pool.update_weights(weights)
-                steps.trained(step)
+                pipeline.trained(step)
                 history.append(metrics)
-            await steps.close()
-            rows[eta] = _timing(history)
+            await pipeline.close()
+            rows[eta] = _timing(history, SIM_MEASURED)
             print(f"  η={eta}: {rows[eta]['steps_per_hour']:.0f} steps/h", flush=True)
     finally:
         await pool.close()
@@ -215,7 +229,8 @@ async def _simulated(results: dict[str, Any], etas: list[int]) -> None:
     results["simulated"] = {
         "rows": rows,
         "workers": SIM_WORKERS,
-        "steps": SIM_STEPS,
+        "steps": steps,
+        "measured": SIM_MEASURED,
         "prompts_per_step": SIM_PROMPTS_PER_STEP,
         "update_s": update_s,
         "turn_s": SIM_TOKENS * SIM_TOKEN_LATENCY_S,
