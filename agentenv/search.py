@@ -120,7 +120,14 @@ class BM25Search(SearchBackend):
             self.retriever = bm25s.BM25.load(str(index_dir), mmap=mmap, show_progress=False)
         else:
             self.retriever = bm25s.BM25()
-            self.retriever.index(self._tokenize([f"{p.title}\n{p.text}" for p in self.passages]), show_progress=False)
+            tokens = self._tokenize([f"{p.title}\n{p.text}" for p in self.passages])
+            if not tokens.vocab:  # bm25s itself fails with "max() arg is an empty sequence"
+                first = self.passages[0]
+                raise ValueError(
+                    f"BM25Search: none of the {len(self.passages)} passages has a searchable word (stop words and "
+                    f"punctuation are not), e.g. passage 0 {first.title!r}: {first.text[:60]!r}; give passages with text"
+                )
+            self.retriever.index(tokens, show_progress=False)
             if index_dir is not None:
                 self._save(index_dir)
                 if mmap:  # the mapped file, as the processes that load it later will use

@@ -45,6 +45,16 @@ def test_index_is_cached_on_disk_by_content(tmp_path, monkeypatch):
     assert BM25Search.for_corpus(CORPUS) is BM25Search.for_corpus(list(CORPUS))
 
 
+def test_passages_without_a_searchable_word_are_refused_with_what_was_given(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path))
+    with pytest.raises(ValueError) as error:
+        BM25Search([Paragraph("", "!!! ..."), Paragraph("The", "of the and ?")], cache=False)
+    assert str(error.value) == (
+        "BM25Search: none of the 2 passages has a searchable word (stop words and punctuation are not), "
+        "e.g. passage 0 '': '!!! ...'; give passages with text"
+    )
+
+
 def test_format_results_as_the_papers_do():
     passages = [Passage("A", "one two three four"), Passage("B", "short")]
     assert format_results(passages, max_chars=9) == "Page 1: A\none two …\n\nPage 2: B\nshort"
