@@ -52,6 +52,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from agentenv.wrappers.token_env import inline_observation
 from agents.progress import note
 from agents.rollout.episodes import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS
 from agents.rollout.tree import RolloutTree, TrainingPath
@@ -516,7 +517,7 @@ def _inline_chat(
                 turns.append(SFTTurn(obs, action, [0.0] * len(action)))
                 obs = []
         elif message["role"] == "tool":
-            obs = obs + _encode(tokenizer, f"\n<result>\n{message['content']}\n</result>\n")  # TokenEnv's inline text
+            obs = obs + _encode(tokenizer, inline_observation(message["content"]))
         else:
             raise SFTDataError(
                 f"{where}: messages[{index}] is a {message['role']!r} message after the first assistant one; with "

@@ -43,9 +43,15 @@ import gymnasium
 
 from agentenv.core import Env, run_sync
 
-__all__ = ["TokenEnv", "skip_special_decoder"]
+__all__ = ["TokenEnv", "inline_observation", "skip_special_decoder"]
 
 _ACTION, _OBSERVATION = "AGENTENV-ACTION-SENTINEL", "AGENTENV-OBSERVATION-SENTINEL"
+
+
+def inline_observation(observation: str) -> str:
+    """The text of an observation with ``observations="inline"``: a ``<result>`` block inside the assistant turn."""
+    return f"\n<result>\n{observation}\n</result>\n"
+
 
 #: Texts shorter than this are tokenised on the event loop: the hop to a thread and back costs
 #: the loop ~50 µs, about what tokenising 256 characters does.
@@ -263,7 +269,7 @@ class TokenEnv:
 
     def _observation_text(self, observation: str) -> str:
         if self.observations == "inline":
-            return f"\n<result>\n{observation}\n</result>\n"
+            return inline_observation(observation)
         return self._before_obs + observation + self._after_obs
 
     def _unless_closed_twice(self, ids: list[int], action_ids: Sequence[int]) -> list[int]:

@@ -8,6 +8,7 @@ import pytest
 
 import agentenv
 from agentenv.wrappers import TokenEnv
+from agentenv.wrappers.token_env import inline_observation
 
 
 class ByteTokenizer:
@@ -111,6 +112,10 @@ def tok():
 def sampled(tok, *pieces):
     """Ids as a sampler may emit them: each piece tokenised on its own (non-canonical splits)."""
     return [i for piece in pieces for i in tok.encode(piece, add_special_tokens=False)]
+
+
+def test_an_inline_observation_is_a_result_block_inside_the_assistant_turn():
+    assert inline_observation("Paris is in France.") == "\n<result>\nParis is in France.\n</result>\n"
 
 
 @pytest.mark.slow
