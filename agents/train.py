@@ -453,7 +453,7 @@ def _credit(
 
 
 class _SynchronousSteps:
-    """The batches of ``max_staleness = 0``: each step's rollout after the previous step's update and sync."""
+    """The batches of a run without rollout workers: each step's rollout after the previous step's update and sync."""
 
     def __init__(
         self, config: TrainConfig, parts: RunParts, rollout: Any, order: TaskOrder, progress: bool | None
@@ -480,7 +480,7 @@ class _SynchronousSteps:
 
 
 class _PipelinedSteps:
-    """The batches of ``max_staleness = η ≥ 1``: rollouts up to η steps ahead of the trainer, on rollout workers.
+    """The batches of a run on rollout workers: rollouts up to ``ahead`` = η steps ahead of the trainer.
 
     Step ``s``'s prompts go to the pool once the trainer has updated on step ``s − η − 1`` (so every
     token of them is sampled by weights at most η syncs older than those that train on them), and
@@ -549,15 +549,17 @@ class _PipelinedSteps:
         del self.bars[step], self.leaves[step]
         ready = time.perf_counter()
         version = self.pool.version  # the trainer's weights: the pool's latest sync
+        behind = [version - _oldest_version(prompt, version) for prompt in prompts]
         # the staleness bound, docs/algorithms.md eq. 78: a prompt's trees are kept or dropped whole
-        fresh = [prompt for prompt in prompts if version - _oldest_version(prompt, version) <= self.ahead]
+        fresh = [(prompt, stale) for prompt, stale in zip(prompts, behind) if stale <= self.ahead]
         if not fresh:
             raise RuntimeError(
                 f"every prompt of step {step} was sampled more than max_staleness={self.ahead} weight versions "
                 f"before the trainer's ({version}); no tree is left to train on"
             )
-        paths, metrics = _credit(self.pool, self.parts, tasks, fresh, seconds, self.config.budget_reward)
-        metrics.update(_staleness_metrics(fresh, version, self.ahead))
+        kept = [prompt for prompt, _ in fresh]
+        paths, metrics = _credit(self.pool, self.parts, tasks, kept, seconds, self.config.budget_reward)
+        metrics.update(_staleness_metrics(kept, [stale for _, stale in fresh], version, self.ahead))
         metrics["async/trees_dropped"] = float(len(prompts) - len(fresh))
         idle = self.pool.idle_seconds()
         metrics["time/engine_idle_s"] = idle - self.idle_mark
@@ -588,14 +590,14 @@ def _oldest_version(prompt: PromptTrees, default: int) -> int:
     return min(versions, default=default)
 
 
-def _staleness_metrics(prompts: list[PromptTrees], version: int, eta: int) -> dict[str, float]:
+def _staleness_metrics(prompts: list[PromptTrees], staleness: list[int], version: int, eta: int) -> dict[str, float]:
     """``async/*`` of the trained prompts: how many versions behind ``version`` their trees and tokens were sampled.
 
-    ``async/staleness_k`` counts the prompts (a prompt's trees are one unit) whose oldest token is
-    ``k`` versions behind, ``async/tokens_stale_k`` the action tokens sampled ``k`` versions behind
-    (k = 0 … η); ``async/staleness_mean`` and ``_max`` are over the prompts.
+    ``staleness[i]`` is how many versions behind prompt ``i``'s oldest token is. ``async/staleness_k``
+    counts the prompts (a prompt's trees are one unit) ``k`` versions behind, ``async/tokens_stale_k``
+    the action tokens sampled ``k`` versions behind (k = 0 … η); ``async/staleness_mean`` and
+    ``_max`` are over the prompts.
     """
-    staleness = [version - _oldest_version(prompt, version) for prompt in prompts]
     tokens = [0] * (eta + 1)
     for prompt in prompts:
         for tree in prompt.trees:

@@ -20,7 +20,7 @@ Weights change between requests: each worker's engine sits behind a :class:`Vers
 lets a weight load start only once no generation is in flight (new ones wait meanwhile) and
 stamps every completion with the version of the weights that sampled it, so that every turn of a
 tree records its tokens' version (:attr:`agents.rollout.tree.Node.version`). Versions count the
-syncs the pool sent (0: the weights a worker started with). A request in flight when an update
+syncs (0: the weights a worker started with; a resumed run goes on from its step). A request in flight when an update
 arrives finishes on the old weights; continuing it on the new ones is not implemented.
 """
 
@@ -334,7 +334,7 @@ class RolloutPool:
         self.last_sync: SyncReport | None = None
         self.failures = 0  # worker deaths noticed so far
         self.reruns = 0  # prompts run again after their worker died, so far
-        self._step_failures = self._step_reruns = 0
+        self._rollout_marks = (0, 0)  # failures and reruns when the last rollout began
         self._started = time.perf_counter()
 
     @property
@@ -354,7 +354,7 @@ class RolloutPool:
         prompt's branches when its trees come back (as
         :func:`~agents.rollout.tree_loop.rollout_trees` counts them: the planned ones, when known).
         """
-        self._step_failures = self._step_reruns = 0
+        self._rollout_marks = (self.failures, self.reruns)
         results: dict[int, PromptTrees] = {}
         pending = list(enumerate(tasks))
         running: dict[asyncio.Future, tuple[_Worker, int, int]] = {}
@@ -383,7 +383,6 @@ class RolloutPool:
                         on_branches(self._planned if self._planned is not None else len(results[index].leaves))
                 except _lost_worker_errors(self._ray) as error:
                     pending.append((index, task))
-                    self._step_reruns += 1
                     self.reruns += 1
                     if worker.live:
                         self._lost(worker, error)
@@ -394,8 +393,8 @@ class RolloutPool:
         sync that gave it its weights."""
         return {
             **(self.last_sync.metrics() if self.last_sync is not None else {}),
-            "cluster/worker_failures": float(self._step_failures),
-            "cluster/prompts_rerun": float(self._step_reruns),
+            "cluster/worker_failures": float(self.failures - self._rollout_marks[0]),
+            "cluster/prompts_rerun": float(self.reruns - self._rollout_marks[1]),
             "cluster/workers_live": float(sum(worker.live for worker in self.workers)),
         }
 
@@ -412,7 +411,6 @@ class RolloutPool:
         """A worker's process died: stop giving it work and bring it back with the current weights."""
         worker.live = False
         self.failures += 1
-        self._step_failures += 1
         self.log(f"rollout worker {worker.rank} died ({type(error).__name__}); its prompts go to the other workers")
         worker.reviving = asyncio.ensure_future(self._revive(worker))
 
