@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from agentenv.core import Env, ForkStrategy, Option, OptionError, OptionRule, check_options, unknown_option
 from agentenv.datasets import Example
-from agentenv.graders import Grade, grade
+from agentenv.graders import Grade, extract_answer, grade, normalize_answer
 from agentenv.parsers import PARSERS, Action, ToolCallParser, get_parser
 from agentenv.rewards import REWARD_SCHEMES, RewardScheme, acall_reward, get_reward
 from agentenv.tools import Tool, ToolError, as_tool
@@ -195,6 +195,9 @@ class ToolEnv(Env):
         self.max_obs_chars = max_obs_chars
         self.prompt_template = prompt_template
         self.example = example
+        # The worked example's own answer, normalised: an answer equal to it was copied, not found.
+        shown = self.parser.parse(example[example.rfind("<answer>") :], {}).answer if example else None
+        self.example_answer = normalize_answer(extract_answer(shown, require_boxed=False) or "")
         self.state: EpisodeState | None = None
 
     # -- the options ------------------------------------------------------------------------
@@ -337,7 +340,8 @@ class ToolEnv(Env):
 
     async def _graded(self, state: EpisodeState, parsed: Action) -> EpisodeState:
         result = self.grader(parsed.answer, state.task.answers)
-        actions = [t.action for t in state.history()]
+        history = state.history()
+        actions = [t.action for t in history]
         reward = await acall_reward(
             self.reward_fn,
             {
@@ -350,7 +354,7 @@ class ToolEnv(Env):
                 "actions": actions,
             },
         )
-        graded = {**result.as_dict(), "reward": reward}
+        graded = {**result.as_dict(), "reward": reward, **self._answer_origin(result.answer, history)}
         # The papers' schemes also judge the format of the turns (a <think> pair, one <answer>):
         # format_ok says what the reward saw, and why.
         scheme = self.reward_fn
@@ -359,6 +363,19 @@ class ToolEnv(Env):
             if why is not None:
                 graded.update(format_ok=False, format_error=why)
         return replace(state, reward=reward, grade=graded)
+
+    def _answer_origin(self, answer: str | None, history: Sequence[Turn]) -> dict[str, bool]:
+        """Whether the answer was found in what the tools returned, and whether it is the worked example's.
+
+        Both normalised as EM normalises; found means a whole-word substring of the tool results.
+        They tell an agent that answers from its searches from one that repeats a string.
+        """
+        said = normalize_answer(answer or "")
+        results = normalize_answer(" ".join(t.observation for t in history if t.tool is not None))
+        return {
+            "in_results": bool(said) and f" {said} " in f" {results} ",
+            "equals_example": bool(said) and said == self.example_answer,
+        }
 
     def _info(self, state: EpisodeState, parsed: Action | None = None) -> dict[str, Any]:
         # Fresh containers every call: callers may keep and mutate what they receive.
@@ -403,14 +420,15 @@ class ToolEnv(Env):
         return None
 
     def demo_actions(self) -> Iterator[str]:
-        """Valid actions for the current task: one call per tool, then the gold answer.
+        """Valid actions for the current task: one call per tool, then the gold answer (boxed if required).
 
         Used by :func:`agentenv.testing.check_env` and demos to exercise the tools.
         """
         task = self.state.task if self.state is not None else self.tasks[0]
         for t in self.tools.values():
             yield self._call_text(t, self.example_argument(t, task))
-        yield f"<answer> \\boxed{{{task.answers[0]}}} </answer>"
+        answer = f"\\boxed{{{task.answers[0]}}}" if self.require_boxed else task.answers[0]
+        yield f"<answer> {answer} </answer>"
 
     def example_argument(self, tool: Tool, task: Example) -> str:
         """An argument for ``tool`` that makes sense for ``task`` (override for custom tools)."""

@@ -773,6 +773,11 @@ def _add_sft(p: argparse.ArgumentParser) -> None:
         help="where metrics go besides OUT/metrics.jsonl: tensorboard (the default), wandb, several, or none",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_run_settings(
+        p,
+        "its held-out evaluation: with any of these flags the run's held-out questions are scored before the first "
+        "step and after the last, as agents train scores them",
+    )
     p.set_defaults(run=_run_sft)
 
 
@@ -806,13 +811,94 @@ def _run_sft(args: argparse.Namespace) -> int:
 
         values["report_to"] = check_report_to(values["report_to"], "--report-to")
     config = SFTConfig(**values)
+    run_flags = (args.env, args.preset, args.config, args.holdout, args.eval_questions)
+    heldout = _run_settings(args) if args.assignments or any(flag is not None for flag in run_flags) else None
     print(f"=== agents sft on {args.data} from {args.model}; run folder {args.out}", flush=True)
-    result = asyncio.run(sft(args.data, args.model, args.out, config, progress=False if args.no_progress else None))
+    progress = False if args.no_progress else None
+    result = asyncio.run(sft(args.data, args.model, args.out, config, heldout=heldout, progress=progress))
     reporters = "".join(f", {name}/" for name in ("tensorboard", "wandb") if (args.out / name).is_dir())
     print(f"\nrun folder:  {args.out}  (sft.json, metrics.jsonl{reporters})")
     print(f"curves:      {args.out / 'curves.png'}")
     print(f"final model: {result.model_dir}")
     print(f"RL from it:  agents train --model {result.model_dir} --out RUN ...")
+    if len(result.heldout) == 2:
+        from agents.heldout import comparison_table
+
+        first, last = result.heldout
+        print("\n=== held-out questions (greedy; never trained on), before and after fine-tuning, 95% intervals")
+        print(comparison_table([first, last], ["before (step 0)", f"after sft (step {last.step})"]))
+    return 0
+
+
+# -- the RL run a cold start is for (agents demonstrations, agents sft) ---------------------------
+
+
+def _add_run_settings(p: argparse.ArgumentParser, uses: str) -> None:
+    """The settings of the ``agents train`` run that this command prepares, taken as ``agents train`` takes them."""
+    from agents.config import PRESETS, TrainConfig
+
+    group = p.add_argument_group(
+        "the RL run this is for",
+        f"agents train's settings, resolved as agents train resolves them (defaults, --preset, --config, the "
+        f"flags, --set); this command uses {uses}. Give the same ones to agents train.",
+    )
+    group.add_argument("--env", help=f"environment id (default {TrainConfig.env})")
+    group.add_argument("--preset", choices=list(PRESETS), help="cpu-demo or paper, as agents train --preset")
+    group.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON config file, as agents train's")
+    group.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting by its dotted name, e.g. env_kwargs.example=false (repeatable)",
+    )
+    group.add_argument(
+        "--holdout", type=int, help=f"the env's first N tasks are never trained on (default {TrainConfig.holdout})"
+    )
+    group.add_argument("--eval-questions", type=int, help="held-out questions evaluated (0: none)")
+
+
+def _run_settings(args: argparse.Namespace) -> TrainConfig:
+    """The ``agents train`` config that :func:`_add_run_settings`'s flags describe, its env options checked."""
+    import agentenv
+    from agents.config import resolve
+
+    values = {
+        name: getattr(args, name) for name in ("env", "holdout", "eval_questions") if getattr(args, name) is not None
+    }
+    config = resolve(preset_name=args.preset, file=args.config, values=values, assignments=args.assignments)
+    agentenv.spec(config.env)  # an unknown id: UnknownEnvError lists the registered ones
+    if config.env_kwargs:
+        _check_env_options([config.env], config.env_kwargs, "env_kwargs: --preset, --config or --set env_kwargs.NAME")
+    return config
+
+
+# -- agents demonstrations ---------------------------------------------------------------------
+
+
+def _add_demonstrations(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Write the cold start's examples for agents sft: each training task of the RL run's environment played "
+        "with the environment's own demo actions (search for the question, answer with the gold answer) through "
+        "its real tools, kept when the answer is in what the tools returned. Chats, one per line of OUT."
+    )
+    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="the JSONL file to write")
+    p.add_argument("--limit", type=int, metavar="N", help="play at most N training tasks (default all)")
+    _add_run_settings(p, "the environment, its options and --holdout (the tasks after the held-out ones are played)")
+    p.set_defaults(run=_run_demonstrations)
+
+
+def _run_demonstrations(args: argparse.Namespace) -> int:
+    from agents.demonstrations import write_demonstrations
+
+    config = _run_settings(args)
+    counts = write_demonstrations(
+        config.env, args.out, env_kwargs=config.env_kwargs, holdout=config.holdout, limit=args.limit
+    )
+    print(f"{counts.summary()}; written to {args.out}")
+    if counts.written:
+        print(f"fine-tune on them: agents sft --data {args.out} --out RUN ...")
     return 0
 
 
@@ -841,6 +927,11 @@ COMMANDS: list[Command] = [
     Command("eval", "evaluate a model on environments (EM, F1, pass@k)", _add_eval),
     Command("train", "train a learner (AT2PO, AEPO, GRPO, Tree-GRPO, ARPO) on an environment", _add_train),
     Command("sft", "fine-tune a model on tool-use trajectories or chats (a cold start before RL)", _add_sft),
+    Command(
+        "demonstrations",
+        "write worked episodes of an environment's training tasks, for agents sft",
+        _add_demonstrations,
+    ),
 ]
 
 

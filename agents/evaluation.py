@@ -59,6 +59,7 @@ __all__ = [
     "evaluate",
     "pass_at_k",
     "pass_ks",
+    "repeated_answers",
     "sampler_logprob_gap",
     "transcript",
 ]
@@ -106,6 +107,8 @@ class Sample:
     response_tokens: int
     judge: str | None = None  # the judge's verdict: "correct", "incorrect", "unjudged"; None when not judged
     judge_detail: str | None = None
+    in_results: bool = False  # the answer is in what the episode's tools returned
+    equals_example: bool = False  # the answer is the worked example's (the prompt's)
 
     @property
     def judge_score(self) -> float | None:
@@ -133,6 +136,8 @@ class Sample:
             tool_calls=int(trajectory.info.get("tool_calls", 0)),
             action_tokens=trajectory.num_action_tokens,
             response_tokens=trajectory.response_length,
+            in_results=bool(grade.get("in_results", False)),
+            equals_example=bool(grade.get("equals_example", False)),
         )
 
 
@@ -247,12 +252,33 @@ class EnvResult:
                 "turns": statistics.fmean(s.turns for s in samples),
                 "tool_calls": statistics.fmean(s.tool_calls for s in samples),
                 "action_tokens": statistics.fmean(s.action_tokens for s in samples),
+                "in_results": statistics.fmean(s.in_results for s in samples),
+                "equals_example": statistics.fmean(s.equals_example for s in samples),
+                "repeated_answers": statistics.fmean(repeated_answers(qs)),
             }
         )
         if len(scored) < len(qs):
             metrics["unanswerable"] = len(qs) - len(scored)
             metrics.update(answerability(qs))
         return metrics
+
+
+def repeated_answers(questions: Sequence[QuestionResult]) -> list[bool]:
+    """For each sample, in order: is its answer (normalised) also an answer to another of ``questions``?
+
+    A policy that gives one string to every question (a worked example's answer, "yes") scores
+    1 on all of them; samples without an answer score 0.
+    """
+    askers: dict[str, set[int]] = {}
+    for i, question in enumerate(questions):
+        for sample in question.samples:
+            if said := normalize_answer(sample.answer or ""):
+                askers.setdefault(said, set()).add(i)
+    return [
+        len(askers.get(normalize_answer(sample.answer or ""), ())) > 1
+        for question in questions
+        for sample in question.samples
+    ]
 
 
 def answerability(questions: Sequence[QuestionResult]) -> dict[str, float]:
@@ -320,7 +346,9 @@ class EvalReport:
 
     def table(self) -> str:
         """The results table: EM, F1, pass@k in percent, and episode statistics (the judge's
-        score and unjudged count, and MuSiQue's answerability metrics, where there are any)."""
+        score and unjudged count, and MuSiQue's answerability metrics, where there are any); last,
+        where the answers came from: found in the tool results, the worked example's, or one also
+        given to another question."""
         ks = pass_ks(self.samples)
         rows = self.rows()
         judged = any("judge" in m for _, m in rows)
@@ -338,6 +366,9 @@ class EvalReport:
             "turns",
             "tool calls",
             "action tok",
+            "in results %",
+            "= example %",
+            "repeated %",
         ]
         body = []
         for name, m in rows:
@@ -357,6 +388,7 @@ class EvalReport:
                     f"{m['turns']:.2f}",
                     f"{m['tool_calls']:.2f}",
                     f"{m['action_tokens']:.1f}",
+                    *(f"{100 * m[key]:.1f}" for key in ("in_results", "equals_example", "repeated_answers")),
                 ]
             )
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]

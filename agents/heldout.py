@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agents.engines.base import Engine, SamplingParams
-from agents.evaluation import evaluate
+from agents.evaluation import evaluate, repeated_answers
 from agents.rollout import RolloutConfig
 from agents.rollout.tree_loop import TreeConfig
 from agents.training.metrics import FRACTION, Display, MetricsLog, label_axis, save_figure
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.container import ErrorbarContainer
     from matplotlib.figure import Figure
+
+    from agents.config import TrainConfig
 
 __all__ = [
     "SCORES",
@@ -45,6 +47,7 @@ __all__ = [
     "draw_scores",
     "evaluate_heldout",
     "greedy_rollout",
+    "heldout_request",
     "interval",
 ]
 
@@ -54,6 +57,10 @@ SCORES: dict[str, str] = {
     "f1": "word F1 of the final answer",
     "format_ok": "answer given in the required format",
     "reward": "the environment's reward (the training reward)",
+    "tool_calls": "tool calls in the episode",
+    "in_results": "answer found in what the episode's tools returned",
+    "equals_example": "answer equal to the worked example's (copied from the prompt)",
+    "repeated": "answer also given to another held-out question",
 }
 #: How each score is drawn in ``heldout.png``: the panel's title, the unit and the score's range,
 #: which its interval stays inside (the reward's is the reward scheme's, not known here).
@@ -62,7 +69,12 @@ SCORE_DISPLAY: dict[str, Display] = {
     "f1": Display("word F1", "mean F1 (0 to 1)", FRACTION),
     "format_ok": Display("answer format followed", "fraction of questions", FRACTION),
     "reward": Display("reward", "mean reward"),
+    "tool_calls": Display("tool calls", "mean per episode", (0.0, math.inf)),
+    "in_results": Display("answer in tool results", "fraction of questions", FRACTION),
+    "equals_example": Display("answer = worked example's", "fraction of questions", FRACTION),
+    "repeated": Display("answer given to another question", "fraction of questions", FRACTION),
 }
+PANELS_PER_ROW = 4  # of heldout.png
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 
 
@@ -97,7 +109,8 @@ def interval(values: Sequence[float], bounds: tuple[float, float] | None = None)
         z2 = Z_95 * Z_95
         centre = (mean + z2 / (2 * n)) / (1 + z2 / n)
         half = Z_95 * math.sqrt(mean * (1 - mean) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-        return Score(mean, max(0.0, centre - half), min(1.0, centre + half))
+        # It holds the mean; at 0 or 1, rounding can put centre - half a hair above it (1e-17 at n = 48).
+        return Score(mean, min(mean, max(0.0, centre - half)), max(mean, min(1.0, centre + half)))
     half = Z_95 * statistics.stdev(values) / math.sqrt(n) if n > 1 else math.inf  # mean ± z·s/√n
     low, high = bounds if bounds is not None else (-math.inf, math.inf)
     return Score(mean, max(low, mean - half), min(high, mean + half))
@@ -136,6 +149,21 @@ def greedy_rollout(tree: TreeConfig) -> RolloutConfig:
     return dataclasses.replace(tree.rollout, sampling=sampling, keep_states=False)
 
 
+def heldout_request(config: TrainConfig, tree: TreeConfig, step: int, *, progress: bool = True) -> dict[str, Any]:
+    """The arguments of :func:`evaluate_heldout` but its engine and tokenizer, for a run of ``config``
+    whose rollouts use ``tree``: the env's first ``eval_questions`` tasks with the run's options, greedy
+    within the tree's limits, an episode cut by the budget scored as training scores it."""
+    return {
+        "env_id": config.env,
+        "questions": config.eval_questions,
+        "rollout": greedy_rollout(tree),
+        "step": step,
+        "env_kwargs": config.env_kwargs,
+        "budget_reward": config.budget_reward,
+        "progress": progress,
+    }
+
+
 async def evaluate_heldout(
     engine: Engine,
     tokenizer: Any,
@@ -156,13 +184,18 @@ async def evaluate_heldout(
     report = await evaluate(
         engine, tokenizer, [env_id], limit=questions, rollout=rollout, env_kwargs=env_kwargs, progress=progress
     )
-    samples = [sample for question in report.envs[env_id].questions for sample in question.samples]
+    questions_asked = report.envs[env_id].questions
+    samples = [sample for question in questions_asked for sample in question.samples]
     rewards = [budget_reward if budget_reward is not None and s.status == "budget" else s.reward for s in samples]
     columns = {
         "em": [s.em for s in samples],
         "f1": [s.f1 for s in samples],
         "format_ok": [float(s.format_ok) for s in samples],
         "reward": rewards,
+        "tool_calls": [float(s.tool_calls) for s in samples],
+        "in_results": [float(s.in_results) for s in samples],
+        "equals_example": [float(s.equals_example) for s in samples],
+        "repeated": [float(r) for r in repeated_answers(questions_asked)],
     }
     scores = {name: interval(values, SCORE_DISPLAY[name].bounds) for name, values in columns.items()}
     return HeldOut(step, len(samples), scores, report.seconds)
@@ -208,15 +241,19 @@ class HeldOutLog:
     def figure(self, *, title: str | None = None) -> Figure:
         """Each score at each evaluated step: a point with its 95% interval, headed ``title``.
 
-        Points, not a line: between two evaluations nothing was measured.
+        Points, not a line: between two evaluations nothing was measured. Four panels a row; a
+        score that an evaluation did not record (a run logged before it existed) has no point there.
         """
         from matplotlib.figure import Figure
 
-        figure = Figure(figsize=(4.2 * len(SCORE_DISPLAY), 3.0), layout="constrained")
+        rows = math.ceil(len(SCORE_DISPLAY) / PANELS_PER_ROW)
+        figure = Figure(figsize=(4.2 * PANELS_PER_ROW, 3.0 * rows), layout="constrained")
         figure.suptitle(f"{title}: held-out scores, 95% intervals" if title else "held-out scores, 95% intervals")
-        steps = [result.step for result in self.results]
-        for axis, (name, display) in zip(figure.subplots(1, len(SCORE_DISPLAY)), SCORE_DISPLAY.items()):
-            draw_scores(axis, steps, [result.scores[name] for result in self.results], display.bounds)
+        for axis, (name, display) in zip(figure.subplots(rows, PANELS_PER_ROW).flat, SCORE_DISPLAY.items()):
+            kept = [result for result in self.results if name in result.scores]
+            draw_scores(
+                axis, [result.step for result in kept], [result.scores[name] for result in kept], display.bounds
+            )
             label_axis(axis, display.name, display.unit)
         return figure
 
@@ -244,30 +281,36 @@ def draw_scores(
     means = [score.mean for score in scores]
     errors = [[m - s.low for m, s in zip(means, scores)], [s.high - m for m, s in zip(means, scores)]]
     container = axis.errorbar(x, means, yerr=errors, fmt="o", capsize=4, **style)
-    if bounds is not None:
+    if bounds is not None and math.isfinite(bounds[1] - bounds[0]):
         margin = 0.05 * (bounds[1] - bounds[0])  # points and caps at 0 or 1 stay clear of the frame
         axis.set_ylim(bounds[0] - margin, bounds[1] + margin)
     return container
 
 
 def comparison_table(results: Sequence[HeldOut], labels: Sequence[str] | None = None) -> str:
-    """A table of held-out scores, one row per evaluation (e.g. before and after training).
+    """A table of held-out scores, one column per evaluation (e.g. before and after training).
 
-    Each cell is the mean with its 95% interval; percentages for the proportions and F1.
+    One row per score of :data:`SCORES`, each cell the mean with its 95% interval: percentages
+    for the proportions and F1, the mean for the reward and tool calls; "–" where an evaluation
+    did not record the score.
     """
     labels = list(labels) if labels is not None else [f"step {result.step}" for result in results]
     if len(labels) != len(results):
         raise ValueError(f"{len(labels)} labels for {len(results)} results")
-    head = ["policy", "questions", "EM %", "F1 %", "format ok %", "reward"]
-    body = []
-    for label, result in zip(labels, results):
-        cells = [label, str(result.questions)]
-        for name in ("em", "f1", "format_ok"):
-            score = result.scores[name]
-            cells.append(f"{100 * score.mean:.1f} [{100 * score.low:.1f}, {100 * score.high:.1f}]")
-        reward = result.scores["reward"]
-        cells.append(f"{reward.mean:+.3f} [{reward.low:+.3f}, {reward.high:+.3f}]")
-        body.append(cells)
+
+    def cell(score: Score | None, display: Display) -> str:
+        if score is None:
+            return "–"
+        if display.bounds == FRACTION:
+            return f"{100 * score.mean:.1f} [{100 * score.low:.1f}, {100 * score.high:.1f}]"
+        sign = "" if display.bounds is not None and display.bounds[0] >= 0 else "+"  # a reward can be negative
+        return f"{score.mean:{sign}.2f} [{score.low:{sign}.2f}, {score.high:{sign}.2f}]"
+
+    head = ["held-out score", *labels]
+    body = [["questions", *(str(result.questions) for result in results)]]
+    for name, display in SCORE_DISPLAY.items():
+        unit = " %" if display.bounds == FRACTION else ""
+        body.append([display.name + unit, *(cell(result.scores.get(name), display) for result in results)])
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
     lines = [
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))

@@ -27,10 +27,12 @@ The data (:func:`load_sft_data`) is a JSONL file, each line one of
   its generation prompt; each assistant message is an action, trained on; a tool message is an
   observation, not trained on. With ``observations="inline"`` (TokenEnv's default, the papers'
   layout) the episode is one assistant turn, each action its content's tokens and each tool
-  result ``\\n<result>\\n…\\n</result>\\n`` inside it; with ``"turn"`` every message is a turn of the
-  chat template, an action being the assistant content and the end-of-turn token after it (what
-  the model samples before it stops), the template's headers and the rest being context. A chat
-  may carry a ``"reward"``; one without is kept by ``--min-reward``.
+  result ``\\n<result>\\n…\\n</result>\\n`` inside it, the last action followed by the
+  tokenizer's end-of-sequence token (a sampled episode ends with it: the model's stop); with
+  ``"turn"`` every message is a turn of the chat template, an action being the assistant content
+  and the end-of-turn token after it (what the model samples before it stops), the template's
+  headers and the rest being context. A chat may carry a ``"reward"``; one without is kept by
+  ``--min-reward``.
 
 The saved log-probs of a trajectory are kept as the paths' ``old_logprobs`` (0 for chats, which
 have none). The trainer takes them as π_old (``old_logprobs="sampler"``: the loss ignores π_old, so
@@ -41,6 +43,7 @@ chats the NLL itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -48,14 +51,19 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
 from agentenv.wrappers.token_env import inline_observation
+from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, heldout_request
 from agents.progress import note
 from agents.rollout.episodes import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS
 from agents.rollout.tree import RolloutTree, TrainingPath
+
+if TYPE_CHECKING:
+    from agents.config import TrainConfig
+    from agents.training.trainer import Trainer
 
 __all__ = [
     "ROLES",
@@ -525,6 +533,12 @@ def _inline_chat(
                 "assistant and tool messages may follow it; lay out chats of several user turns with "
                 "observations 'turn'"
             )
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if turns and messages[-1]["role"] == "assistant" and eos is not None:
+        # The episode's last action ends where the model stops it, with its end-of-sequence token,
+        # as sampled episodes do: trained on, so that the model learns to stop after its answer.
+        last = turns[-1]
+        turns[-1] = SFTTurn(last.obs_ids, [*last.action_ids, eos], [*last.logprobs, 0.0])
     return SFTExample(prompt_ids, turns, reward, "chat")
 
 
@@ -652,6 +666,7 @@ class SFTResult:
         steps: Steps (optimiser updates) trained.
         checkpoint: The last checkpoint written.
         history: The trainer's metric records, one per step.
+        heldout: The held-out evaluations (``heldout=``): before the first step (step 0) and after the last.
     """
 
     out_dir: Path
@@ -659,6 +674,7 @@ class SFTResult:
     steps: int
     checkpoint: Path
     history: list[dict[str, float]] = field(default_factory=list)
+    heldout: list[HeldOut] = field(default_factory=list)
 
     @property
     def model_dir(self) -> Path:
@@ -679,6 +695,7 @@ async def sft(
     config: SFTConfig | None = None,
     *,
     tokenizer: Any = None,
+    heldout: TrainConfig | None = None,
     progress: bool | None = None,
     log: Callable[[str], None] = note,
 ) -> SFTResult:
@@ -691,6 +708,10 @@ async def sft(
         out_dir: The run folder; one that holds a checkpoint or a trained step of a run is refused.
         config: The settings (:class:`SFTConfig`).
         tokenizer: The model's tokenizer; loaded by name when ``model`` is a name.
+        heldout: The RL run this cold start is for: its held-out questions are scored before the
+            first step and after the last, exactly as ``agents train`` with this config scores them
+            (its env and options, first ``eval_questions`` tasks, greedy within its limits), into
+            ``heldout/metrics.jsonl`` and ``heldout.png``; ``None`` (or ``eval_questions=0``): none.
         progress: The ``train`` bar of the steps and the update bars (:mod:`agents.progress`): ``False``
             none, ``True`` or ``None`` bars on a terminal and lines every 30 s elsewhere.
         log: Where one-line notes go (the data's counts, each step, checkpoints; default stdout).
@@ -732,6 +753,7 @@ async def sft(
         progress=progress,
     )
     trainer = Trainer(model, trainer_config, tokenizer=tokenizer, out_dir=out)
+    cleanup = contextlib.AsyncExitStack()  # the held-out engine and log, closed before the trainer
     try:
         _check_vocabulary(dataset, trainer.base_model)
         name = model if isinstance(model, str) else type(model).__name__
@@ -749,6 +771,11 @@ async def sft(
             f"training on {len(paths)} examples: {config.epochs} epochs of {per_epoch} steps of up to "
             f"{config.batch_size} examples, lr {config.lr:g}"
         )
+        evaluation = None
+        if heldout is not None and heldout.eval_questions:
+            evaluation = _HeldOutEvaluation(heldout, trainer, out, config.report_to, progress, log, title)
+            cleanup.push_async_callback(evaluation.close)
+            await evaluation.run(0)
         trainer.open_steps_bar()
         checkpoint: Path | None = None
         for epoch in range(config.epochs):
@@ -763,10 +790,55 @@ async def sft(
                     checkpoint = trainer.save_checkpoint(data_position=position, plot_title=title)
                     log(f"step {step}: checkpoint {checkpoint}")
         assert checkpoint is not None  # the last step always writes one
+        if evaluation is not None:
+            await evaluation.run(trainer.step_count)
         history = list(trainer.metrics.history) if trainer.metrics is not None else []
-        return SFTResult(out, dataset, trainer.step_count, checkpoint, history)
+        results = list(evaluation.log.results) if evaluation is not None else []
+        return SFTResult(out, dataset, trainer.step_count, checkpoint, history, results)
     finally:
+        await cleanup.aclose()
         trainer.close()
+
+
+class _HeldOutEvaluation:
+    """The RL run's held-out evaluation, on an engine that shares the trainer's model (no weight sync)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        trainer: Trainer,
+        out: Path,
+        report_to: Sequence[str],
+        progress: bool | None,
+        log: Callable[[str], None],
+        title: str,
+    ) -> None:
+        from agents.config import build
+        from agents.engines.hf import HFEngine
+
+        self.config, self.tree, self.tokenizer, self.note, self.title = (
+            config,
+            build(config).tree,
+            trainer.tokenizer,
+            log,
+            title,
+        )
+        self.progress = progress is not False
+        self.engine = HFEngine(
+            trainer.model, trainer.tokenizer, max_batch_size=self.tree.rollout.concurrency, seed=config.seed
+        )
+        self.log = HeldOutLog(out, report_to=report_to)
+
+    async def run(self, step: int) -> None:
+        request = heldout_request(self.config, self.tree, step, progress=self.progress)
+        result = await evaluate_heldout(self.engine, self.tokenizer, **request)
+        self.log.add(result, plot_title=self.title)
+        scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
+        self.note(f"step {step}: held-out ({result.questions} questions of {self.config.env}) {scores}")
+
+    async def close(self) -> None:
+        self.log.close()
+        await self.engine.close()
 
 
 def _step_note(step: int, steps: int, epoch: int, epochs: int, record: Mapping[str, float]) -> str:

@@ -58,7 +58,7 @@ from agentenv.wrappers import TokenEnv
 from agents.cluster.config import ClusterConfig
 from agents.config import RESUMABLE, RunParts, TrainConfig, build, effective_config
 from agents.engines.base import Engine
-from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, greedy_rollout
+from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, heldout_request
 from agents.learners import Learner
 from agents.progress import note, progress_bar
 from agents.rollout import task_episode
@@ -628,25 +628,14 @@ class _HeldOutEvaluation:
         note: Callable[[str], None],
         plot_title: str,
     ) -> None:
-        self.config, self.rollout, self.log, self.note, self.plot_title = config, rollout, log, note, plot_title
+        self.config, self.tree, self.rollout, self.log, self.note = config, tree, rollout, log, note
+        self.plot_title = plot_title
         self.progress = progress is not False  # None: shown, as a bar or as lines (agents.progress)
-        self.settings = greedy_rollout(tree)
 
     async def run(self, step: int) -> None:
-        config = self.config
-        if not config.eval_questions:
+        if not self.config.eval_questions:
             return
-        result = await self.rollout.evaluate(
-            {
-                "env_id": config.env,
-                "questions": config.eval_questions,
-                "rollout": self.settings,
-                "step": step,
-                "env_kwargs": config.env_kwargs,
-                "budget_reward": config.budget_reward,
-                "progress": self.progress,
-            }
-        )
+        result = await self.rollout.evaluate(heldout_request(self.config, self.tree, step, progress=self.progress))
         self.log.add(result, plot_title=self.plot_title)
         scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
         self.note(f"step {step}: held-out ({result.questions} questions) {scores}")

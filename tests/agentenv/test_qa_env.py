@@ -46,6 +46,7 @@ def test_search_step_then_answer(env):
         "Page 1: Kiss and Tell (1945 film)\nKiss and Tell is a 1945 American comedy film starring then 17-year-old Shirley Temple"
     )
     assert obs.count("Page ") == 3
+    obs_search = obs
     assert (reward, terminated, truncated) == (0.0, False, False)
     assert (info["turn"], info["tool_calls"], info["tool"], info["error"]) == (1, 1, "search", None)
     obs, reward, terminated, truncated, info = env.step("<answer>She was \\boxed{Chief of Protocol}</answer>")
@@ -58,7 +59,10 @@ def test_search_step_then_answer(env):
         "cover_em": 1.0,
         "token_cover_em": 1.0,
         "reward": 1.0,
+        "in_results": False,  # right, but not from the search: none of its three passages names her office
+        "equals_example": False,
     }
+    assert "protocol" not in obs_search.lower()
     with pytest.raises(RuntimeError, match="the episode is over"):
         env.step("<answer>\\boxed{x}</answer>")
 
@@ -178,6 +182,35 @@ def test_example_shows_a_worked_episode_in_the_graded_format():
     assert "Example:\nQuestion: 1+1?\n<answer> \\boxed{2} </answer>\nQuestion: " in own.reset(options={"index": 0})[0]
     with pytest.raises(ValueError, match=r"example= needs a prompt_template with an \{example\} field"):
         agentenv.make("multihop-qa", example=True, prompt_template="Q: {question}")
+
+
+def test_the_grade_says_whether_the_answer_was_found_or_copied_from_the_example():
+    env = agentenv.make("multihop-qa", example=True, require_boxed=False, topk=1, result_chars=300)
+    assert env.unwrapped.example_answer == "france"  # SEARCH_EXAMPLE's answer, normalised
+
+    def grade(*actions: str) -> dict:
+        env.reset(options={"index": 0})
+        for action in actions:
+            info = env.step(action)[4]
+        return {key: info["grade"][key] for key in ("em", "in_results", "equals_example")}
+
+    search = f"<search>{QUESTION_0}</search>"  # top-1: "Kiss and Tell is a 1945 American comedy film starring … Shirley Temple"
+    assert grade(search, "<answer> Shirley Temple </answer>") == {
+        "em": 0.0,
+        "in_results": True,
+        "equals_example": False,
+    }
+    assert grade(search, "<answer> the comedy </answer>") == {"em": 0.0, "in_results": True, "equals_example": False}
+    # Whole words only: "Temp" is inside "Temple" but is not a word of the result.
+    assert grade(search, "<answer> Temp </answer>") == {"em": 0.0, "in_results": False, "equals_example": False}
+    # Not searched: nothing was returned, however right the answer.
+    assert grade("<answer> Chief of Protocol </answer>") == {"em": 1.0, "in_results": False, "equals_example": False}
+    assert grade(search, "<answer> France. </answer>") == {"em": 0.0, "in_results": False, "equals_example": True}
+    assert grade(search, "<answer>  </answer>") == {"em": 0.0, "in_results": False, "equals_example": False}
+    plain = agentenv.make("multihop-qa", require_boxed=False)
+    assert plain.unwrapped.example_answer == ""  # no example: nothing to copy
+    plain.reset(options={"index": 0})
+    assert plain.step("<answer> France </answer>")[4]["grade"]["equals_example"] is False
 
 
 def test_observations_are_truncated():

@@ -14,7 +14,9 @@ TITLE = "at2po · multihop-qa · smollm2-135m (runs/demo)"
 
 
 def held_out(step: int, em: list[float], f1: list[float], format_ok: list[float], reward: list[float]) -> HeldOut:
-    columns = {"em": em, "f1": f1, "format_ok": format_ok, "reward": reward}
+    # The answer-origin scores follow the format: an answer given was found in a result, never repeated.
+    columns = {"em": em, "f1": f1, "format_ok": format_ok, "reward": reward, "tool_calls": format_ok}
+    columns.update(in_results=format_ok, equals_example=[0.0] * len(em), repeated=[0.0] * len(em))
     scores = {name: interval(values, SCORE_DISPLAY[name].bounds) for name, values in columns.items()}
     return HeldOut(step, len(em), scores, seconds=1.0)
 
@@ -36,11 +38,19 @@ def test_intervals_stay_inside_the_range_of_the_score():
     assert interval(f1, (0.0, 1.0)) == Score(0.0625, 0.0, 0.0625 + half)
     assert interval([0.4], (0.0, 1.0)) == Score(0.4, 0.0, 1.0)  # one answer: anything in the range
     assert interval([0.4]) == Score(0.4, -math.inf, math.inf)
+    for n in range(1, 201):  # Wilson's interval holds the mean even where rounding puts its end past 0 or 1
+        for p in (0.0, 1.0):
+            score = interval([p] * n)
+            assert score.low <= score.mean <= score.high
     assert {name: display.bounds for name, display in SCORE_DISPLAY.items()} == {
         "em": (0.0, 1.0),
         "f1": (0.0, 1.0),
         "format_ok": (0.0, 1.0),
         "reward": None,
+        "tool_calls": (0.0, math.inf),
+        "in_results": (0.0, 1.0),
+        "equals_example": (0.0, 1.0),
+        "repeated": (0.0, 1.0),
     }
 
 
@@ -54,7 +64,7 @@ def test_heldout_plot_draws_each_evaluation_as_a_point_with_its_interval(tmp_pat
     assert (tmp_path / "heldout.png").is_file()
     figure = log.figure(title=TITLE)
     assert figure.get_suptitle() == f"{TITLE}: held-out scores, 95% intervals"
-    assert len(figure.axes) == 4
+    assert len(figure.axes) == 8  # two rows of four
     for axis, (name, display) in zip(figure.axes, SCORE_DISPLAY.items()):
         assert (axis.get_title(), axis.get_ylabel(), axis.get_xlabel()) == (display.name, display.unit, "training step")
         assert visible_ticks(axis) == [0.0, 1.0, 2.0, 3.0]
@@ -68,7 +78,7 @@ def test_heldout_plot_draws_each_evaluation_as_a_point_with_its_interval(tmp_pat
         assert segments == [
             [[step, pytest.approx(score.low)], [step, pytest.approx(score.high)]] for step, score in zip((0, 3), scores)
         ]
-        if display.bounds is not None:
+        if display.bounds == (0.0, 1.0):
             assert axis.get_ylim() == pytest.approx((-0.05, 1.05))
             assert all(0.0 <= y <= 1.0 for segment in segments for _, y in segment)
     assert after.scores["f1"].low == 0.0
@@ -83,7 +93,37 @@ def test_one_evaluation_draws_a_readable_figure_without_warnings(tmp_path):
         figure = log.figure()
     assert path.is_file()
     assert figure.get_suptitle() == "held-out scores, 95% intervals"
-    assert [visible_ticks(axis) for axis in figure.axes] == [[0.0]] * 4
+    assert [visible_ticks(axis) for axis in figure.axes] == [[0.0]] * 8
+
+
+def test_the_comparison_table_has_a_row_per_score_and_a_column_per_evaluation():
+    from agents.heldout import comparison_table
+
+    before = held_out(0, em=[0.0] * 4, f1=[0.0] * 4, format_ok=[0.0] * 4, reward=[-1.0] * 4)
+    after = held_out(3, em=[1.0, 0.0, 0.0, 0.0], f1=[1.0, 0.5, 0.0, 0.0], format_ok=[1.0] * 4, reward=[1.0, 0, 0, 0])
+    old = HeldOut(5, 4, {name: after.scores[name] for name in ("em", "f1", "format_ok", "reward")}, 1.0)
+    lines = comparison_table([before, after, old], ["before", "after", "old record"]).splitlines()
+    assert lines[0].split() == ["held-out", "score", "before", "after", "old", "record"]
+    rows = {line[:34].strip(): line[34:].split("  ") for line in lines[2:]}
+    cells = {name: [cell.strip() for cell in row if cell.strip()] for name, row in rows.items()}
+    assert list(cells) == [
+        "questions",
+        "exact match %",
+        "word F1 %",
+        "answer format followed %",
+        "reward",
+        "tool calls",
+        "answer in tool results %",
+        "answer = worked example's %",
+        "answer given to another question %",
+    ]
+    assert cells["questions"] == ["4", "4", "4"]
+    assert cells["exact match %"][:2] == ["0.0 [0.0, 49.0]", "25.0 [4.6, 69.9]"]  # Wilson's intervals
+    half = Z_95 * statistics.stdev([1.0, 0.5, 0.0, 0.0]) / 2
+    assert cells["word F1 %"][1] == f"37.5 [0.0, {100 * (0.375 + half):.1f}]"  # the normal one, clipped at 0
+    assert cells["reward"][0] == "-1.00 [-1.00, -1.00]"  # signed; no spread, no width
+    assert cells["tool calls"][:2] == ["0.00 [0.00, 0.49]", "1.00 [0.51, 1.00]"]
+    assert cells["answer in tool results %"][2] == "–"  # a record written before the score existed
 
 
 def test_the_learning_benchmark_plot_follows_the_same_rules(tmp_path):

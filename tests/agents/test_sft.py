@@ -117,15 +117,19 @@ def test_an_inline_chat_is_the_prompt_then_actions_and_result_blocks(tokenizer):
     assert decode(tokenizer, example.prompt_ids).endswith("Who wrote Hamlet?<|im_end|>\n<|im_start|>assistant\n")
     assert [decode(tokenizer, turn.action_ids) for turn in example.turns] == [
         "<search>Hamlet author</search>",
-        "<answer>Shakespeare</answer>",
+        "<answer>Shakespeare</answer><|im_end|>",  # the episode's end, where the model stops
     ]
+    assert example.turns[1].action_ids[-1] == tokenizer.eos_token_id
     assert [decode(tokenizer, turn.obs_ids) for turn in example.turns] == [
         "",
         "\n<result>\nHamlet is a tragedy by William Shakespeare.\n</result>\n",
     ]
     path = training_path(example)
     trained = [i for i, m in zip(path.ids, path.mask) if m]
-    assert decode(tokenizer, trained) == "<search>Hamlet author</search><answer>Shakespeare</answer>"
+    assert decode(tokenizer, trained) == "<search>Hamlet author</search><answer>Shakespeare</answer><|im_end|>"
+    # A chat that stops at a tool result has no end: no end-of-sequence token is added.
+    unfinished = chat_example(CHAT[:4], tokenizer)
+    assert decode(tokenizer, unfinished.turns[-1].action_ids) == "<search>Hamlet author</search>"
     assert path.mask[: len(example.prompt_ids)] == [0] * len(example.prompt_ids)  # generation prompt included
 
 
@@ -306,3 +310,36 @@ def test_the_command_trains_and_prints_the_final_model(tmp_path, tiny_model, cap
     assert main([*argv, "--report-to", "none", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert f"final model: {out / 'checkpoints' / 'step_000001' / 'model'}\n" in printed
+    assert "held-out" not in printed  # no RL run named: no evaluation
+    run = ["--preset", "cpu-demo", "--eval-questions", "1", "--set", "rollout.max_response_tokens=8"]
+    again = ["sft", "--data", str(data), "--model", tiny_model, "--out", str(tmp_path / "run2"), "--epochs", "1"]
+    assert main([*again, "--report-to", "none", "--no-progress", *run]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines.index(
+        "=== held-out questions (greedy; never trained on), before and after fine-tuning, 95% intervals"
+    )
+    assert lines[table + 1].split() == ["held-out", "score", "before", "(step", "0)", "after", "sft", "(step", "1)"]
+    assert lines[table + 3].split() == ["questions", "1", "1"]
+
+
+async def test_the_rl_runs_held_out_questions_are_scored_before_and_after(tmp_path, tiny_model):
+    from agents.config import resolve
+
+    data = write_jsonl(tmp_path / "t.jsonl", [{"messages": CHAT}])
+    out = tmp_path / "run"
+    run = resolve(
+        preset_name="cpu-demo",
+        values={"eval_questions": 2},
+        assignments=["sampling.max_new_tokens=8", "rollout.max_response_tokens=16"],
+    )
+    notes: list[str] = []
+    config = SFTConfig(epochs=1, lr=1e-3, report_to=("none",))
+    result = await sft(data, tiny_model, out, config, heldout=run, progress=False, log=notes.append)
+    assert [(h.step, h.questions) for h in result.heldout] == [(0, 2), (1, 2)]
+    records = [json.loads(line) for line in (out / "heldout" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1] and (out / "heldout.png").is_file()
+    # Random weights never write the answer format within 16 tokens: every episode is cut by the budget,
+    # and scored with the run's budget reward (-1), as agents train scores it.
+    assert [h.scores["reward"].mean for h in result.heldout] == [run.budget_reward] * 2 == [-1.0] * 2
+    assert notes[2].startswith("step 0: held-out (2 questions of multihop-qa) em 0.000 [0.000, 0.658]")
+    assert notes[-1].startswith("step 1: held-out (2 questions of multihop-qa) em 0.000")
