@@ -38,19 +38,29 @@ endif
 	  || echo "warning: bubblewrap not installed; sandboxes run without namespace isolation"
 	touch $(STAMP)
 
-# The main job: AT2PO trains the embedded model on multihop-qa for a few steps at a small tree budget
-# (the cpu-demo preset, about seven minutes on 2 cores), prints the held-out before/after table and
-# writes the curves; then `agents eval` scores the saved checkpoint on the first four held-out questions
-# with the training prompt (worked example, plain <answer>) and the papers' tool settings (top-3
-# passages of 1000 characters).
+# The main job: a cold start, then AT2PO, on multihop-qa with the embedded model (12 minutes on 2
+# cores). `agents demonstrations` plays the training tasks (search the question, answer with the gold
+# answer) and keeps the 158 whose search returned the answer; `agents sft` fine-tunes on them and
+# scores 48 held-out questions before and after; `agents train` runs AT2PO from there (the cpu-demo
+# preset without its worked example, with ARPO's F1 reward) and scores them after; `agents eval`
+# prints the first held-out question's episode before (the untrained model) and after.
 DEMO_RUN := runs/demo
+DEMO_SETTINGS := --preset cpu-demo --set env_kwargs.example=false --set env_kwargs.reward=arpo --eval-questions 48
+# The same episode settings for agents eval, which takes environment options one by one.
+DEMO_EVAL := --env multihop-qa --limit 1 --transcripts 1 --max-new-tokens 48 --max-response-tokens 256 \
+  --env-arg reward=arpo --env-arg max_tool_calls=2 --env-arg topk=1 --env-arg result_chars=300 \
+  --env-arg require_boxed=false
 demo: $(STAMP)
 	rm -rf $(DEMO_RUN)
-	$(PY) -m agents train --algo at2po --env multihop-qa --model smollm2-135m --preset cpu-demo --out $(DEMO_RUN)
-	$(PY) -m agents eval --env multihop-qa --model $$(ls -d $(DEMO_RUN)/checkpoints/step_* | tail -1)/model \
-	  --env-arg example=true --env-arg require_boxed=false \
-	  --limit 4 --max-new-tokens 48 --max-response-tokens 1024 --transcripts 1
-	@echo "curves: $(DEMO_RUN)/curves.png, $(DEMO_RUN)/heldout.png; metrics: $(DEMO_RUN)/metrics.jsonl"
+	$(PY) -m agents demonstrations $(DEMO_SETTINGS) --out $(DEMO_RUN)/demonstrations.jsonl
+	$(PY) -m agents sft --data $(DEMO_RUN)/demonstrations.jsonl --lr 1e-4 --epochs 2 --out $(DEMO_RUN)/sft $(DEMO_SETTINGS)
+	$(PY) -m agents train --algo at2po --env multihop-qa --out $(DEMO_RUN)/rl $(DEMO_SETTINGS) --set eval_before=false \
+	  --model $$(ls -d $(DEMO_RUN)/sft/checkpoints/step_* | tail -1)/model
+	@echo "=== before: the untrained model on the first held-out question"
+	$(PY) -m agents eval $(DEMO_EVAL) --model smollm2-135m --no-progress
+	@echo "=== after: the cold start and AT2PO on the same question"
+	$(PY) -m agents eval $(DEMO_EVAL) --model $$(ls -d $(DEMO_RUN)/rl/checkpoints/step_* | tail -1)/model --no-progress
+	@echo "curves: $(DEMO_RUN)/sft/curves.png, $(DEMO_RUN)/rl/curves.png; held-out: $(DEMO_RUN)/sft/heldout.png, $(DEMO_RUN)/rl/heldout.png"
 
 test: $(STAMP)
 	$(PY) -m pytest -q

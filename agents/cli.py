@@ -701,6 +701,10 @@ def _run_train(args: argparse.Namespace) -> int:
         first, last = result.heldout[0], result.heldout[-1]
         print("\n=== held-out questions (greedy; never trained on), before and after training, 95% intervals")
         print(comparison_table([first, last], [f"before (step {first.step})", f"after (step {last.step})"]))
+    elif result.heldout:  # eval_before=false: the model given was scored elsewhere (e.g. by agents sft)
+        (last,) = result.heldout
+        print("\n=== held-out questions (greedy; never trained on), after training, 95% intervals")
+        print(comparison_table([last], [f"after (step {last.step})"]))
     reporters = "".join(f", {name}/" for name in ("tensorboard", "wandb") if (out / name).is_dir())
     print(f"\nrun folder:  {out}  (config.json, metrics.jsonl{reporters}, heldout/)")
     print(f"curves:      {out / 'curves.png'}" + (f", {out / 'heldout.png'}" if result.heldout else ""))

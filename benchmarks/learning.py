@@ -1,13 +1,15 @@
 """Learning on CPU: AT²PO, AEPO and GRPO at one rollout budget, and the cost of a training step beside TRL.
 
     python -m benchmarks.learning [--json PATH] [--algos at2po,aepo,grpo] [--steps N] [--eval-questions Q]
-                                  [--out DIR] [--trl-steps S | --no-trl]
+                                  [--out DIR] [--trl-steps S | --no-trl] [--model M] [--set KEY=VALUE ...]
 
 **Learning.** Each learner trains the embedded SmolLM2-135M on ``multihop-qa`` with the
 ``cpu-demo`` preset (2 prompts per step, 6 leaves per prompt for every learner, 2 tool calls, the
 AT²PO reward: −1 bad format or no answer, 0 wrong, 1 exact match) from the same initial model,
-seed and task order. The policy before training and each learner's policy after ``--steps``
-steps are scored on ``--eval-questions`` held-out HotpotQA questions that no run trains on
+seed and task order (``--model``: another start, such as the checkpoint of the main job's cold
+start; ``--set``: settings over the preset, as ``agents train --set``). The policy before
+training and each learner's policy after ``--steps`` steps are scored on ``--eval-questions``
+held-out HotpotQA questions that no run trains on
 (greedy decoding, the papers' evaluation), with 95% intervals (Wilson for proportions, normal
 for the mean reward). The table lists format adherence, reward and EM, before and after; the
 plot (``OUT/learning.png``) draws each learner's training reward per step and the held-out
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,11 +72,16 @@ TRL_PACKAGES = (
 SPLIT = (("rollout s", "time/rollout_s"), ("old log-probs s", "time/old_logprobs_s"), ("update s", "time/update_s"))
 
 
-def learning_config(algo: str, steps: int, eval_questions: int) -> TrainConfig:
-    """The ``cpu-demo`` run of ``algo`` for ``steps`` steps, scored once after training."""
+def learning_config(
+    algo: str, steps: int, eval_questions: int, *, model: str | None = None, assignments: Sequence[str] = ()
+) -> TrainConfig:
+    """The ``cpu-demo`` run of ``algo`` for ``steps`` steps from ``model`` (default: the embedded one),
+    scored once after training; ``assignments`` are ``--set KEY=VALUE`` strings over it."""
     return resolve(
         preset_name="cpu-demo",
+        assignments=assignments,
         values={
+            **({"model": model} if model is not None else {}),
             "algo": algo,
             "steps": steps,
             "eval_questions": eval_questions,
@@ -384,14 +392,17 @@ def plot(results: dict[str, TrainResult], before: HeldOut, path: Path) -> Path:
 # -- main -------------------------------------------------------------------------------------
 
 
-async def learn(algos: list[str], steps: int, eval_questions: int, out: Path) -> tuple[HeldOut, dict[str, TrainResult]]:
-    before = await score_initial_policy(learning_config(algos[0], steps, eval_questions))
+async def learn(
+    algos: list[str], steps: int, eval_questions: int, out: Path, **run: Any
+) -> tuple[HeldOut, dict[str, TrainResult]]:
+    """Score the initial policy, then train each learner from it; ``run``: :func:`learning_config`'s keywords."""
+    before = await score_initial_policy(learning_config(algos[0], steps, eval_questions, **run))
     print(f"before training: {', '.join(f'{k} {v}' for k, v in before.scores.items())}", flush=True)
     results = {}
     for algo in algos:
         start = time.perf_counter()
         results[algo] = await train(
-            learning_config(algo, steps, eval_questions), out / algo, progress=False, log=lambda note: None
+            learning_config(algo, steps, eval_questions, **run), out / algo, progress=False, log=lambda note: None
         )
         after = results[algo].heldout[-1]
         print(
@@ -423,6 +434,17 @@ def main() -> None:
         help=f"TRL GRPOTrainer steps for the throughput comparison (default {DEFAULT_TRL_STEPS})",
     )
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
+    parser.add_argument(
+        "--model", help="start every learner from this model (e.g. a cold start's checkpoint; default the embedded one)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting over the cpu-demo preset, as agents train --set (repeatable)",
+    )
     parser.add_argument("--out", type=Path, help="folder for the runs and the plot (default: a temporary folder)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--trl-worker", nargs=2, metavar=("JOB", "RESULT"), help=argparse.SUPPRESS)
@@ -440,7 +462,8 @@ def main() -> None:
             parser.error(f"{out / algo} exists; give an empty --out")
 
     start = time.perf_counter()
-    before, results = asyncio.run(learn(algos, args.steps, args.eval_questions, out))
+    run = {"model": args.model, "assignments": args.assignments}
+    before, results = asyncio.run(learn(algos, args.steps, args.eval_questions, out, **run))
     learning_seconds = time.perf_counter() - start
     labels = ["before training"] + [f"{algo}, step {result.steps}" for algo, result in results.items()]
     print(
@@ -459,7 +482,7 @@ def main() -> None:
     else:
         try:
             trl_result = run_trl(
-                trl_job(learning_config("grpo", args.steps, args.eval_questions), args.trl_steps), timeout_s=3600
+                trl_job(learning_config("grpo", args.steps, args.eval_questions, **run), args.trl_steps), timeout_s=3600
             )
             trl = trl_split(trl_result)
             trl_note = f"TRL {trl_result['versions']['trl']}, {len(trl_result['steps'])} steps, first left out"
@@ -481,6 +504,9 @@ def main() -> None:
         args.json.write_text(
             json.dumps(
                 {
+                    "command": "python -m benchmarks.learning " + " ".join(sys.argv[1:]),
+                    "model": args.model,
+                    "settings": args.assignments,
                     "steps": args.steps,
                     "eval_questions": args.eval_questions,
                     "learning_seconds": learning_seconds,

@@ -140,6 +140,10 @@ def test_the_learning_benchmark_plot_follows_the_same_rules(tmp_path):
         algo: TrainResult(tmp_path / algo, learning_config(algo, 2, 4), 2, None, history, [after])
         for algo in ("at2po", "grpo")
     }
+    cold = learning_config("aepo", 3, 48, model="runs/demo/sft/model", assignments=["env_kwargs.reward=arpo"])
+    assert (cold.algo, cold.steps, cold.eval_questions, cold.holdout) == ("aepo", 3, 48, 50)
+    assert cold.model == "runs/demo/sft/model" and cold.env_kwargs["reward"] == "arpo"
+    assert cold.env_kwargs["topk"] == 1  # the rest of the preset stays
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         path = plot(results, before, tmp_path / "learning.png")
