@@ -7,13 +7,14 @@
 ``cpu-demo`` preset (2 prompts per step, 6 leaves per prompt for every learner, 2 tool calls, the
 AT²PO reward: −1 bad format or no answer, 0 wrong, 1 exact match) from the same initial model,
 seed and task order (``--model``: another start, such as the checkpoint of the main job's cold
-start; ``--set``: settings over the preset, as ``agents train --set``). The policy before
+start; ``--set``: settings over the preset, as ``agents train --set``; ``--before-model``: the
+model scored as "before", such as the untrained one that cold start began from). The policy before
 training and each learner's policy after ``--steps`` steps are scored on ``--eval-questions``
 held-out HotpotQA questions that no run trains on
 (greedy decoding, the papers' evaluation), with 95% intervals (Wilson for proportions, normal
-for the mean reward). The table lists format adherence, reward and EM, before and after; the
-plot (``OUT/learning.png``) draws each learner's training reward per step and the held-out
-scores. The claim is the direction and its uncertainty: a 135M model on two CPU cores learns
+for the mean reward). The table lists every held-out score before and after; the plot
+(``OUT/learning.png``) draws each learner's training reward per step and the held-out F1,
+format adherence and reward. The claim is the direction and its uncertainty: a 135M model on two CPU cores learns
 the answer format in a few steps or not at all; the papers' EM gains need their budgets (a 4B
 model, 64 prompts × 22 leaves per step, hundreds of steps on GPUs: ``--preset paper``).
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -364,9 +366,9 @@ def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path)
 
     names = {algo: ALGO_NAMES.get(algo, algo) for algo in results}
     config = next(iter(results.values())).config  # the learners share environment and model
-    figure = Figure(figsize=(13, 3.6), layout="constrained")
+    figure = Figure(figsize=(17, 3.6), layout="constrained")
     figure.suptitle(f"{plot_title(', '.join(names.values()), config, out)}: held-out 95% intervals")
-    train_axis, *score_axes = figure.subplots(1, 3)
+    train_axis, *score_axes = figure.subplots(1, 4)
     for index, (algo, result) in enumerate(results.items()):
         draw_curve(train_axis, result.history, "reward/mean", label=names[algo], band_label=None, color=f"C{index}")
     label_axis(train_axis, "training reward (mean ± std over leaves)", "reward")
@@ -374,7 +376,7 @@ def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path)
     after = {f"{names[algo]}\n{result.steps} steps": result.heldout[-1] for algo, result in results.items()}
     policies = {"before\ntraining": before, **after}
     colors = ["grey"] + [f"C{index}" for index in range(len(results))]
-    for axis, score in zip(score_axes, ("format_ok", "reward")):
+    for axis, score in zip(score_axes, ("f1", "format_ok", "reward")):
         display = SCORE_DISPLAY[score]
         for x, (heldout, color) in enumerate(zip(policies.values(), colors)):
             draw_scores(axis, [x], [heldout.scores[score]], display.bounds, color=color)
@@ -393,10 +395,14 @@ def plot(results: dict[str, TrainResult], before: HeldOut, path: Path) -> Path:
 
 
 async def learn(
-    algos: list[str], steps: int, eval_questions: int, out: Path, **run: Any
+    algos: list[str], steps: int, eval_questions: int, out: Path, *, before_model: str | None = None, **run: Any
 ) -> tuple[HeldOut, dict[str, TrainResult]]:
-    """Score the initial policy, then train each learner from it; ``run``: :func:`learning_config`'s keywords."""
-    before = await score_initial_policy(learning_config(algos[0], steps, eval_questions, **run))
+    """Score the initial policy (or ``before_model``), then train each learner from the initial policy;
+    ``run``: :func:`learning_config`'s keywords."""
+    start = learning_config(algos[0], steps, eval_questions, **run)
+    before = await score_initial_policy(
+        start if before_model is None else dataclasses.replace(start, model=before_model)
+    )
     print(f"before training: {', '.join(f'{k} {v}' for k, v in before.scores.items())}", flush=True)
     results = {}
     for algo in algos:
@@ -438,6 +444,12 @@ def main() -> None:
         "--model", help="start every learner from this model (e.g. a cold start's checkpoint; default the embedded one)"
     )
     parser.add_argument(
+        "--before-model",
+        metavar="M",
+        help="score this model as 'before training' instead of the start (e.g. the untrained model, when --model "
+        "is its cold start)",
+    )
+    parser.add_argument(
         "--set",
         dest="assignments",
         action="append",
@@ -463,9 +475,13 @@ def main() -> None:
 
     start = time.perf_counter()
     run = {"model": args.model, "assignments": args.assignments}
-    before, results = asyncio.run(learn(algos, args.steps, args.eval_questions, out, **run))
+    before, results = asyncio.run(
+        learn(algos, args.steps, args.eval_questions, out, before_model=args.before_model, **run)
+    )
     learning_seconds = time.perf_counter() - start
-    labels = ["before training"] + [f"{algo}, step {result.steps}" for algo, result in results.items()]
+    labels = [f"before: {args.before_model}" if args.before_model else "before training"] + [
+        f"{algo}, step {result.steps}" for algo, result in results.items()
+    ]
     print(
         f"\n=== held-out multihop-qa questions never trained on ({args.eval_questions}, greedy), 95% intervals; "
         f"{len(algos)} learners × {args.steps} steps in {learning_seconds / 60:.1f} min"
@@ -506,6 +522,7 @@ def main() -> None:
                 {
                     "command": "python -m benchmarks.learning " + " ".join(sys.argv[1:]),
                     "model": args.model,
+                    "before_model": args.before_model,
                     "settings": args.assignments,
                     "steps": args.steps,
                     "eval_questions": args.eval_questions,

@@ -150,12 +150,12 @@ def test_the_learning_benchmark_plot_follows_the_same_rules(tmp_path):
     assert path.is_file()
     figure = learning_figure(results, before, Path("runs/learning"))
     assert figure.get_suptitle() == ("AT²PO, GRPO · multihop-qa · smollm2-135m (runs/learning): held-out 95% intervals")
-    train, format_ok, reward = figure.axes
+    train, f1, format_ok, reward = figure.axes
     assert (train.get_ylabel(), train.get_xlabel(), visible_ticks(train)) == ("reward", "training step", [1.0, 2.0])
     assert [text.get_text() for text in train.get_legend().get_texts()] == ["AT²PO", "GRPO"]
     for band in train.collections:  # each learner's ±std, clipped to the batch's rewards
         assert band.get_paths()[0].vertices[:, 1].min() == -1.0 and band.get_paths()[0].vertices[:, 1].max() == 0.8
-    for axis, name in ((format_ok, "format_ok"), (reward, "reward")):
+    for axis, name in ((f1, "f1"), (format_ok, "format_ok"), (reward, "reward")):
         assert axis.get_ylabel() == SCORE_DISPLAY[name].unit
         assert [label.get_text() for label in axis.get_xticklabels()] == [
             "before\ntraining",
