@@ -496,7 +496,10 @@ async def test_token_budget_micro_batches_give_the_same_update_as_sequence_count
         metrics = await trainer.step(paths)
         weights.append({name: p.detach().clone() for name, p in trainer.model.named_parameters()})
     for name, value in weights[0].items():
-        torch.testing.assert_close(weights[1][name], value, atol=1e-6, rtol=0)
+        # AdamW's first step moves each weight by about lr = 1e-3 whatever its gradient's size, so
+        # float32 rounding of a near-zero gradient summed in another order shows up to ~1e-6 (1.07e-6
+        # measured on one CPU): 1e-5 is 1% of the step.
+        torch.testing.assert_close(weights[1][name], value, atol=1e-5, rtol=0)
     assert math.isfinite(metrics["policy/loss"])
 
 

@@ -189,7 +189,8 @@ def test_every_leafs_logprobs_and_entropies_equal_the_padded_paths(depth, branch
         actions, entropy = trainer._forward(trainer.model, batch.ids, batch.attention_mask, scored=batch.mask)
         scores[packing] = (everything, actions, entropy)
     for tree, padded in zip(scores["tree"], scores["padded"]):
-        torch.testing.assert_close(tree, padded, atol=1e-5, rtol=0)
+        # float32 in another summation order: up to 1.3e-5 on entropies near 12 (1.1e-6 relative) on one CPU.
+        torch.testing.assert_close(tree, padded, atol=1e-5, rtol=1e-5)
     packed = pack_paths(batch.ids, batch.attention_mask)
     assert packed.tokens <= sum(tree_tokens(tree) for tree in trees) <= int(batch.attention_mask.sum())
 
