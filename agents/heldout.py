@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,7 @@ __all__ = [
     "SCORES",
     "SCORE_DISPLAY",
     "HeldOut",
+    "HeldOutEvaluation",
     "HeldOutLog",
     "Score",
     "comparison_table",
@@ -264,6 +265,38 @@ class HeldOutLog:
     def close(self) -> None:
         """Close the reporters."""
         self._log.close()
+
+
+class HeldOutEvaluation:
+    """A run's held-out evaluation at a step: :func:`heldout_request` scored by ``evaluate`` (an
+    engine here, or a rollout worker), added to ``log`` and its plot, and noted in one line.
+
+    ``agents train`` runs it before training, every ``eval_every`` steps and after the last;
+    ``agents sft`` before its first step and after its last. Nothing is scored when the run's
+    ``eval_questions`` is 0.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        tree: TreeConfig,
+        evaluate: Callable[[dict[str, Any]], Awaitable[HeldOut]],
+        log: HeldOutLog,
+        progress: bool | None,
+        note: Callable[[str], None],
+        plot_title: str,
+    ) -> None:
+        self.config, self.tree, self.evaluate, self.log, self.note = config, tree, evaluate, log, note
+        self.plot_title = plot_title
+        self.progress = progress is not False  # None: shown, as a bar or as lines (agents.progress)
+
+    async def run(self, step: int) -> None:
+        if not self.config.eval_questions:
+            return
+        result = await self.evaluate(heldout_request(self.config, self.tree, step, progress=self.progress))
+        self.log.add(result, plot_title=self.plot_title)
+        scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
+        self.note(f"step {step}: held-out ({result.questions} questions of {self.config.env}) {scores}")
 
 
 def draw_scores(

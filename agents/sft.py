@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import numpy as np
 
 from agentenv.wrappers.token_env import inline_observation
-from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, heldout_request
+from agents.heldout import HeldOut, HeldOutEvaluation, HeldOutLog, evaluate_heldout
 from agents.progress import note
 from agents.rollout.episodes import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS
 from agents.rollout.tree import RolloutTree, TrainingPath
@@ -773,8 +773,7 @@ async def sft(
         )
         evaluation = None
         if heldout is not None and heldout.eval_questions:
-            evaluation = _HeldOutEvaluation(heldout, trainer, out, config.report_to, progress, log, title)
-            cleanup.push_async_callback(evaluation.close)
+            evaluation = _heldout_evaluation(heldout, trainer, out, config, progress, log, title, cleanup)
             await evaluation.run(0)
         trainer.open_steps_bar()
         checkpoint: Path | None = None
@@ -800,45 +799,30 @@ async def sft(
         trainer.close()
 
 
-class _HeldOutEvaluation:
+def _heldout_evaluation(
+    run: TrainConfig,
+    trainer: Trainer,
+    out: Path,
+    config: SFTConfig,
+    progress: bool | None,
+    log: Callable[[str], None],
+    title: str,
+    cleanup: contextlib.AsyncExitStack,
+) -> HeldOutEvaluation:
     """The RL run's held-out evaluation, on an engine that shares the trainer's model (no weight sync)."""
+    from agents.config import build
+    from agents.engines.hf import HFEngine
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        trainer: Trainer,
-        out: Path,
-        report_to: Sequence[str],
-        progress: bool | None,
-        log: Callable[[str], None],
-        title: str,
-    ) -> None:
-        from agents.config import build
-        from agents.engines.hf import HFEngine
+    tree = build(run).tree
+    engine = HFEngine(trainer.model, trainer.tokenizer, max_batch_size=tree.rollout.concurrency, seed=run.seed)
+    cleanup.push_async_callback(engine.close)
+    heldout = HeldOutLog(out, report_to=config.report_to)
+    cleanup.callback(heldout.close)
 
-        self.config, self.tree, self.tokenizer, self.note, self.title = (
-            config,
-            build(config).tree,
-            trainer.tokenizer,
-            log,
-            title,
-        )
-        self.progress = progress is not False
-        self.engine = HFEngine(
-            trainer.model, trainer.tokenizer, max_batch_size=self.tree.rollout.concurrency, seed=config.seed
-        )
-        self.log = HeldOutLog(out, report_to=report_to)
+    async def evaluate(request: dict[str, Any]) -> HeldOut:
+        return await evaluate_heldout(engine, trainer.tokenizer, **request)
 
-    async def run(self, step: int) -> None:
-        request = heldout_request(self.config, self.tree, step, progress=self.progress)
-        result = await evaluate_heldout(self.engine, self.tokenizer, **request)
-        self.log.add(result, plot_title=self.title)
-        scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
-        self.note(f"step {step}: held-out ({result.questions} questions of {self.config.env}) {scores}")
-
-    async def close(self) -> None:
-        self.log.close()
-        await self.engine.close()
+    return HeldOutEvaluation(run, tree, evaluate, heldout, progress, log, title)
 
 
 def _step_note(step: int, steps: int, epoch: int, epochs: int, record: Mapping[str, float]) -> str:

@@ -58,14 +58,14 @@ from agentenv.wrappers import TokenEnv
 from agents.cluster.config import ClusterConfig
 from agents.config import RESUMABLE, RunParts, TrainConfig, build, effective_config
 from agents.engines.base import Engine
-from agents.heldout import HeldOut, HeldOutLog, evaluate_heldout, heldout_request
+from agents.heldout import HeldOut, HeldOutEvaluation, HeldOutLog, evaluate_heldout
 from agents.learners import Learner
 from agents.progress import note, progress_bar
 from agents.rollout import task_episode
 from agents.rollout.diagnostics import rollout_metrics
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import TrainingPath
-from agents.rollout.tree_loop import TreeConfig, planned_branches, rollout_trees
+from agents.rollout.tree_loop import planned_branches, rollout_trees
 from agents.training.checkpoint import (
     CorruptCheckpointError,
     latest_checkpoint,
@@ -244,7 +244,7 @@ async def train(
         cleanup.callback(heldout.close)
         order = TaskOrder(len(env.tasks) if hasattr(env, "tasks") else None, config.holdout, config.seed, **position)
         title = plot_title(parts.learner.name, config, out)
-        evaluation = _HeldOutEvaluation(config, parts.tree, rollout, heldout, progress, log, title)
+        evaluation = HeldOutEvaluation(config, parts.tree, rollout.evaluate, heldout, progress, log, title)
         trainer.open_steps_bar()  # the run's bar from its first step on, before any rollout
         if trainer.step_count == 0 and config.eval_before:
             await evaluation.run(step=0)
@@ -613,32 +613,6 @@ def _staleness_metrics(prompts: list[PromptTrees], staleness: list[int], version
         metrics[f"async/staleness_{k}"] = float(sum(value == k for value in staleness))
         metrics[f"async/tokens_stale_{k}"] = float(tokens[k])
     return metrics
-
-
-class _HeldOutEvaluation:
-    """Step 5's evaluation: greedy episodes on the held-out tasks, logged and reported."""
-
-    def __init__(
-        self,
-        config: TrainConfig,
-        tree: TreeConfig,
-        rollout: Any,
-        log: HeldOutLog,
-        progress: bool | None,
-        note: Callable[[str], None],
-        plot_title: str,
-    ) -> None:
-        self.config, self.tree, self.rollout, self.log, self.note = config, tree, rollout, log, note
-        self.plot_title = plot_title
-        self.progress = progress is not False  # None: shown, as a bar or as lines (agents.progress)
-
-    async def run(self, step: int) -> None:
-        if not self.config.eval_questions:
-            return
-        result = await self.rollout.evaluate(heldout_request(self.config, self.tree, step, progress=self.progress))
-        self.log.add(result, plot_title=self.plot_title)
-        scores = ", ".join(f"{name} {score}" for name, score in result.scores.items())
-        self.note(f"step {step}: held-out ({result.questions} questions) {scores}")
 
 
 def _step_note(step: int, steps: int, record: dict[str, float]) -> str:
