@@ -6,8 +6,8 @@
     the embedded SmolLM2-135M) on one rollout worker process and the trainer in this process, one
     core each, at each η: rollout and update take comparable time there (about half a minute
     each). Steps per hour and the engine's and the trainer's idle fractions over the steady state
-    (:func:`_timing`: steps 2 … ``REAL_MEASURED`` + 1 of ``1 + REAL_MEASURED + max(η)``; model
-    loads and the held-out evaluation excluded), and the ratio to the first η. The learning
+    (:func:`_timing`: steps ``max(η) + 2`` … ``max(η) + REAL_MEASURED + 1`` of
+    ``1 + 2·max(η) + REAL_MEASURED``; model loads and the held-out evaluation excluded), and the ratio to the first η. The learning
     check: the held-out reward after the same trees (the same tasks, none dropped) at each η,
     with its 95% interval.
 (b) Simulated cluster. ``SIM_WORKERS`` rollout workers whose engine is a scripted one (each turn
@@ -41,6 +41,7 @@ from agents.models import DEFAULT_MODEL
 from benchmarks.scale_bench import table
 
 REAL_MEASURED = 3  # steps measured a run (the steady state; see _timing)
+REAL_EVAL_QUESTIONS = 48  # held-out questions of the learning check (the cpu-demo preset scores 8)
 SIM_WORKERS = 8
 SIM_MEASURED = 6
 SIM_PROMPTS_PER_STEP = 16  # two a worker
@@ -49,14 +50,21 @@ SIM_MAX_TURNS = 6
 SIM_BATCH = 8  # requests an engine runs at once: one step's 2 prompts x 4 chains
 
 
-def _timing(history: list[dict[str, float]], measured: int) -> dict[str, float]:
-    """Steps per hour and idle fractions over steps 2 … ``measured`` + 1 of a run through the pipeline.
+def _run_steps(etas: Sequence[int], measured: int) -> int:
+    """Steps a run goes: the pipeline's fill, the ``measured`` steps, and the tail (see :func:`_timing`)."""
+    return 1 + 2 * max(etas) + measured
 
-    The steady state: step 1 starts the pipeline, and a run's last η steps have no later steps to
-    roll out while the trainer works on them, so each run goes ``1 + measured + max(η)`` steps and
-    only the steps in between are measured, the same ones at every η.
+
+def _timing(history: list[dict[str, float]], measured: int, fill: int) -> dict[str, float]:
+    """Steps per hour and idle fractions over steps ``fill + 2`` … ``fill + measured + 1`` of a run.
+
+    The steady state, the same steps at every η, with ``fill = max(η)``: steps 1 … η + 1 start
+    together on the first weights and share the engines (so the engines idle through the first
+    update: there is no later step they may start), and a run's last η steps have no later steps
+    to roll out while the trainer works on them, so each run goes ``1 + 2·max(η) + measured``
+    steps and only the ``measured`` steps between the fill and the tail count.
     """
-    window = history[1 : 1 + measured]
+    window = history[1 + fill : 1 + fill + measured]
     cycle = sum(record["time/cycle_s"] for record in window)
     return {
         "steps": len(window),
@@ -83,7 +91,7 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
 
     torch.set_num_threads(1)  # the trainer's core; the worker gets the other (agents.train gives it 2 // 2)
     rows = {}
-    steps = 1 + REAL_MEASURED + max(etas)
+    steps = _run_steps(etas, REAL_MEASURED)
     with tempfile.TemporaryDirectory() as folder:
         for eta in etas:
             config = resolve(
@@ -96,13 +104,14 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
                     "max_staleness": eta,
                     "eval_before": False,
                     "eval_every": steps,
+                    "eval_questions": REAL_EVAL_QUESTIONS,
                     "checkpoint_every": steps,
                 },
                 assignments=["cluster.rollout_workers=1", "trainer.old_logprobs=recompute", "trainer.report_to=[none]"],
             )
             start = time.perf_counter()
             result = await train(config, Path(folder) / f"eta{eta}", progress=False, log=lambda note: None)
-            row = _timing(result.history, REAL_MEASURED)
+            row = _timing(result.history, REAL_MEASURED, fill=max(etas))
             row["wall_s"] = time.perf_counter() - start
             row["rollout_s"] = statistics.fmean(record["time/rollout_s"] for record in result.history)
             row["update_s"] = statistics.fmean(record["time/update_s"] for record in result.history)
@@ -117,7 +126,8 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
     results["real"] = {"rows": rows, "steps": steps, "measured": REAL_MEASURED}
     print(
         table(
-            f"(a) cpu-demo AT²PO on 1 rollout worker + 1 trainer, one core each: steps 2-{REAL_MEASURED + 1} of {steps}",
+            f"(a) cpu-demo AT²PO on 1 rollout worker + 1 trainer, one core each: steps {max(etas) + 2}-"
+            f"{max(etas) + REAL_MEASURED + 1} of {steps}",
             [
                 "η",
                 "steps/h",
@@ -187,7 +197,7 @@ async def _simulated(results: dict[str, Any], etas: list[int]) -> None:
     from agents.train import TaskOrder, _PipelinedSteps
 
     agentenv.register("async-bench/long-tail-v0", LongTail)
-    steps = 1 + SIM_MEASURED + max(etas)
+    steps = _run_steps(etas, SIM_MEASURED)
     config = resolve(
         values={
             "algo": "grpo",
@@ -219,7 +229,7 @@ async def _simulated(results: dict[str, Any], etas: list[int]) -> None:
                 pipeline.trained(step)
                 history.append(metrics)
             await pipeline.close()
-            rows[eta] = _timing(history, SIM_MEASURED)
+            rows[eta] = _timing(history, SIM_MEASURED, fill=max(etas))
             print(f"  η={eta}: {rows[eta]['steps_per_hour']:.0f} steps/h", flush=True)
     finally:
         await pool.close()
