@@ -1,6 +1,6 @@
 """Asynchronous training benchmark: steps per hour and idle time at max_staleness η = 0, 1, 4.
 
-    python -m benchmarks.async_bench [--json PATH] [--parts real,simulated] [--etas 0,1,4]
+    python -m benchmarks.async_bench [--json PATH] [--parts real,simulated] [--etas 0,1,4] [--update-shares 1,0.75,0.5]
 
 (a) Real model on CPU. ``agents train`` with the ``cpu-demo`` preset (AT²PO on ``multihop-qa``,
     the embedded SmolLM2-135M) on one rollout worker process and the trainer in this process, one
@@ -13,9 +13,12 @@
 (b) Simulated cluster. ``SIM_WORKERS`` rollout workers whose engine is a scripted one (each turn
     ``SIM_TOKENS`` tokens after tokens × ``SIM_TOKEN_LATENCY_S``, ``SIM_BATCH`` requests at once)
     on a toy environment whose episodes last 1 to ``SIM_MAX_TURNS`` turns (a long tail: a step
-    waits for its longest), and a trainer whose update takes as long as one synchronous rollout
-    of a step (the warm-up's), then a real weight sync through the pool. The same pipeline code
-    (``agents.train._PipelinedSteps``) drives both.
+    waits for its longest), and a trainer whose update takes a share of one synchronous rollout
+    of a step (the warm-up's; ``--update-shares``, default 1, 0.75 and 0.5), then a real weight
+    sync through the pool. The same pipeline code (``agents.train._PipelinedSteps``) drives both.
+    Why the engines still idle at η ≥ 1 here: a worker's part of a step ends before the step's
+    longest tree, the bound keeps it from starting a step further ahead, and a sync holds new
+    requests until those in flight finish (see README "Asynchronous training").
 """
 
 from __future__ import annotations
@@ -191,7 +194,7 @@ class SimulatedEngine(ScriptedEngine):
         pass  # a simulated model has no weights: the sync still travels through the object store and the gate
 
 
-async def _simulated(results: dict[str, Any], etas: list[int]) -> None:
+async def _simulated(results: dict[str, Any], etas: list[int], shares: list[float]) -> None:
     import torch
 
     from agents.train import TaskOrder, _PipelinedSteps
@@ -215,44 +218,50 @@ async def _simulated(results: dict[str, Any], etas: list[int]) -> None:
     weights = {"w": torch.zeros(4)}
     try:
         start = time.perf_counter()
-        await pool.rollout(list(range(SIM_PROMPTS_PER_STEP)), 0)  # warm-up, and the update's duration
-        update_s = time.perf_counter() - start
-        rows = {}
-        for eta in etas:
-            config.max_staleness = eta
-            pipeline = _PipelinedSteps(config, parts, pool, TaskOrder(None, holdout=0, seed=0), False, ahead=eta)
-            history = []
-            for step in range(1, steps + 1):
-                _, metrics, _ = await pipeline.batch(step)
-                await asyncio.sleep(update_s)  # the trainer's update
-                await pool.update_weights(weights)
-                pipeline.trained(step)
-                history.append(metrics)
-            await pipeline.close()
-            rows[eta] = _timing(history, SIM_MEASURED, fill=max(etas))
-            print(f"  η={eta}: {rows[eta]['steps_per_hour']:.0f} steps/h", flush=True)
+        await pool.rollout(list(range(SIM_PROMPTS_PER_STEP)), 0)  # warm-up, and a synchronous rollout's duration
+        rollout_s = time.perf_counter() - start
+        settings: list[dict[str, Any]] = []
+        for share in shares:
+            update_s = share * rollout_s
+            rows = {}
+            for eta in etas:
+                config.max_staleness = eta
+                pipeline = _PipelinedSteps(config, parts, pool, TaskOrder(None, holdout=0, seed=0), False, ahead=eta)
+                history = []
+                for step in range(1, steps + 1):
+                    _, metrics, _ = await pipeline.batch(step)
+                    await asyncio.sleep(update_s)  # the trainer's update
+                    await pool.update_weights(weights)
+                    pipeline.trained(step)
+                    history.append(metrics)
+                await pipeline.close()
+                rows[eta] = _timing(history, SIM_MEASURED, fill=max(etas))
+                print(f"  update {share:g} x rollout, η={eta}: {rows[eta]['steps_per_hour']:.0f} steps/h", flush=True)
+            base = rows[etas[0]]["steps_per_hour"]
+            for row in rows.values():
+                row["ratio"] = row["steps_per_hour"] / base
+            settings.append({"update_share": share, "update_s": update_s, "rows": rows})
     finally:
         await pool.close()
-    base = rows[etas[0]]["steps_per_hour"]
-    for row in rows.values():
-        row["ratio"] = row["steps_per_hour"] / base
     results["simulated"] = {
-        "rows": rows,
+        "settings": settings,
         "workers": SIM_WORKERS,
         "steps": steps,
         "measured": SIM_MEASURED,
         "prompts_per_step": SIM_PROMPTS_PER_STEP,
-        "update_s": update_s,
+        "rollout_s": rollout_s,
         "turn_s": SIM_TOKENS * SIM_TOKEN_LATENCY_S,
         "max_turns": SIM_MAX_TURNS,
     }
     print(
         table(
             f"(b) simulated cluster: {SIM_WORKERS} scripted workers, {SIM_PROMPTS_PER_STEP} prompts x 4 chains of 1-"
-            f"{SIM_MAX_TURNS} {SIM_TOKENS * SIM_TOKEN_LATENCY_S:.0f}-s turns a step, update {update_s:.1f} s",
-            ["η", "steps/h", f"× η={etas[0]}", "engine idle", "trainer idle", "staleness", "dropped"],
+            f"{SIM_MAX_TURNS} {SIM_TOKENS * SIM_TOKEN_LATENCY_S:.0f}-s turns a step (a synchronous rollout "
+            f"{rollout_s:.1f} s), steps {max(etas) + 2}-{max(etas) + SIM_MEASURED + 1} of {steps}",
+            ["update s", "η", "steps/h", f"× η={etas[0]}", "engine idle", "trainer idle", "staleness", "dropped"],
             [
                 [
+                    setting["update_s"],
                     eta,
                     r["steps_per_hour"],
                     r["ratio"],
@@ -261,7 +270,8 @@ async def _simulated(results: dict[str, Any], etas: list[int]) -> None:
                     r["staleness_mean"],
                     int(r["trees_dropped"]),
                 ]
-                for eta, r in rows.items()
+                for setting in settings
+                for eta, r in setting["rows"].items()
             ],
         )
     )
@@ -272,13 +282,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--parts", default="real,simulated", help="real, simulated, or both (comma-separated)")
     parser.add_argument("--etas", default="0,1,4", help="the max_staleness values, the first the baseline")
+    parser.add_argument(
+        "--update-shares", default="1,0.75,0.5", help="(b): the simulated update's duration, as shares of a rollout's"
+    )
     args = parser.parse_args()
     parts = args.parts.split(",")
     etas = [int(value) for value in args.etas.split(",")]
     results: dict[str, Any] = {"cores": os.cpu_count(), "load_average": list(os.getloadavg())}
     start = time.perf_counter()
     if "simulated" in parts:
-        asyncio.run(_simulated(results, etas))
+        asyncio.run(_simulated(results, etas, [float(value) for value in args.update_shares.split(",")]))
     if "real" in parts:
         asyncio.run(_real(results, etas))
     results["seconds"] = time.perf_counter() - start

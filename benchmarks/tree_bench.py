@@ -121,6 +121,9 @@ async def measure(
         "signal_frac": record.get("tree/signal_frac", 0.0),
         "reward_mean": sum(leaf.reward for prompt in results for leaf in prompt.leaves) / max(1, leaves),
         "errors": sum(len(s.errors) for s in stats) + record["tree/prompt_errors"],
+        # what went wrong, so a run's branch errors can be told apart afterwards
+        "error_messages": [error for s in stats for error in s.errors]
+        + [prompt.error for prompt in results if prompt.error is not None],
     }
 
 
