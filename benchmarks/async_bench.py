@@ -1,6 +1,7 @@
 """Asynchronous training benchmark: steps per hour and idle time at max_staleness η = 0, 1, 4.
 
     python -m benchmarks.async_bench [--json PATH] [--parts real,simulated] [--etas 0,1,4] [--update-shares 1,0.75,0.5]
+        [--engine-batch 8]
 
 (a) Real model on CPU. ``agents train`` with the ``cpu-demo`` preset (AT²PO on ``multihop-qa``,
     the embedded SmolLM2-135M) on one rollout worker process and the trainer in this process, one
@@ -11,7 +12,8 @@
     check: the held-out reward after the same trees (the same tasks, none dropped) at each η,
     with its 95% interval.
 (b) Simulated cluster. ``SIM_WORKERS`` rollout workers whose engine is a scripted one (each turn
-    ``SIM_TOKENS`` tokens after tokens × ``SIM_TOKEN_LATENCY_S``, ``SIM_BATCH`` requests at once)
+    ``SIM_TOKENS`` tokens after tokens × ``SIM_TOKEN_LATENCY_S``, ``--engine-batch`` requests at once,
+    8 by default: a worker's share of a step fits its batch)
     on a toy environment whose episodes last 1 to ``SIM_MAX_TURNS`` turns (a long tail: a step
     waits for its longest), and a trainer whose update takes a share of one synchronous rollout
     of a step (the warm-up's; ``--update-shares``, default 1, 0.75 and 0.5), then a real weight
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -182,9 +185,9 @@ class SimulatedEngine(ScriptedEngine):
     (an engine's batch: a request beyond it waits, so two steps in flight share the engine's throughput);
     a sync loads nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch: int = SIM_BATCH) -> None:
         super().__init__(lambda ids: list(range(100, 100 + SIM_TOKENS)), latency_s=SIM_TOKENS * SIM_TOKEN_LATENCY_S)
-        self.batch = asyncio.Semaphore(SIM_BATCH)
+        self.batch = asyncio.Semaphore(batch)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         async with self.batch:
@@ -194,7 +197,17 @@ class SimulatedEngine(ScriptedEngine):
         pass  # a simulated model has no weights: the sync still travels through the object store and the gate
 
 
-async def _simulated(results: dict[str, Any], etas: list[int], shares: list[float]) -> None:
+@dataclasses.dataclass(frozen=True)
+class _SimulatedEngines:
+    """Builds a worker's SimulatedEngine (what Ray sends the workers; a functools.partial of the class does not pickle)."""
+
+    batch: int
+
+    def __call__(self) -> SimulatedEngine:
+        return SimulatedEngine(self.batch)
+
+
+async def _simulated(results: dict[str, Any], etas: list[int], shares: list[float], batch: int) -> None:
     import torch
 
     from agents.train import TaskOrder, _PipelinedSteps
@@ -213,7 +226,13 @@ async def _simulated(results: dict[str, Any], etas: list[int], shares: list[floa
     )
     parts = build(config)
     ensure_ray("local", processes=SIM_WORKERS)
-    spec = WorkerSpec(config, agentenv.spec(config.env), parts.learner.strategy, parts.tree, engine=SimulatedEngine)
+    spec = WorkerSpec(
+        config,
+        agentenv.spec(config.env),
+        parts.learner.strategy,
+        parts.tree,
+        engine=_SimulatedEngines(batch),
+    )
     pool = RolloutPool(spec, SIM_WORKERS, cpus=cpu_share(SIM_WORKERS), restarts=0)
     weights = {"w": torch.zeros(4)}
     try:
@@ -246,6 +265,7 @@ async def _simulated(results: dict[str, Any], etas: list[int], shares: list[floa
     results["simulated"] = {
         "settings": settings,
         "workers": SIM_WORKERS,
+        "engine_batch": batch,
         "steps": steps,
         "measured": SIM_MEASURED,
         "prompts_per_step": SIM_PROMPTS_PER_STEP,
@@ -256,7 +276,8 @@ async def _simulated(results: dict[str, Any], etas: list[int], shares: list[floa
     print(
         table(
             f"(b) simulated cluster: {SIM_WORKERS} scripted workers, {SIM_PROMPTS_PER_STEP} prompts x 4 chains of 1-"
-            f"{SIM_MAX_TURNS} {SIM_TOKENS * SIM_TOKEN_LATENCY_S:.0f}-s turns a step (a synchronous rollout "
+            f"{SIM_MAX_TURNS} {SIM_TOKENS * SIM_TOKEN_LATENCY_S:.0f}-s turns a step, {batch} requests an engine at once "
+            f"(a synchronous rollout "
             f"{rollout_s:.1f} s), steps {max(etas) + 2}-{max(etas) + SIM_MEASURED + 1} of {steps}",
             ["update s", "η", "steps/h", f"× η={etas[0]}", "engine idle", "trainer idle", "staleness", "dropped"],
             [
@@ -285,13 +306,17 @@ def main() -> None:
     parser.add_argument(
         "--update-shares", default="1,0.75,0.5", help="(b): the simulated update's duration, as shares of a rollout's"
     )
+    parser.add_argument(
+        "--engine-batch", type=int, default=SIM_BATCH, help="(b): requests a simulated engine runs at once"
+    )
     args = parser.parse_args()
     parts = args.parts.split(",")
     etas = [int(value) for value in args.etas.split(",")]
     results: dict[str, Any] = {"cores": os.cpu_count(), "load_average": list(os.getloadavg())}
     start = time.perf_counter()
     if "simulated" in parts:
-        asyncio.run(_simulated(results, etas, [float(value) for value in args.update_shares.split(",")]))
+        shares = [float(value) for value in args.update_shares.split(",")]
+        asyncio.run(_simulated(results, etas, shares, args.engine_batch))
     if "real" in parts:
         asyncio.run(_real(results, etas))
     results["seconds"] = time.perf_counter() - start
@@ -301,4 +326,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # The imported module's main, not __main__'s: Ray pickles classes of __main__ by value, and the
+    # workers need this module's classes by name.
+    from benchmarks.async_bench import main as imported_main
+
+    imported_main()
