@@ -78,8 +78,8 @@ class _OffLoopEncoder:
 
     Why copies: transformers' ``encode`` reconfigures truncation on the shared Rust object, and
     PyO3 refuses that while another thread's encode borrows it ("Already borrowed"); a copy per
-    thread is never shared. Its ``encode_batch`` is what transformers' fast ``encode`` calls,
-    so the ids are the same (tested).
+    thread is never shared. Its ``encode_batch_fast`` is ``encode_batch`` (what transformers' fast
+    ``encode`` calls) without the offsets, so the ids are the same (tested).
     """
 
     _pool: ThreadPoolExecutor | None = None
@@ -113,7 +113,9 @@ class _OffLoopEncoder:
                 if self._serialized is None:
                     self._serialized = self._backend.to_str()
             backend = self._local.backend = Tokenizer.from_str(self._serialized)
-        return backend.encode_batch([text], add_special_tokens=False)[0].ids
+        # encode_batch_fast skips the character offsets, which nothing here reads: ~30% less CPU for a
+        # search result's passages, the same ids (tested against transformers' encode)
+        return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     async def encode(self, text: str) -> list[int]:
         if _OffLoopEncoder._pool is None:
