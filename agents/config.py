@@ -383,6 +383,12 @@ def build(config: TrainConfig, learner: Learner | None = None) -> RunParts:
             f"max_staleness={config.max_staleness} rolls out while the trainer updates, which needs rollout workers "
             "of their own: --rollout-workers 1 (or more), or max_staleness=0"
         )
+    if cluster.in_flight_updates and (cluster.worker_engine or config.engine) != "hf":
+        raise ValueError(
+            f"cluster.in_flight_updates=true needs HFEngine workers, which record the weights that sampled each "
+            f"token; the workers' engine is {cluster.worker_engine or config.engine!r} (vLLM's engines do not say): "
+            "cluster.worker_engine=hf, or cluster.in_flight_updates=false"
+        )
     trainer_values = _checked(TrainerConfig, config.trainer, "trainer")
     if config.max_staleness and "decoupled" not in trainer_values:
         # Trees sampled by older weights: the decoupled objective, unless the run says otherwise.

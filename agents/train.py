@@ -38,6 +38,7 @@ new run starts in it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import inspect
@@ -512,6 +513,7 @@ class _PipelinedSteps:
         self.next_step: int | None = None  # the next step to send to the pool
         self.cycle_start = time.perf_counter()
         self.idle_mark = rollout.idle_seconds()
+        self.engine_idle_mark = 0.0  # read when the first step is sent
         self.failures_mark, self.reruns_mark = rollout.failures, rollout.reruns
 
     def _send(self, last: int) -> None:
@@ -539,6 +541,7 @@ class _PipelinedSteps:
         """Step ``step``'s paths and metrics (the trainer holds step ``step − 1``'s weights, synced)."""
         if self.next_step is None:
             self.next_step = step
+            self.engine_idle_mark = await self.pool.engine_idle_seconds()
         self._send(step + self.ahead)
         wait_start = time.perf_counter()
         total = None if self.planned is None else self.planned * self.config.prompts_per_step
@@ -561,13 +564,14 @@ class _PipelinedSteps:
         paths, metrics = _credit(self.pool, self.parts, tasks, kept, seconds, self.config.budget_reward)
         metrics.update(_staleness_metrics(kept, [stale for _, stale in fresh], version, self.ahead))
         metrics["async/trees_dropped"] = float(len(prompts) - len(fresh))
-        idle = self.pool.idle_seconds()
-        metrics["time/engine_idle_s"] = idle - self.idle_mark
+        idle, engine_idle = self.pool.idle_seconds(), await self.pool.engine_idle_seconds()
+        metrics["time/worker_idle_s"] = idle - self.idle_mark
+        metrics["time/engine_idle_s"] = engine_idle - self.engine_idle_mark
         metrics["time/trainer_idle_s"] = ready - wait_start
         metrics["time/cycle_s"] = ready - self.cycle_start
         metrics["cluster/worker_failures"] = float(self.pool.failures - self.failures_mark)
         metrics["cluster/prompts_rerun"] = float(self.pool.reruns - self.reruns_mark)
-        self.cycle_start, self.idle_mark = ready, idle
+        self.cycle_start, self.idle_mark, self.engine_idle_mark = ready, idle, engine_idle
         self.failures_mark, self.reruns_mark = self.pool.failures, self.pool.reruns
         return paths, metrics, self.positions.pop(step)
 
@@ -602,8 +606,10 @@ def _staleness_metrics(prompts: list[PromptTrees], staleness: list[int], version
     for prompt in prompts:
         for tree in prompt.trees:
             for node in tree.nodes():
-                behind = version - (node.version if node.version is not None else version)
-                tokens[min(max(behind, 0), eta)] += len(node.action_ids)
+                sampled = node.version if node.version is not None else version
+                counts = collections.Counter(node.token_versions or {sampled: len(node.action_ids)})
+                for token_version, count in counts.items():
+                    tokens[min(max(version - token_version, 0), eta)] += count
     metrics = {
         "async/version": float(version),
         "async/staleness_mean": statistics.fmean(staleness),

@@ -1,7 +1,14 @@
 """Asynchronous training benchmark: steps per hour and idle time at max_staleness η = 0, 1, 4.
 
     python -m benchmarks.async_bench [--json PATH] [--parts real,simulated] [--etas 0,1,4] [--update-shares 1,0.75,0.5]
-        [--engine-batch 8]
+        [--engine-batch 8] [--in-flight]
+
+Each η ≥ 1 runs with syncs between requests (a sync holds new requests until those in flight
+finish); ``--in-flight`` adds a run of it with ``cluster.in_flight_updates`` (a sync lands between
+two decode steps and the requests go on), labelled ``η+``. The engine idle fraction is the time
+an engine had no request in flight (``time/engine_idle_s``), the worker idle fraction the time a
+worker held no prompt (``time/worker_idle_s``; the engine also idles inside it, through tool calls
+and drains before a sync).
 
 (a) Real model on CPU. ``agents train`` with the ``cpu-demo`` preset (AT²PO on ``multihop-qa``,
     the embedded SmolLM2-135M) on one rollout worker process and the trainer in this process, one
@@ -56,6 +63,12 @@ SIM_MAX_TURNS = 6
 SIM_BATCH = 8  # requests an engine runs at once: one step's 2 prompts x 4 chains
 
 
+def _runs(etas: Sequence[int], in_flight: bool) -> list[tuple[str, int, bool]]:
+    """(label, η, in-flight loads) of each run: every η, and with ``in_flight`` each η ≥ 1 again with them."""
+    runs = [(str(eta), eta, False) for eta in etas]
+    return runs + [(f"{eta}+", eta, True) for eta in etas if eta and in_flight]
+
+
 def _run_steps(etas: Sequence[int], measured: int) -> int:
     """Steps a run goes: the pipeline's fill, the ``measured`` steps, and the tail (see :func:`_timing`)."""
     return 1 + 2 * max(etas) + measured
@@ -77,6 +90,7 @@ def _timing(history: list[dict[str, float]], measured: int, fill: int) -> dict[s
         "seconds": cycle,
         "steps_per_hour": 3600 * len(window) / cycle,
         "engine_idle": sum(record["time/engine_idle_s"] for record in window) / cycle,
+        "worker_idle": sum(record["time/worker_idle_s"] for record in window) / cycle,
         "trainer_idle": sum(record["time/trainer_idle_s"] for record in window) / cycle,
         "staleness_mean": statistics.fmean(record["async/staleness_mean"] for record in window),
         "trees_dropped": sum(record["async/trees_dropped"] for record in history),
@@ -90,7 +104,7 @@ def _timing(history: list[dict[str, float]], measured: int, fill: int) -> dict[s
 # -- (a) the real model -------------------------------------------------------------------------
 
 
-async def _real(results: dict[str, Any], etas: list[int]) -> None:
+async def _real(results: dict[str, Any], etas: list[int], in_flight: bool) -> None:
     import torch
 
     from agents.train import train
@@ -99,7 +113,7 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
     rows = {}
     steps = _run_steps(etas, REAL_MEASURED)
     with tempfile.TemporaryDirectory() as folder:
-        for eta in etas:
+        for label, eta, loads_in_flight in _runs(etas, in_flight):
             config = resolve(
                 preset_name="cpu-demo",
                 values={
@@ -113,10 +127,15 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
                     "eval_questions": REAL_EVAL_QUESTIONS,
                     "checkpoint_every": steps,
                 },
-                assignments=["cluster.rollout_workers=1", "trainer.old_logprobs=recompute", "trainer.report_to=[none]"],
+                assignments=[
+                    "cluster.rollout_workers=1",
+                    f"cluster.in_flight_updates={str(loads_in_flight).lower()}",
+                    "trainer.old_logprobs=recompute",
+                    "trainer.report_to=[none]",
+                ],
             )
             start = time.perf_counter()
-            result = await train(config, Path(folder) / f"eta{eta}", progress=False, log=lambda note: None)
+            result = await train(config, Path(folder) / f"eta{label}", progress=False, log=lambda note: None)
             row = _timing(result.history, REAL_MEASURED, fill=max(etas))
             row["wall_s"] = time.perf_counter() - start
             row["rollout_s"] = statistics.fmean(record["time/rollout_s"] for record in result.history)
@@ -124,9 +143,9 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
             score = result.heldout[-1].scores["reward"]
             row["heldout_reward"] = [score.mean, score.low, score.high]
             row["heldout_questions"] = result.heldout[-1].questions
-            rows[eta] = row
-            print(f"  η={eta}: {row['steps_per_hour']:.1f} steps/h, held-out reward {score}", flush=True)
-    base = rows[etas[0]]["steps_per_hour"]
+            rows[label] = row
+            print(f"  η={label}: {row['steps_per_hour']:.1f} steps/h, held-out reward {score}", flush=True)
+    base = rows[str(etas[0])]["steps_per_hour"]
     for row in rows.values():
         row["ratio"] = row["steps_per_hour"] / base
     results["real"] = {"rows": rows, "steps": steps, "measured": REAL_MEASURED}
@@ -139,6 +158,7 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
                 "steps/h",
                 f"× η={etas[0]}",
                 "engine idle",
+                "worker idle",
                 "trainer idle",
                 "rollout s",
                 "update s",
@@ -151,6 +171,7 @@ async def _real(results: dict[str, Any], etas: list[int]) -> None:
                     r["steps_per_hour"],
                     r["ratio"],
                     r["engine_idle"],
+                    r["worker_idle"],
                     r["trainer_idle"],
                     r["rollout_s"],
                     r["update_s"],
@@ -183,18 +204,35 @@ class LongTail(agentenv.Env):
 class SimulatedEngine(ScriptedEngine):
     """Every turn is SIM_TOKENS tokens after SIM_TOKENS × the per-token latency, at most SIM_BATCH at once
     (an engine's batch: a request beyond it waits, so two steps in flight share the engine's throughput);
-    a sync loads nothing."""
+    a sync loads nothing. Loads in flight are supported: a turn's tokens come evenly over its latency,
+    and each has the version of the last load before it."""
+
+    supports_inflight_updates = True
 
     def __init__(self, batch: int = SIM_BATCH) -> None:
         super().__init__(lambda ids: list(range(100, 100 + SIM_TOKENS)), latency_s=SIM_TOKENS * SIM_TOKEN_LATENCY_S)
         self.batch = asyncio.Semaphore(batch)
+        self.loads: list[tuple[float, int]] = []  # (time, version) of each load in flight
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         async with self.batch:
-            return await super().generate(prompt_ids, params)
+            start = time.perf_counter()
+            completion = await super().generate(prompt_ids, params)
+        if self.loads:
+            every = self.latency_s / len(completion.token_ids)
+            completion.token_versions = [
+                self._version_at(start + every * (i + 1)) for i in range(len(completion.token_ids))
+            ]
+        return completion
+
+    def _version_at(self, moment: float) -> int | None:
+        return next((version for when, version in reversed(self.loads) if when <= moment), None)
 
     async def update_weights(self, state_dict: Any) -> None:
         pass  # a simulated model has no weights: the sync still travels through the object store and the gate
+
+    async def update_weights_in_flight(self, state_dict: Any, version: int) -> None:
+        self.loads.append((time.perf_counter(), version))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,65 +245,81 @@ class _SimulatedEngines:
         return SimulatedEngine(self.batch)
 
 
-async def _simulated(results: dict[str, Any], etas: list[int], shares: list[float], batch: int) -> None:
+async def _simulated(
+    results: dict[str, Any], etas: list[int], shares: list[float], batch: int, in_flight: bool
+) -> None:
     import torch
 
     from agents.train import TaskOrder, _PipelinedSteps
 
     agentenv.register("async-bench/long-tail-v0", LongTail)
     steps = _run_steps(etas, SIM_MEASURED)
-    config = resolve(
-        values={
-            "algo": "grpo",
-            "env": "async-bench/long-tail",
-            "model": DEFAULT_MODEL,
-            "steps": steps,
-            "prompts_per_step": SIM_PROMPTS_PER_STEP,
-        },
-        assignments=[f"sampling.max_new_tokens={SIM_TOKENS}", "rollout.max_response_tokens=4096", "strategy.n=4"],
-    )
-    parts = build(config)
     ensure_ray("local", processes=SIM_WORKERS)
-    spec = WorkerSpec(
-        config,
-        agentenv.spec(config.env),
-        parts.learner.strategy,
-        parts.tree,
-        engine=_SimulatedEngines(batch),
-    )
-    pool = RolloutPool(spec, SIM_WORKERS, cpus=cpu_share(SIM_WORKERS), restarts=0)
     weights = {"w": torch.zeros(4)}
-    try:
-        start = time.perf_counter()
-        await pool.rollout(list(range(SIM_PROMPTS_PER_STEP)), 0)  # warm-up, and a synchronous rollout's duration
-        rollout_s = time.perf_counter() - start
-        settings: list[dict[str, Any]] = []
-        for share in shares:
-            update_s = share * rollout_s
-            rows = {}
-            for eta in etas:
-                config.max_staleness = eta
-                pipeline = _PipelinedSteps(config, parts, pool, TaskOrder(None, holdout=0, seed=0), False, ahead=eta)
-                history = []
-                for step in range(1, steps + 1):
-                    _, metrics, _ = await pipeline.batch(step)
-                    await asyncio.sleep(update_s)  # the trainer's update
-                    await pool.update_weights(weights)
-                    pipeline.trained(step)
-                    history.append(metrics)
-                await pipeline.close()
-                rows[eta] = _timing(history, SIM_MEASURED, fill=max(etas))
-                print(f"  update {share:g} x rollout, η={eta}: {rows[eta]['steps_per_hour']:.0f} steps/h", flush=True)
-            base = rows[etas[0]]["steps_per_hour"]
-            for row in rows.values():
-                row["ratio"] = row["steps_per_hour"] / base
-            settings.append({"update_share": share, "update_s": update_s, "rows": rows})
-    finally:
-        await pool.close()
+    runs = _runs(etas, in_flight)
+    rows: dict[float, dict[str, Any]] = {share: {} for share in shares}
+    rollout_s = None
+    for loads_in_flight in dict.fromkeys(loads for _, _, loads in runs):  # one pool of workers per kind of load
+        config = resolve(
+            values={
+                "algo": "grpo",
+                "env": "async-bench/long-tail",
+                "model": DEFAULT_MODEL,
+                "steps": steps,
+                "prompts_per_step": SIM_PROMPTS_PER_STEP,
+            },
+            assignments=[
+                f"sampling.max_new_tokens={SIM_TOKENS}",
+                "rollout.max_response_tokens=4096",
+                "strategy.n=4",
+                f"cluster.rollout_workers={SIM_WORKERS}",
+                f"cluster.in_flight_updates={str(loads_in_flight).lower()}",
+            ],
+        )
+        parts = build(config)
+        spec = WorkerSpec(
+            config, agentenv.spec(config.env), parts.learner.strategy, parts.tree, engine=_SimulatedEngines(batch)
+        )
+        pool = RolloutPool(spec, SIM_WORKERS, cpus=cpu_share(SIM_WORKERS), restarts=0)
+        try:
+            if rollout_s is None:
+                start = time.perf_counter()
+                await pool.rollout(
+                    list(range(SIM_PROMPTS_PER_STEP)), 0
+                )  # warm-up, and a synchronous rollout's duration
+                rollout_s = time.perf_counter() - start
+            for share in shares:
+                for label, eta, loads in runs:
+                    if loads != loads_in_flight:
+                        continue
+                    config.max_staleness = eta
+                    order = TaskOrder(None, holdout=0, seed=0)
+                    pipeline = _PipelinedSteps(config, parts, pool, order, False, ahead=eta)
+                    history = []
+                    for step in range(1, steps + 1):
+                        _, metrics, _ = await pipeline.batch(step)
+                        await asyncio.sleep(share * rollout_s)  # the trainer's update
+                        await pool.update_weights(weights)
+                        pipeline.trained(step)
+                        history.append(metrics)
+                    await pipeline.close()
+                    row = rows[share][label] = _timing(history, SIM_MEASURED, fill=max(etas))
+                    print(f"  update {share:g} x rollout, η={label}: {row['steps_per_hour']:.0f} steps/h", flush=True)
+        finally:
+            await pool.close()
+    assert rollout_s is not None
+    settings: list[dict[str, Any]] = []
+    for share in shares:
+        base = rows[share][str(etas[0])]["steps_per_hour"]
+        for row in rows[share].values():
+            row["ratio"] = row["steps_per_hour"] / base
+        ordered = {label: rows[share][label] for label, _, _ in runs}
+        settings.append({"update_share": share, "update_s": share * rollout_s, "rows": ordered})
     results["simulated"] = {
         "settings": settings,
         "workers": SIM_WORKERS,
         "engine_batch": batch,
+        "in_flight": in_flight,
         "steps": steps,
         "measured": SIM_MEASURED,
         "prompts_per_step": SIM_PROMPTS_PER_STEP,
@@ -279,7 +333,17 @@ async def _simulated(results: dict[str, Any], etas: list[int], shares: list[floa
             f"{SIM_MAX_TURNS} {SIM_TOKENS * SIM_TOKEN_LATENCY_S:.0f}-s turns a step, {batch} requests an engine at once "
             f"(a synchronous rollout "
             f"{rollout_s:.1f} s), steps {max(etas) + 2}-{max(etas) + SIM_MEASURED + 1} of {steps}",
-            ["update s", "η", "steps/h", f"× η={etas[0]}", "engine idle", "trainer idle", "staleness", "dropped"],
+            [
+                "update s",
+                "η",
+                "steps/h",
+                f"× η={etas[0]}",
+                "engine idle",
+                "worker idle",
+                "trainer idle",
+                "staleness",
+                "dropped",
+            ],
             [
                 [
                     setting["update_s"],
@@ -287,6 +351,7 @@ async def _simulated(results: dict[str, Any], etas: list[int], shares: list[floa
                     r["steps_per_hour"],
                     r["ratio"],
                     r["engine_idle"],
+                    r["worker_idle"],
                     r["trainer_idle"],
                     r["staleness_mean"],
                     int(r["trees_dropped"]),
@@ -309,6 +374,9 @@ def main() -> None:
     parser.add_argument(
         "--engine-batch", type=int, default=SIM_BATCH, help="(b): requests a simulated engine runs at once"
     )
+    parser.add_argument(
+        "--in-flight", action="store_true", help="also run each η >= 1 with cluster.in_flight_updates (label η+)"
+    )
     args = parser.parse_args()
     parts = args.parts.split(",")
     etas = [int(value) for value in args.etas.split(",")]
@@ -316,9 +384,9 @@ def main() -> None:
     start = time.perf_counter()
     if "simulated" in parts:
         shares = [float(value) for value in args.update_shares.split(",")]
-        asyncio.run(_simulated(results, etas, shares, args.engine_batch))
+        asyncio.run(_simulated(results, etas, shares, args.engine_batch, args.in_flight))
     if "real" in parts:
-        asyncio.run(_real(results, etas))
+        asyncio.run(_real(results, etas, args.in_flight))
     results["seconds"] = time.perf_counter() - start
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

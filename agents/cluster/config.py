@@ -31,6 +31,11 @@ class ClusterConfig:
         worker_restarts: How often Ray restarts a worker whose process died (its prompts of the
             running step go to the other workers meanwhile).
         sync_bucket_mb: Size of one bucket of the weight sync through Ray's object store.
+        in_flight_updates: A sync lands between two decode steps of the requests in flight, which
+            go on with the new weights (each token records the version that sampled it), instead
+            of holding new requests until those in flight finish on the old weights. For
+            ``max_staleness`` ≥ 1, where syncs land during rollouts; HFEngine workers (vLLM's
+            engines do not report which weights sampled a token). Off by default.
     """
 
     trainer_ranks: int = 1
@@ -41,6 +46,7 @@ class ClusterConfig:
     worker_engine: str | None = None
     worker_restarts: int = 1
     sync_bucket_mb: int = 256
+    in_flight_updates: bool = False
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -57,6 +63,13 @@ class ClusterConfig:
             raise ValueError(f"cluster.placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         if not isinstance(self.address, str) or not self.address:
             raise ValueError(f"cluster.address must be 'local', 'auto' or a Ray address, got {self.address!r}")
+        if not isinstance(self.in_flight_updates, bool):
+            raise ValueError(f"cluster.in_flight_updates must be true or false, got {self.in_flight_updates!r}")
+        if self.in_flight_updates and not self.rollout_workers:
+            raise ValueError(
+                "cluster.in_flight_updates=true changes the weights of rollout workers' engines; "
+                "it needs cluster.rollout_workers >= 1"
+            )
         if self.worker_engine not in (None, "hf", "vllm"):
             raise ValueError(f"cluster.worker_engine must be 'hf', 'vllm' or None, got {self.worker_engine!r}")
 

@@ -20,8 +20,10 @@ Weights change between requests: each worker's engine sits behind a :class:`Vers
 lets a weight load start only once no generation is in flight (new ones wait meanwhile) and
 stamps every completion with the version of the weights that sampled it, so that every turn of a
 tree records its tokens' version (:attr:`agents.rollout.tree.Node.version`). Versions count the
-syncs (0: the weights a worker started with; a resumed run goes on from its step). A request in flight when an update
-arrives finishes on the old weights; continuing it on the new ones is not implemented.
+syncs (0: the weights a worker started with; a resumed run goes on from its step). With
+``cluster.in_flight_updates`` (HFEngine workers), a load instead lands between two decode steps
+while requests go on, and each token records the version that sampled it
+(:attr:`~agents.rollout.tree.Node.token_versions`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 
 import agentenv
 from agentenv.registration import EnvSpec
+from agents.cluster.config import ClusterConfig
 from agents.cluster.runtime import import_ray, require_resources
 from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
 from agents.engines.base import Completion, Engine, SamplingParams
@@ -47,13 +50,46 @@ from agents.rollout.tree_loop import TreeConfig, planned_branches, rollout_trees
 __all__ = ["RolloutPool", "RolloutWorker", "VersionGate", "WorkerSpec"]
 
 
-class VersionGate(Engine):
-    """An engine whose weights change only between requests, with each completion stamped by version.
+@dataclass
+class BusyClock:
+    """What is in flight, and the seconds in which at least one thing was."""
 
-    :meth:`generate` waits while an update is pending, counts as in flight while the engine
-    generates, and stamps its :class:`~agents.engines.Completion` with the version it ran under
-    (``weights_version``). :meth:`updating` marks an update pending, waits until no request is
-    in flight, and yields; the new ``version`` holds from when the block ends. Everything else
+    count: int = 0
+    seconds: float = 0.0  # busy seconds until ``since``
+    since: float | None = None  # when the count last left 0
+
+    def enter(self) -> None:
+        if self.count == 0:
+            self.since = time.perf_counter()
+        self.count += 1
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0 and self.since is not None:
+            self.seconds += time.perf_counter() - self.since
+            self.since = None
+
+    def busy(self, now: float) -> float:
+        """Busy seconds until ``now`` (a ``time.perf_counter()`` reading)."""
+        return self.seconds + (now - self.since if self.since is not None else 0.0)
+
+
+class VersionGate(Engine):
+    """An engine whose completions are stamped with the version of the weights that sampled them.
+
+    By default weights change only between requests: :meth:`generate` waits while an update is
+    pending, counts as in flight while the engine generates, and stamps its
+    :class:`~agents.engines.Completion` with the version it ran under (``weights_version``);
+    :meth:`updating` marks an update pending, waits until no request is in flight, and yields;
+    the new ``version`` holds from when the block ends.
+
+    With ``inflight_updates`` (an engine with ``supports_inflight_updates``), :meth:`load_in_flight`
+    changes the weights between two decode steps while requests go on; a completion then carries
+    its tokens' versions (``token_versions``) and ``weights_version`` is its oldest token's, the
+    one the bound on staleness counts.
+
+    :attr:`clock` counts the seconds the engine had at least one request in flight (the rest is
+    its idle time: tool calls, waits for work, drains before a load). Everything else
     (``vocab_size``, ``model``, ``sleep``, ``close``, …) is the engine's own.
 
     Example::
@@ -62,12 +98,23 @@ class VersionGate(Engine):
             await gate.engine.update_weights(state_dict)
     """
 
-    def __init__(self, engine: Engine, version: int = 0) -> None:
-        self.engine, self.version = engine, version
-        self.in_flight = 0
+    def __init__(self, engine: Engine, version: int = 0, *, inflight_updates: bool = False) -> None:
+        if inflight_updates and not engine.supports_inflight_updates:
+            raise ValueError(
+                f"cluster.in_flight_updates=true needs an engine that loads weights while requests are in flight, "
+                f"and {type(engine).__name__} cannot (supports_inflight_updates is False): use HFEngine workers "
+                "(cluster.worker_engine=hf) or cluster.in_flight_updates=false"
+            )
+        self.engine, self.version, self.inflight_updates = engine, version, inflight_updates
+        self.clock = BusyClock()
         self._pending = 0
         self._changed = asyncio.Condition()
         self._one_update = asyncio.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in the engine now."""
+        return self.clock.count
 
     @property
     def supports_entropy(self) -> bool:  # type: ignore[override]
@@ -84,15 +131,21 @@ class VersionGate(Engine):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         async with self._changed:
-            await self._changed.wait_for(lambda: not self._pending)
-            self.in_flight += 1
+            if not self.inflight_updates:
+                await self._changed.wait_for(lambda: not self._pending)
+            self.clock.enter()
             version = self.version
         try:
             completion = await self.engine.generate(prompt_ids, params)
         finally:
             async with self._changed:
-                self.in_flight -= 1
+                self.clock.leave()
                 self._changed.notify_all()
+        if self.inflight_updates:
+            # None: sampled before the engine's first in-flight load, under the version it started with
+            tokens = completion.token_versions or [None] * len(completion.token_ids)
+            resolved = [version if v is None else v for v in tokens]
+            completion.token_versions, version = list(resolved), min(resolved)
         completion.weights_version = version
         return completion
 
@@ -116,8 +169,17 @@ class VersionGate(Engine):
                     self._pending -= 1
                     self._changed.notify_all()
 
+    async def load_in_flight(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Load the whole ``state_dict`` as ``version`` between two decode steps; requests in flight go on."""
+        async with self._one_update:
+            await self.engine.update_weights_in_flight(state_dict, version)
+            self.version = version
+
     async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
-        """Load ``state_dict`` between requests as version ``self.version + 1``."""
+        """Load ``state_dict`` as version ``self.version + 1``: between requests, or in flight."""
+        if self.inflight_updates:
+            await self.load_in_flight(state_dict, self.version + 1)
+            return
         async with self.updating(self.version + 1):
             await self.engine.update_weights(state_dict)
 
@@ -182,12 +244,19 @@ class RolloutWorker:
             from agents.train import make_engine
 
             engine = make_engine(spec.config, build(spec.config), None, log=lambda note: None)
-        self.engine = VersionGate(engine)
+        cluster = ClusterConfig.from_dict(spec.config.cluster)
+        self.engine = VersionGate(engine, inflight_updates=cluster.in_flight_updates)
         if "torch" in sys.modules:  # the engine computes with torch: its threads are this worker's share of the cores
             sys.modules["torch"].set_num_threads(spec.threads)
         self.tokenizer = load_tokenizer(spec.config.model)
         self.env = TokenEnv(agentenv.make(spec.config.env, **spec.config.env_kwargs), self.tokenizer)
         self.weights_version = 0
+        self.started = time.perf_counter()
+
+    def engine_busy(self) -> tuple[float, float]:
+        """Seconds since the engine was built, and those it had a request in flight (its idle time is the rest)."""
+        now = time.perf_counter()
+        return now - self.started, self.engine.clock.busy(now)
 
     def ready(self) -> dict[str, Any]:
         """Where the worker runs (returned once it has loaded its engine)."""
@@ -222,9 +291,15 @@ class RolloutWorker:
         Returns the seconds it took.
         """
         start = time.perf_counter()
-        async with self.engine.updating(version):  # between requests: those in flight finish first
+        if self.engine.inflight_updates:  # all buckets at once: a decode step never sees half the new weights
+            state_dict: dict[str, Any] = {}
             for ref in refs:
-                await self.engine.engine.update_weights(await ref)
+                state_dict.update(await ref)
+            await self.engine.load_in_flight(state_dict, version)
+        else:
+            async with self.engine.updating(version):  # between requests: those in flight finish first
+                for ref in refs:
+                    await self.engine.engine.update_weights(await ref)
         self.weights_version = version
         return time.perf_counter() - start
 
@@ -263,25 +338,9 @@ class RolloutWorker:
 class _Worker:
     handle: Any
     rank: int
-    in_flight: int = 0
     live: bool = True
     reviving: asyncio.Task | None = field(default=None, repr=False)
-    busy_s: float = 0.0  # seconds with at least one prompt (or an evaluation) in flight, until busy_from
-    busy_from: float | None = None
-
-    def take(self) -> None:
-        if self.in_flight == 0:
-            self.busy_from = time.perf_counter()
-        self.in_flight += 1
-
-    def give_back(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0 and self.busy_from is not None:
-            self.busy_s += time.perf_counter() - self.busy_from
-            self.busy_from = None
-
-    def busy(self, now: float) -> float:
-        return self.busy_s + (now - self.busy_from if self.busy_from is not None else 0.0)
+    prompts: BusyClock = field(default_factory=BusyClock)  # prompts (or an evaluation) in flight on it
 
 
 class RolloutPool:
@@ -336,6 +395,8 @@ class RolloutPool:
         self.reruns = 0  # prompts run again after their worker died, so far
         self._rollout_marks = (0, 0)  # failures and reruns when the last rollout began
         self._started = time.perf_counter()
+        self._engine_readings: dict[int, tuple[float, float]] = {}  # each worker's last engine_busy()
+        self._engine_idle = {worker.rank: 0.0 for worker in self.workers}
 
     @property
     def engine(self) -> RolloutPool:
@@ -360,9 +421,9 @@ class RolloutPool:
         running: dict[asyncio.Future, tuple[_Worker, int, int]] = {}
         while pending or running:
             while pending and any(worker.live for worker in self.workers):
-                worker = min((w for w in self.workers if w.live), key=lambda w: (w.in_flight, w.rank))
+                worker = min((w for w in self.workers if w.live), key=lambda w: (w.prompts.count, w.rank))
                 index, task = pending.pop(0)
-                worker.take()
+                worker.prompts.enter()
                 ref = worker.handle.rollout.remote(index, task, seed)
                 running[asyncio.ensure_future(_awaited(ref))] = (worker, index, task)
             revivals = [w.reviving for w in self.workers if w.reviving is not None]
@@ -376,7 +437,7 @@ class RolloutPool:
                 if future not in running:
                     continue  # a revival finished: the loop hands that worker work again
                 worker, index, task = running.pop(future)
-                worker.give_back()
+                worker.prompts.leave()
                 try:
                     results[index] = future.result()
                     if on_branches is not None:
@@ -399,13 +460,36 @@ class RolloutPool:
         }
 
     def idle_seconds(self) -> float:
-        """Seconds since the pool started in which a worker had nothing in flight, averaged over the workers.
+        """Seconds since the pool started in which a worker held no prompt, averaged over the workers.
 
         A worker is busy while it holds at least one prompt (or an evaluation); the difference of two
-        readings is the engines' idle time between them (what ``time/engine_idle_s`` reports).
+        readings is the workers' idle time between them (what ``time/worker_idle_s`` reports).
         """
         now = time.perf_counter()
-        return sum(now - self._started - worker.busy(now) for worker in self.workers) / len(self.workers)
+        return sum(now - self._started - worker.prompts.busy(now) for worker in self.workers) / len(self.workers)
+
+    async def engine_idle_seconds(self) -> float:
+        """Seconds in which a worker's engine had no request in flight, averaged over the workers.
+
+        Finer than :meth:`idle_seconds`: an engine also idles while its worker holds prompts whose
+        episodes are calling tools, and while a load waits for the requests in flight to finish.
+        Counted from each worker's start (a restarted worker's count starts again); the difference
+        of two readings is the engines' idle time between them (what ``time/engine_idle_s`` reports).
+        """
+        live = [worker for worker in self.workers if worker.live]
+        readings = await asyncio.gather(
+            *(_awaited(worker.handle.engine_busy.remote()) for worker in live), return_exceptions=True
+        )
+        for worker, reading in zip(live, readings):
+            if isinstance(reading, BaseException):
+                continue  # a dead worker adds nothing; the next rollout notices and revives it
+            elapsed, busy = reading
+            last_elapsed, last_busy = self._engine_readings.get(worker.rank, (0.0, 0.0))
+            if elapsed < last_elapsed:  # its process restarted: its clocks began again
+                last_elapsed = last_busy = 0.0
+            self._engine_idle[worker.rank] += (elapsed - busy) - (last_elapsed - last_busy)
+            self._engine_readings[worker.rank] = (elapsed, busy)
+        return sum(self._engine_idle.values()) / len(self.workers)
 
     def _lost(self, worker: _Worker, error: BaseException) -> None:
         """A worker's process died: stop giving it work and bring it back with the current weights."""
@@ -478,11 +562,11 @@ class RolloutPool:
     async def evaluate(self, kwargs: Mapping[str, Any]) -> Any:
         """The held-out evaluation on the first live worker (no progress bar: it has no terminal)."""
         worker = next(worker for worker in self.workers if worker.live)
-        worker.take()
+        worker.prompts.enter()
         try:
             return await _awaited(worker.handle.evaluate.remote({**kwargs, "progress": False}))
         finally:
-            worker.give_back()
+            worker.prompts.leave()
 
     def pids(self) -> list[int]:
         """The workers' process ids (what a test kills)."""

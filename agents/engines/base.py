@@ -108,7 +108,11 @@ class Completion:
     ``stop_reason`` is the matched stop string or stop token id (``None`` for ``"length"`` and
     ``"eos"``); ``stop_overshoot`` the text the last token carries beyond a matched stop string.
     ``weights_version`` is the version of the weights that sampled it, where a rollout worker's
-    gate stamps it (:class:`agents.cluster.rollout_workers.VersionGate`; ``None`` elsewhere).
+    gate stamps it (:class:`agents.cluster.rollout_workers.VersionGate`; ``None`` elsewhere): the
+    oldest token's when the weights changed while it was generated. ``token_versions[i]`` is the
+    version that sampled ``token_ids[i]``, from an engine that loaded weights in flight
+    (:meth:`Engine.update_weights_in_flight`; ``None`` for a token sampled before its first such
+    load, and for the whole list elsewhere).
     """
 
     token_ids: list[int]
@@ -119,11 +123,12 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     entropies: list[float] | None = None
     weights_version: int | None = None
+    token_versions: list[int | None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens")
-        for name in ("top_logprobs", "entropies"):
+        for name in ("top_logprobs", "entropies", "token_versions"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.token_ids):
                 raise ValueError(f"{len(values)} {name} for {len(self.token_ids)} tokens")
@@ -137,6 +142,9 @@ class Engine(abc.ABC):
     #: Whether :meth:`sleep` releases the engine's accelerator memory (vLLM on a GPU). A trainer
     #: on the same device puts such an engine to sleep while it updates.
     supports_sleep: bool = False
+    #: Whether :meth:`update_weights_in_flight` is supported: weights change between two decode
+    #: steps while requests go on, and each sampled token records its version.
+    supports_inflight_updates: bool = False
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
@@ -157,6 +165,21 @@ class Engine(abc.ABC):
         Engines that cannot change their weights (a remote server) raise ``TypeError``.
         """
         raise TypeError(f"{type(self).__name__} cannot load weights from a trainer")
+
+    async def update_weights_in_flight(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights between two decode steps, without waiting for the requests in flight.
+
+        The whole ``state_dict`` changes at once; requests in flight go on with the new weights
+        (their earlier tokens' KV stays as the old weights computed it, as PipelineRL does), and
+        every token sampled from the new weights' logits has ``version`` in
+        :attr:`Completion.token_versions`. Its log-prob is the sampling distribution's, so it
+        is the behaviour policy of the decoupled objective. Engines without
+        ``supports_inflight_updates`` raise ``TypeError``.
+        """
+        raise TypeError(
+            f"{type(self).__name__} cannot change its weights while requests are in flight "
+            "(supports_inflight_updates is False); load them between requests with update_weights"
+        )
 
     async def sleep(self, level: int = 1) -> None:
         """Release accelerator memory until :meth:`wake_up`: the KV cache, and the weights (level 1

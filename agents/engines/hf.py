@@ -18,6 +18,11 @@ not hold yet (the n chains of one prompt, a tree's first turns) compute it once:
 them is prefilled alone, its KV cached, and the others reuse it. Any change of the weights (an optimiser step on a shared model,
 ``update_weights``) empties the cache, since the KV was computed with the old ones.
 
+``update_weights_in_flight`` changes the weights between two decode steps while rows go on
+decoding: their next tokens come from the new weights (on the KV the old ones computed), and each
+token records the version that sampled it. A row whose KV predates the load is not offered to the
+prefix cache.
+
 On CPU the engine switches a model that uses ``sdpa`` attention to :data:`CPU_GQA_ATTENTION`:
 the same function, except that under no-grad it lets torch's kernel read the shared KV heads of
 grouped-query attention instead of copying them per query head (identical results; see
@@ -86,6 +91,9 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)  # each token's weights (update_weights_in_flight)
+    next_version: int | None = None  # the weights of the logits that give its next token
+    loads_at_prefill: int = 0  # in-flight loads before its prefill: its KV is older if more came since
 
 
 @dataclass
@@ -200,6 +208,8 @@ class HFEngine(Engine):
         self.stats = BatchStats()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._weights_version = -1
+        self._inflight_version: int | None = None  # the last update_weights_in_flight's version
+        self._inflight_loads = 0
         self._generator = torch.Generator(device=model.device)
         if seed is None:
             self._generator.seed()
@@ -227,16 +237,27 @@ class HFEngine(Engine):
         # Cancelling this coroutine cancels the future; the worker drops the row at its next step.
         return await asyncio.wrap_future(request.future)
 
+    supports_inflight_updates = True
+
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy ``state_dict`` into the model between forward passes (a partial dict is fine)."""
+        await asyncio.to_thread(self._load, state_dict, None)
 
-        def load() -> None:
-            with self.forward_lock, torch.no_grad():
-                result = self.model.load_state_dict(dict(state_dict), strict=False)
-            if result.unexpected_keys:
-                raise KeyError(f"weights the model does not have: {result.unexpected_keys[:5]}")
+    async def update_weights_in_flight(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``state_dict`` into the model between two decode steps; rows in flight go on with it.
 
-        await asyncio.to_thread(load)
+        Tokens sampled from then on have ``version`` in :attr:`Completion.token_versions`.
+        """
+        await asyncio.to_thread(self._load, state_dict, version)
+
+    def _load(self, state_dict: Mapping[str, torch.Tensor], version: int | None) -> None:
+        with self.forward_lock, torch.no_grad():
+            result = self.model.load_state_dict(dict(state_dict), strict=False)
+            if version is not None:
+                self._inflight_version = version
+                self._inflight_loads += 1
+        if result.unexpected_keys:
+            raise KeyError(f"weights the model does not have: {result.unexpected_keys[:5]}")
 
     async def close(self) -> None:
         self._closed = True
@@ -320,6 +341,8 @@ class HFEngine(Engine):
             cache = SlotCache(len(sequences[0]), self.max_batch_size, device=logits.device, dtype=self.compute_dtype)
             batch = _Batch([], cache, logits[:0])
         batch.cache.add_rows(sequences)
+        for request in requests:
+            request.next_version, request.loads_at_prefill = self._inflight_version, self._inflight_loads
         batch.requests += requests
         batch.logits = torch.cat([batch.logits, logits])
         return batch
@@ -395,15 +418,17 @@ class HFEngine(Engine):
             token = int(sampled.token_ids[row])
             request.token_ids.append(token)
             request.logprobs.append(float(sampled.logprobs[row]))
+            request.versions.append(request.next_version)
             if request.params.logprobs_topk:
                 request.top_logprobs.append(sampled.top_logprobs[row][: request.params.logprobs_topk])
             if request.params.return_entropy:
                 assert sampled.entropies is not None  # computed when any row asks for them
                 request.entropies.append(float(sampled.entropies[row]))
             completion = self._finish(request, token, int(batch.cache.lengths[row]) + 1)
-            if completion is not None:
+            if completion is not None and request.loads_at_prefill == self._inflight_loads:
                 # The cache holds the prompt and every sampled token but this last one.
                 self.prefix_cache.add(request.prompt + request.token_ids[:-1], batch.cache.row(row))
+            if completion is not None:
                 _settle(request.future, result=completion)
             if completion is not None or request.future.cancelled():
                 leaving.append(row)
@@ -425,6 +450,8 @@ class HFEngine(Engine):
         )
         batch.cache.advance()
         batch.logits = output.logits[:, -1].float()
+        for request in batch.requests:
+            request.next_version = self._inflight_version
         self.stats.decode_seconds += time.perf_counter() - start
         self.stats.decode_passes += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch.requests))
@@ -461,6 +488,8 @@ class HFEngine(Engine):
             stop_overshoot=overshoot,
             top_logprobs=request.top_logprobs if params.logprobs_topk else None,
             entropies=request.entropies if params.return_entropy else None,
+            # versions go from None (before the first in-flight load) to ints, never back
+            token_versions=request.versions if request.versions[-1] is not None else None,
         )
 
 

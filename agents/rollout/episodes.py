@@ -164,6 +164,8 @@ class TurnRecord:
         info: The env's step info (tool used, parse error, grade on the last turn).
         weights_version: The version of the weights that sampled the action
             (:attr:`agents.engines.Completion.weights_version`; ``None`` when the engine does not say).
+        token_versions: Each action token's version where the weights changed during the action
+            (a load in flight); ``None`` when every token has ``weights_version``.
     """
 
     action_ids: list[int]
@@ -179,6 +181,7 @@ class TurnRecord:
     state: TokenEnv | None = None
     info: dict[str, Any] = field(default_factory=dict)
     weights_version: int | None = None
+    token_versions: list[int] | None = None
 
 
 @dataclass
@@ -486,12 +489,20 @@ async def take_turn(
         state=state,
         info=step_info,
         weights_version=completion.weights_version,
+        token_versions=_changed_versions(completion.token_versions),
     )
     if terminated or truncated:
         return turn, "terminated" if terminated else "truncated"
     if left - len(obs_ids) < 1:  # the path ends once left − |obs| < 1 (docs/algorithms.md "Token budgets")
         return turn, "budget"
     return turn, None
+
+
+def _changed_versions(versions: list[int | None] | None) -> list[int] | None:
+    """The tokens' versions when they differ within the completion, else ``None`` (one version for all)."""
+    if versions is None or None in versions or len(set(versions)) == 1:
+        return None  # None in it: a load in flight on an engine without a gate to say the first version
+    return versions  # type: ignore[return-value]  # no None left
 
 
 def _check_completion(completion: Completion, params: SamplingParams) -> None:

@@ -67,7 +67,11 @@ class Node:
         info: free JSON-serialisable metadata (tool names, finish reason, ...).
         version: the version of the weights that sampled this turn's action (its tokens'
             version: a rollout worker's count of weight syncs, 0 for the weights it started
-            with); ``None`` when the engine does not say (the root, an engine in the driver).
+            with); ``None`` when the engine does not say (the root, an engine in the driver). When
+            the weights changed while the action was sampled (``cluster.in_flight_updates``), the
+            oldest token's, and ``token_versions`` gives each token's.
+        token_versions: the version of each action token where they differ within the turn;
+            ``None`` when every token has ``version``.
         children: the next turns, one per branch, in creation order.
     """
 
@@ -84,6 +88,7 @@ class Node:
     advantage: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
     version: int | None = None
+    token_versions: list[int] | None = None
     children: list[Node] = field(default_factory=list)
 
     @property
@@ -226,6 +231,7 @@ class RolloutTree:
         reward: float | None = None,
         info: dict[str, Any] | None = None,
         version: int | None = None,
+        token_versions: Sequence[int] | None = None,
     ) -> Node:
         """Append a turn under ``parent`` and return it.
 
@@ -242,13 +248,15 @@ class RolloutTree:
             reward: the episode's reward, for a terminal turn.
             info: free JSON-serialisable metadata.
             version: the version of the weights that sampled the action (see :attr:`Node.version`).
+            token_versions: each action token's version, where they differ (see
+                :attr:`Node.token_versions`); ``version`` is then the oldest of them.
         """
         if self._nodes.get(parent.id) is not parent:
             raise ValueError(f"parent node {parent.id} is not in this tree (pruned, or from another tree)")
         node = _new_node(
             self._next_id, parent, obs_ids, action_ids, logprobs, token_entropies, env, terminal, reward, info
         )
-        node.version = _version(version)
+        _set_versions(node, version, token_versions)
         self._link(node)
         return node
 
@@ -358,6 +366,7 @@ class RolloutTree:
                     "advantage": node.advantage,
                     "info": node.info,
                     "version": node.version,
+                    "token_versions": node.token_versions,
                 }
                 for node in sorted(nodes, key=lambda node: node.id)
             ],
@@ -400,7 +409,8 @@ class RolloutTree:
                 record["info"],
             )
             node.value, node.advantage = record["value"], record["advantage"]
-            node.version = _version(record.get("version"))  # trees saved before versions were recorded have none
+            # trees saved before versions were recorded have none
+            _set_versions(node, record.get("version"), record.get("token_versions"))
             tree._link(node)
         return tree
 
@@ -489,10 +499,26 @@ def _new_node(
     return node
 
 
-def _version(value: Any) -> int | None:
+def _version(value: Any, name: str = "version") -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"version must be a non-negative int or None, got {value!r}")
+        raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
     return value
+
+
+def _set_versions(node: Node, version: Any, token_versions: Sequence[int] | None) -> None:
+    node.version = _version(version)
+    if token_versions is None:
+        return
+    versions = [_version(v, f"token_versions[{i}]") for i, v in enumerate(token_versions)]
+    if len(versions) != len(node.action_ids) or None in versions:
+        raise ValueError(
+            f"token_versions must give one version (an int) per action token: {len(node.action_ids)} tokens, "
+            f"got {token_versions!r}"
+        )
+    oldest = min(versions)  # type: ignore[type-var]  # no None left
+    if node.version is not None and node.version != oldest:
+        raise ValueError(f"version {node.version} is not the oldest of token_versions ({oldest}); give the oldest")
+    node.version, node.token_versions = oldest, versions  # type: ignore[assignment]
 
 
 def _token_ids(name: str, values: Sequence[int]) -> list[int]:

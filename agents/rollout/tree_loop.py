@@ -470,6 +470,7 @@ class _PromptLoop:
             reward=branch.reward if ended else None,
             info=info,
             version=turn.weights_version,
+            token_versions=turn.token_versions,
         )
         if state is not None:
             self.kept.append(node)

@@ -312,6 +312,59 @@ async def test_next_turn_reuses_the_kv_of_the_last_and_gets_the_same_tokens(mode
         await uncached.close()
 
 
+@pytest.mark.slow
+async def test_weights_loaded_in_flight_reach_the_running_rows_and_each_token_records_its_version(
+    model, tokenizer, prompts
+):
+    engine = HFEngine(model=model, tokenizer=tokenizer)
+    fresh = HFEngine(model=model, tokenizer=tokenizer, prefix_cache_tokens=0)
+    name = "model.layers.0.mlp.down_proj.weight"
+    original = model.state_dict()[name].clone()
+    story = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a long story about a cat."}], add_generation_prompt=True, return_dict=False
+    )
+    params = greedy(24)
+    try:
+        alone = await engine.generate(story, params)
+        assert alone.token_versions is None and len(alone.token_ids) == 24  # no load in flight yet: no versions
+        passes = engine.stats.decode_passes
+        running = asyncio.create_task(engine.generate(story, params))
+        while engine.stats.decode_passes < passes + 6:
+            await asyncio.sleep(0.001)
+        await engine.update_weights_in_flight({name: 0.5 * original}, version=1)
+        other = await engine.generate(prompts[1], greedy(2))  # prefilled on the new weights while the first runs
+        done = await running
+        assert other.token_versions == [1] * len(other.token_ids)
+        switch = done.token_versions.index(1)
+        assert 6 <= switch < 24 and done.token_versions == [None] * switch + [1] * (24 - switch)
+        assert done.token_ids[:switch] == alone.token_ids[:switch]
+        assert done.logprobs[:switch] == pytest.approx(alone.logprobs[:switch], abs=1e-5)
+        # Its KV, partly the old weights', was not cached: its next turn is what a fresh engine computes.
+        next_turn = story + done.token_ids + tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
+        again, reference = await engine.generate(next_turn, greedy(4)), await fresh.generate(next_turn, greedy(4))
+        assert again.token_ids == reference.token_ids
+        assert again.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+        # The first new token: the new weights over the KV the old ones computed for the tokens before it.
+        context = torch.tensor([story + done.token_ids[: switch - 1]])
+        with torch.no_grad():
+            model.load_state_dict({name: original}, strict=False)
+            cache = model(input_ids=context, use_cache=True).past_key_values
+            model.load_state_dict({name: 0.5 * original}, strict=False)
+            last = torch.tensor([[done.token_ids[switch - 1]]])
+            logits = model(input_ids=last, past_key_values=cache, use_cache=True).logits[0, -1]
+        expected = torch.log_softmax(logits.float(), -1)[done.token_ids[switch]].item()
+        assert done.logprobs[switch] == pytest.approx(expected, abs=1e-4)
+        assert (
+            abs(done.logprobs[switch] - alone.logprobs[switch]) > 1e-3
+            or done.token_ids[switch] != alone.token_ids[switch]
+        )
+    finally:
+        with torch.no_grad():
+            model.load_state_dict({name: original}, strict=False)
+        await engine.close()
+        await fresh.close()
+
+
 # ---- the decode path's memory traffic: in-place KV appends, no copies of grouped KV heads -------
 
 

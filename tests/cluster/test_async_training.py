@@ -9,6 +9,7 @@ requests happen to batch (what makes η = 0 comparable bit for bit).
 import asyncio
 import math
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -95,6 +96,68 @@ async def test_an_update_cancelled_while_it_waits_lets_requests_through_again():
     assert (await held).weights_version == 0 and gate.version == 0
 
 
+class InFlightEngine(Engine):
+    """Samples two tokens, the first under the weights of when the request came, the second of when it is released."""
+
+    supports_inflight_updates = True
+
+    def __init__(self) -> None:
+        self.version: int | None = None  # None until the first load in flight
+        self.release, self.loaded = asyncio.Event(), []
+
+    async def generate(self, prompt_ids, params):
+        first = self.version
+        await self.release.wait()
+        return Completion([1, 2], [-0.5, -0.5], "length", token_versions=[first, self.version])
+
+    async def update_weights_in_flight(self, state_dict, version):
+        self.loaded.append(state_dict["v"])
+        self.version = version
+
+
+async def test_a_load_in_flight_waits_for_nothing_and_each_token_keeps_the_version_that_sampled_it():
+    engine = InFlightEngine()
+    gate = VersionGate(engine, version=3, inflight_updates=True)
+    params = SamplingParams(max_new_tokens=2)
+    first = [asyncio.create_task(gate.generate([1], params)) for _ in range(2)]
+    await ticks()
+    await gate.load_in_flight({"v": 7}, version=4)  # returns with both still in flight
+    assert gate.version == 4 and gate.in_flight == 2 and engine.loaded == [7]
+    late = asyncio.create_task(gate.generate([1], params))
+    await ticks()
+    assert gate.in_flight == 3  # a new request does not wait for anything either
+    engine.release.set()
+    done = [await task for task in first]
+    # the first token came before the engine's first load (None): the version the worker started with
+    assert [(c.token_versions, c.weights_version) for c in done] == [([3, 4], 3), ([3, 4], 3)]
+    assert ((await late).token_versions, (await late).weights_version) == ([4, 4], 4)
+    await gate.update_weights({"v": 8})  # the engine contract's update: in flight too, as the next version
+    assert gate.version == 5 and engine.loaded == [7, 8] and gate.in_flight == 0
+    assert gate.clock.count == 0 and gate.clock.since is None and gate.clock.seconds > 0
+
+
+async def test_an_engine_that_cannot_load_in_flight_is_refused_and_a_gate_counts_its_busy_seconds():
+    with pytest.raises(ValueError) as error:
+        VersionGate(HeldEngine(), inflight_updates=True)
+    assert str(error.value) == (
+        "cluster.in_flight_updates=true needs an engine that loads weights while requests are in flight, and "
+        "HeldEngine cannot (supports_inflight_updates is False): use HFEngine workers (cluster.worker_engine=hf) "
+        "or cluster.in_flight_updates=false"
+    )
+    with pytest.raises(TypeError, match="HeldEngine cannot change its weights while requests are in flight"):
+        await HeldEngine().update_weights_in_flight({}, 1)
+    engine = HeldEngine()
+    gate = VersionGate(engine)
+    held = asyncio.create_task(gate.generate([1], SamplingParams(max_new_tokens=1)))
+    await asyncio.sleep(0.05)
+    now = time.perf_counter()
+    assert gate.clock.count == 1 and 0.05 <= gate.clock.busy(now) < 1.0 and gate.clock.seconds == 0.0
+    engine.release.set()
+    await held
+    assert gate.clock.count == 0 and 0.05 <= gate.clock.seconds < 1.0
+    assert gate.clock.busy(time.perf_counter() + 10) == gate.clock.seconds  # idle time is not busy
+
+
 # -- the configuration ----------------------------------------------------------------------------
 
 
@@ -109,6 +172,23 @@ def test_max_staleness_is_an_int_at_least_0_and_needs_rollout_workers():
         "--rollout-workers 1 (or more), or max_staleness=0"
     )
     assert "\n" not in str(error.value)
+
+
+def test_in_flight_updates_are_a_bool_for_hfengine_rollout_workers():
+    workers = {"rollout_workers": 1, "in_flight_updates": True}
+    assert build(TrainConfig(max_staleness=1, cluster=workers)).cluster.in_flight_updates is True
+    assert build(TrainConfig()).cluster.in_flight_updates is False
+    with pytest.raises(ValueError, match="cluster.in_flight_updates must be true or false, got 'yes'"):
+        build(TrainConfig(cluster={"rollout_workers": 1, "in_flight_updates": "yes"}))
+    with pytest.raises(ValueError, match="it needs cluster.rollout_workers >= 1"):
+        build(TrainConfig(cluster={"in_flight_updates": True}))
+    with pytest.raises(ValueError) as error:
+        build(TrainConfig(cluster={**workers, "worker_engine": "vllm"}))
+    assert str(error.value) == (
+        "cluster.in_flight_updates=true needs HFEngine workers, which record the weights that sampled each token; "
+        "the workers' engine is 'vllm' (vLLM's engines do not say): cluster.worker_engine=hf, or "
+        "cluster.in_flight_updates=false"
+    )
 
 
 def test_the_decoupled_objective_is_on_at_max_staleness_1_unless_the_run_says_otherwise():
@@ -148,6 +228,33 @@ def test_a_turns_version_is_saved_and_loaded_with_its_tree(tmp_path):
         loaded.add_turn(loaded.root, action_ids=[1], logprobs=[-1.0], version=-1)
 
 
+def test_a_turns_token_versions_are_saved_and_its_version_is_the_oldest(tmp_path):
+    tree = RolloutTree([1, 2])
+    mixed = tree.add_turn(tree.root, action_ids=[3, 4, 5], logprobs=[-0.5] * 3, token_versions=[2, 2, 3])
+    assert mixed.version == 2 and mixed.token_versions == [2, 2, 3]
+    plain = tree.add_turn(mixed, obs_ids=[6], action_ids=[7], logprobs=[-0.5], version=3, terminal=True, reward=1.0)
+    tree.save(tmp_path / "tree.json")
+    loaded = RolloutTree.load(tmp_path / "tree.json")
+    assert [(n.version, n.token_versions) for n in loaded.nodes()] == [(2, [2, 2, 3]), (3, None)]
+    assert plain.token_versions is None
+    with pytest.raises(ValueError, match=r"one version \(an int\) per action token: 3 tokens, got \[2, 3\]"):
+        tree.add_turn(tree.root, action_ids=[3, 4, 5], logprobs=[-0.5] * 3, token_versions=[2, 3])
+    with pytest.raises(ValueError, match=r"version 3 is not the oldest of token_versions \(2\)"):
+        tree.add_turn(tree.root, action_ids=[3, 4], logprobs=[-0.5] * 2, version=3, token_versions=[2, 3])
+    with pytest.raises(ValueError, match=r"token_versions\[1\] must be a non-negative int or None, got -1"):
+        tree.add_turn(tree.root, action_ids=[3, 4], logprobs=[-0.5] * 2, token_versions=[2, -1])
+
+
+def test_tokens_are_counted_by_their_own_versions():
+    tree = RolloutTree([1, 2])
+    first = tree.add_turn(tree.root, action_ids=[3, 4, 5], logprobs=[-0.5] * 3, token_versions=[2, 3, 4])
+    tree.add_turn(first, obs_ids=[6], action_ids=[7, 8], logprobs=[-0.5] * 2, version=4, terminal=True, reward=1.0)
+    prompt = PromptTrees(index=0, key=0, trees=[tree], rng=np.random.default_rng(0))
+    metrics = train_module._staleness_metrics([prompt], [2], version=4, eta=2)
+    assert [metrics[f"async/tokens_stale_{k}"] for k in range(3)] == [3.0, 1.0, 1.0]
+    assert metrics["async/staleness_2"] == 1.0 and metrics["async/staleness_max"] == 2.0
+
+
 class FakePool:
     """A pool whose rollouts are given prompts, and whose version the test sets."""
 
@@ -162,6 +269,9 @@ class FakePool:
         return prompts
 
     def idle_seconds(self) -> float:
+        return 0.0
+
+    async def engine_idle_seconds(self) -> float:
         return 0.0
 
     def metrics(self) -> dict[str, float]:
@@ -301,11 +411,12 @@ async def test_max_staleness_0_through_the_pipeline_is_the_synchronous_run_bit_f
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("in_flight", [False, True], ids=["between-requests", "in-flight"])
 async def test_max_staleness_1_trains_every_step_on_trees_at_most_one_version_old(
-    ray_local, tiny_model, tmp_path, monkeypatch
+    ray_local, tiny_model, tmp_path, monkeypatch, in_flight
 ):
     seen = capture_trees(monkeypatch)
-    config = run_config(tiny_model, max_staleness=1, steps=3)
+    config = run_config(tiny_model, max_staleness=1, steps=3, cluster={"in_flight_updates": in_flight})
     result = await train(config, tmp_path / "run", progress=False, log=lambda note: None)
     records = result.history
     assert [r["step"] for r in records] == [1, 2, 3] and result.config.trainer["decoupled"] is True
@@ -316,9 +427,13 @@ async def test_max_staleness_1_trains_every_step_on_trees_at_most_one_version_ol
         assert record["async/staleness_max"] <= 1
         for prompt in prompts:
             assert versions(prompt) <= {trained - 1, trained}
+            for node in (node for tree in prompt.trees for node in tree.nodes() if node.token_versions):
+                assert node.version == min(node.token_versions) < max(node.token_versions) <= trained
+                assert len(node.token_versions) == len(node.action_ids)
         tokens = sum(len(node.action_ids) for prompt in prompts for tree in prompt.trees for node in tree.nodes())
         assert record["async/tokens_stale_0"] + record["async/tokens_stale_1"] == tokens == record["tokens/generated"]
         assert record["time/trainer_idle_s"] >= 0 and record["time/engine_idle_s"] >= 0
+        assert record["time/worker_idle_s"] >= 0
         assert record["time/cycle_s"] >= record["time/trainer_idle_s"]
     # Step 2 went to the worker with step 1, before the first update: its first turns are version 0.
     assert records[1]["async/staleness_1"] == 3 and all(0 in versions(p) for p in seen[1])
