@@ -101,6 +101,15 @@ def _timing(history: list[dict[str, float]], measured: int, fill: int) -> dict[s
     }
 
 
+def _pace_heads(etas: Sequence[int]) -> list[str]:
+    return ["steps/h", f"× η={etas[0]}", "engine idle", "worker idle", "trainer idle"]
+
+
+def _pace(row: dict[str, Any]) -> list[float]:
+    """A run's steps per hour, its ratio to the first η's, and its idle fractions (the columns of :func:`_pace_heads`)."""
+    return [row[name] for name in ("steps_per_hour", "ratio", "engine_idle", "worker_idle", "trainer_idle")]
+
+
 # -- (a) the real model -------------------------------------------------------------------------
 
 
@@ -155,11 +164,7 @@ async def _real(results: dict[str, Any], etas: list[int], in_flight: bool) -> No
             f"{max(etas) + REAL_MEASURED + 1} of {steps}",
             [
                 "η",
-                "steps/h",
-                f"× η={etas[0]}",
-                "engine idle",
-                "worker idle",
-                "trainer idle",
+                *_pace_heads(etas),
                 "rollout s",
                 "update s",
                 "staleness",
@@ -168,11 +173,7 @@ async def _real(results: dict[str, Any], etas: list[int], in_flight: bool) -> No
             [
                 [
                     eta,
-                    r["steps_per_hour"],
-                    r["ratio"],
-                    r["engine_idle"],
-                    r["worker_idle"],
-                    r["trainer_idle"],
+                    *_pace(r),
                     r["rollout_s"],
                     r["update_s"],
                     r["staleness_mean"],
@@ -336,11 +337,7 @@ async def _simulated(
             [
                 "update s",
                 "η",
-                "steps/h",
-                f"× η={etas[0]}",
-                "engine idle",
-                "worker idle",
-                "trainer idle",
+                *_pace_heads(etas),
                 "staleness",
                 "dropped",
             ],
@@ -348,11 +345,7 @@ async def _simulated(
                 [
                     setting["update_s"],
                     eta,
-                    r["steps_per_hour"],
-                    r["ratio"],
-                    r["engine_idle"],
-                    r["worker_idle"],
-                    r["trainer_idle"],
+                    *_pace(r),
                     r["staleness_mean"],
                     int(r["trees_dropped"]),
                 ]
