@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 __all__ = ["cpu_share", "ensure_ray", "import_ray", "require_resources"]
@@ -50,17 +51,26 @@ def ensure_ray(address: str = "local", *, processes: int = 1) -> Any:
     return ray
 
 
-def require_resources(what: str, count: int, cpus: float, gpus: float = 0.0) -> None:
-    """Refuse at once, saying why, to start ``count`` actors that Ray could not place now (it would wait forever)."""
+def require_resources(what: str, count: int, cpus: float, gpus: float = 0.0, patience_s: float = 5.0) -> None:
+    """Refuse, saying why, to start ``count`` actors that Ray could not place (it would wait forever).
+
+    Ray frees a killed actor's CPUs and GPUs a moment after the kill, so resources short at first
+    are looked at again for up to ``patience_s`` (a pool closed just before this one).
+    """
     import ray
 
-    free = ray.available_resources()
     need = {"CPU": count * cpus, "GPU": count * gpus}
-    short = [
-        f"{need[kind]:g} {kind}s, {free.get(kind, 0.0):g} free"
-        for kind in need
-        if need[kind] > free.get(kind, 0.0) + 1e-9
-    ]
+    deadline = time.monotonic() + patience_s
+    while True:
+        free = ray.available_resources()
+        short = [
+            f"{need[kind]:g} {kind}s, {free.get(kind, 0.0):g} free"
+            for kind in need
+            if need[kind] > free.get(kind, 0.0) + 1e-9
+        ]
+        if not short or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     if short:
         raise RuntimeError(
             f"Ray cannot place {count} {what} now ({'; '.join(short)}); stop the actors that hold them, "

@@ -125,11 +125,26 @@ async def test_workers_grow_the_trees_one_process_grows_and_hold_the_trainers_we
     assert pool.last_sync.bytes == sum(p.numel() * 4 for p in model.parameters())  # the tied matrix once
 
 
-def test_workers_ray_cannot_place_are_refused_at_once(pool):
+def test_workers_ray_cannot_place_are_refused_after_a_short_wait(pool):
     _, config, parts = pool
     spec = WorkerSpec(config, agentenv.spec(config.env), parts.learner.strategy, parts.tree)
+    start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"Ray cannot place 2 rollout workers now \(2000 CPUs, \d+ free\)"):
         RolloutPool(spec, 2, cpus=1000)
+    assert 5.0 <= time.monotonic() - start < 30.0  # resources a kill frees a moment later are waited for
+
+
+async def test_a_pool_started_right_after_another_closed_gets_its_cpus(pool, ray_local):
+    _, config, parts = pool
+    spec = WorkerSpec(config, agentenv.spec(config.env), parts.learner.strategy, parts.tree)
+    share = ray_local.available_resources()["CPU"] / 2  # two workers take every CPU the module pool leaves
+    first = RolloutPool(spec, 2, cpus=share, restarts=0)
+    await first.close()
+    second = RolloutPool(spec, 2, cpus=share, restarts=0)  # Ray frees the first's CPUs a moment after the kill
+    try:
+        assert [info["rank"] for info in second.info] == [0, 1]
+    finally:
+        await second.close()
 
 
 async def test_a_worker_killed_during_a_step_loses_no_prompt_and_comes_back_with_the_current_weights(pool):
