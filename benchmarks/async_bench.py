@@ -1,7 +1,7 @@
 """Asynchronous training benchmark: steps per hour and idle time at max_staleness η = 0, 1, 4.
 
     python -m benchmarks.async_bench [--json PATH] [--parts real,simulated] [--etas 0,1,4] [--update-shares 1,0.75,0.5]
-        [--engine-batch 8] [--in-flight]
+        [--engine-batch 8] [--in-flight] [--real-steps 3]
 
 Each η ≥ 1 runs with syncs between requests (a sync holds new requests until those in flight
 finish); ``--in-flight`` adds a run of it with ``cluster.in_flight_updates`` (a sync lands between
@@ -14,8 +14,8 @@ and drains before a sync).
     the embedded SmolLM2-135M) on one rollout worker process and the trainer in this process, one
     core each, at each η: rollout and update take comparable time there (about half a minute
     each). Steps per hour and the engine's and the trainer's idle fractions over the steady state
-    (:func:`_timing`: steps ``max(η) + 2`` … ``max(η) + REAL_MEASURED + 1`` of
-    ``1 + 2·max(η) + REAL_MEASURED``; model loads and the held-out evaluation excluded), and the ratio to the first η. The learning
+    (:func:`_timing`: steps ``max(η) + 2`` … ``max(η) + k + 1`` of ``1 + 2·max(η) + k``, k =
+    ``--real-steps``; model loads and the held-out evaluation excluded), and the ratio to the first η. The learning
     check: the held-out reward after the same trees (the same tasks, none dropped) at each η,
     with its 95% interval.
 (b) Simulated cluster. ``SIM_WORKERS`` rollout workers whose engine is a scripted one (each turn
@@ -26,8 +26,8 @@ and drains before a sync).
     of a step (the warm-up's; ``--update-shares``, default 1, 0.75 and 0.5), then a real weight
     sync through the pool. The same pipeline code (``agents.train._PipelinedSteps``) drives both.
     Why the engines still idle at η ≥ 1 here: a worker's part of a step ends before the step's
-    longest tree, the bound keeps it from starting a step further ahead, and a sync holds new
-    requests until those in flight finish (see README "Asynchronous training").
+    longest tree, and the bound keeps it from starting a step further ahead (see README
+    "Asynchronous training").
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from agents.engines.scripted import ScriptedEngine
 from agents.models import DEFAULT_MODEL
 from benchmarks.scale_bench import table
 
-REAL_MEASURED = 3  # steps measured a run (the steady state; see _timing)
+REAL_MEASURED = 3  # steps measured a run by default (the steady state; see _timing)
 REAL_EVAL_QUESTIONS = 48  # held-out questions of the learning check (the cpu-demo preset scores 8)
 SIM_WORKERS = 8
 SIM_MEASURED = 6
@@ -113,14 +113,14 @@ def _pace(row: dict[str, Any]) -> list[float]:
 # -- (a) the real model -------------------------------------------------------------------------
 
 
-async def _real(results: dict[str, Any], etas: list[int], in_flight: bool) -> None:
+async def _real(results: dict[str, Any], etas: list[int], in_flight: bool, measured: int) -> None:
     import torch
 
     from agents.train import train
 
     torch.set_num_threads(1)  # the trainer's core; the worker gets the other (agents.train gives it 2 // 2)
     rows = {}
-    steps = _run_steps(etas, REAL_MEASURED)
+    steps = _run_steps(etas, measured)
     with tempfile.TemporaryDirectory() as folder:
         for label, eta, loads_in_flight in _runs(etas, in_flight):
             config = resolve(
@@ -145,7 +145,7 @@ async def _real(results: dict[str, Any], etas: list[int], in_flight: bool) -> No
             )
             start = time.perf_counter()
             result = await train(config, Path(folder) / f"eta{label}", progress=False, log=lambda note: None)
-            row = _timing(result.history, REAL_MEASURED, fill=max(etas))
+            row = _timing(result.history, measured, fill=max(etas))
             row["wall_s"] = time.perf_counter() - start
             row["rollout_s"] = statistics.fmean(record["time/rollout_s"] for record in result.history)
             row["update_s"] = statistics.fmean(record["time/update_s"] for record in result.history)
@@ -157,11 +157,11 @@ async def _real(results: dict[str, Any], etas: list[int], in_flight: bool) -> No
     base = rows[str(etas[0])]["steps_per_hour"]
     for row in rows.values():
         row["ratio"] = row["steps_per_hour"] / base
-    results["real"] = {"rows": rows, "steps": steps, "measured": REAL_MEASURED}
+    results["real"] = {"rows": rows, "steps": steps, "measured": measured}
     print(
         table(
             f"(a) cpu-demo AT²PO on 1 rollout worker + 1 trainer, one core each: steps {max(etas) + 2}-"
-            f"{max(etas) + REAL_MEASURED + 1} of {steps}",
+            f"{max(etas) + measured + 1} of {steps}",
             [
                 "η",
                 *_pace_heads(etas),
@@ -368,6 +368,9 @@ def main() -> None:
         "--engine-batch", type=int, default=SIM_BATCH, help="(b): requests a simulated engine runs at once"
     )
     parser.add_argument(
+        "--real-steps", type=int, default=REAL_MEASURED, help="(a): steps measured a run, after the pipeline's fill"
+    )
+    parser.add_argument(
         "--in-flight", action="store_true", help="also run each η >= 1 with cluster.in_flight_updates (label η+)"
     )
     args = parser.parse_args()
@@ -379,7 +382,7 @@ def main() -> None:
         shares = [float(value) for value in args.update_shares.split(",")]
         asyncio.run(_simulated(results, etas, shares, args.engine_batch, args.in_flight))
     if "real" in parts:
-        asyncio.run(_real(results, etas, args.in_flight))
+        asyncio.run(_real(results, etas, args.in_flight, args.real_steps))
     results["seconds"] = time.perf_counter() - start
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
