@@ -205,6 +205,9 @@ class HFEngine(Engine):
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         #: Held by the worker during every forward pass; hold it to change weights in place.
         self.forward_lock = threading.Lock()
+        # A load takes this first and the worker passes through it before each pass, so a load waits
+        # for one pass at most: a threading.Lock is not fair, and a busy worker would take it back at once.
+        self._turnstile = threading.Lock()
         self.stats = BatchStats()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._weights_version = -1
@@ -251,7 +254,7 @@ class HFEngine(Engine):
         await asyncio.to_thread(self._load, state_dict, version)
 
     def _load(self, state_dict: Mapping[str, torch.Tensor], version: int | None) -> None:
-        with self.forward_lock, torch.no_grad():
+        with self._turnstile, self.forward_lock, torch.no_grad():
             result = self.model.load_state_dict(dict(state_dict), strict=False)
             if version is not None:
                 self._inflight_version = version
@@ -287,6 +290,8 @@ class HFEngine(Engine):
                     newcomers.append(request)
             if batch is None and not newcomers:
                 continue
+            with self._turnstile:  # a load waiting here goes first
+                pass
             try:
                 with self.forward_lock, torch.inference_mode(), self._forward_mode():
                     if newcomers:

@@ -323,10 +323,10 @@ async def test_weights_loaded_in_flight_reach_the_running_rows_and_each_token_re
     story = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a long story about a cat."}], add_generation_prompt=True, return_dict=False
     )
-    params = greedy(24)
+    params = greedy(48)
     try:
         alone = await engine.generate(story, params)
-        assert alone.token_versions is None and len(alone.token_ids) == 24  # no load in flight yet: no versions
+        assert alone.token_versions is None and len(alone.token_ids) == 48  # no load in flight yet: no versions
         passes = engine.stats.decode_passes
         running = asyncio.create_task(engine.generate(story, params))
         while engine.stats.decode_passes < passes + 6:
@@ -336,7 +336,8 @@ async def test_weights_loaded_in_flight_reach_the_running_rows_and_each_token_re
         done = await running
         assert other.token_versions == [1] * len(other.token_ids)
         switch = done.token_versions.index(1)
-        assert 6 <= switch < 24 and done.token_versions == [None] * switch + [1] * (24 - switch)
+        # the load lands at the next pass: a busy worker does not keep the forward lock from it
+        assert 6 <= switch < 16 and done.token_versions == [None] * switch + [1] * (48 - switch)
         assert done.token_ids[:switch] == alone.token_ids[:switch]
         assert done.logprobs[:switch] == pytest.approx(alone.logprobs[:switch], abs=1e-5)
         # Its KV, partly the old weights', was not cached: its next turn is what a fresh engine computes.
