@@ -149,6 +149,7 @@ class HFEngine(Engine):
     """
 
     supports_entropy = True
+    supports_inflight_updates = True
 
     def __init__(
         self,
@@ -239,8 +240,6 @@ class HFEngine(Engine):
         self._inbox.put(request)
         # Cancelling this coroutine cancels the future; the worker drops the row at its next step.
         return await asyncio.wrap_future(request.future)
-
-    supports_inflight_updates = True
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy ``state_dict`` into the model between forward passes (a partial dict is fine)."""
