@@ -47,7 +47,7 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,8 +102,6 @@ class TaskOrder:
         seed: Seeds the permutations.
         epoch: Passes over the tasks completed.
         offset: Position within the current epoch's permutation (or seeds drawn so far).
-        pending: Tasks handed out before a checkpoint but not trained on by it (an asynchronous
-            run's rollouts ahead of the trainer): the next ones taken, before the order goes on.
     """
 
     tasks: int | None
@@ -111,7 +109,6 @@ class TaskOrder:
     seed: int
     epoch: int = 0
     offset: int = 0
-    pending: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.tasks is not None and self.tasks <= self.holdout:
@@ -122,11 +119,11 @@ class TaskOrder:
 
     def take(self, count: int) -> list[int]:
         """The next ``count`` task indices (or reset seeds), crossing into the next epoch when needed."""
-        taken, self.pending = self.pending[:count], self.pending[count:]
         if self.tasks is None:
-            start, fresh = self.holdout + self.offset, count - len(taken)
-            self.offset += fresh
-            return taken + list(range(start, start + fresh))
+            start = self.holdout + self.offset
+            self.offset += count
+            return list(range(start, start + count))
+        taken: list[int] = []
         while len(taken) < count:
             order = self._permutation(self.epoch)
             chunk = order[self.offset : self.offset + count - len(taken)]
@@ -136,13 +133,9 @@ class TaskOrder:
                 self.epoch, self.offset = self.epoch + 1, 0
         return taken
 
-    def position(self, pending: Sequence[int] = ()) -> dict[str, Any]:
-        """Where the order stands (stored in checkpoints; ``TaskOrder(..., **position)`` restores it),
-        with the tasks ``pending`` (taken but not trained on) to be taken again first."""
-        position: dict[str, Any] = {"epoch": self.epoch, "offset": self.offset}
-        if pending or self.pending:
-            position["pending"] = [*pending, *self.pending]
-        return position
+    def position(self) -> dict[str, int]:
+        """Where the order stands (stored in checkpoints; ``TaskOrder(..., **position)`` restores it)."""
+        return {"epoch": self.epoch, "offset": self.offset}
 
     def _permutation(self, epoch: int) -> list[int]:
         assert self.tasks is not None  # take() permutes task lists only; seeded resets need no order
@@ -487,37 +480,19 @@ class _SynchronousSteps:
         pass
 
 
-@dataclass(eq=False)  # compared by identity
-class _Sent:
-    """A prompt the pipeline sent to the pool: index ``index`` of group ``group`` (seeded as step ``group``)."""
-
-    group: int
-    index: int
-    task: int
-    sent: float  # perf_counter() when it went
-    trees: asyncio.Future[PromptTrees]
-    back: float | None = None  # perf_counter() when its trees came back
-
-
 class _PipelinedSteps:
     """The batches of a run on rollout workers: rollouts up to ``ahead`` = η steps ahead of the trainer.
 
-    The tasks go out in groups of ``prompts_per_step``, group ``g`` with the synchronous run's
-    tasks and seed of step ``g`` (:class:`TaskOrder`, :func:`rollout_seed`). The trainer that
-    has taken ``v`` steps allows ``(v + η + 1)`` groups out (and one more prompt for each it
-    dropped), so a prompt is sent by weights at most η syncs older than those that train on it,
-    when prompts are trained in the order sent. Step ``s`` takes the first ``prompts_per_step``
-    prompts whose trees are back, the earliest sent first, and not the prompts of group ``s``:
-    a group's longest tree does not hold the trainer up (AReaL's batches, arXiv:2505.24298 §5.1);
-    a prompt still running goes to a later step. A prompt's trees whose oldest token is more than
-    η versions behind the trainer's are dropped whole (docs/algorithms.md eq. 78; counted in
-    ``async/trees_dropped``) and another prompt goes out in their place. Which weights sample a
-    token, and which prompts a step takes, depend on when the syncs land and the trees come back,
-    so a run at η ≥ 1 is not reproduced exactly; a checkpoint keeps the prompts sent but not
-    trained on (``pending`` of its data position), and a resumed run sends them first.
+    Step ``s``'s prompts go to the pool once the trainer has updated on step ``s − η − 1`` (so every
+    token of them is sampled by weights at most η syncs older than those that train on them), and
+    the trainer takes step ``s``'s trees when all of them are back. The tasks and seeds of a step
+    are the synchronous run's (:class:`TaskOrder`, :func:`rollout_seed`); which weights sample a
+    token depends on when the syncs land, so a run is not reproduced exactly. A prompt's trees
+    whose oldest token is more than η versions behind the trainer's are dropped (counted in
+    ``async/trees_dropped``); the rule above admits none, so this guards the bound.
 
-    With ``ahead = 0`` one group is out at a time and each step takes all of it: the synchronous
-    steps, in the same order on the same weights (tested against :class:`_SynchronousSteps`).
+    With ``ahead = 0`` the steps are the synchronous ones, in the same order on the same weights
+    (tested against :class:`_SynchronousSteps`).
     """
 
     def __init__(
@@ -531,75 +506,64 @@ class _PipelinedSteps:
     ) -> None:
         self.config, self.parts, self.pool, self.order, self.ahead = config, parts, rollout, order, ahead
         self.progress, self.planned = progress, planned_branches(parts.learner.strategy, parts.tree)
-        self.sent: list[_Sent] = []  # out and not yet taken by a step, in the order sent
-        self.queued: list[tuple[int, int, int]] = []  # (group, index, task) taken from the order, not yet sent
-        self.groups = 0  # groups taken from the order so far
-        self.sent_count = 0  # prompts sent so far
-        self.trained_steps = 0  # steps the trainer has taken (updated on and synced) in this pipeline
-        self.dropped = 0  # prompts dropped for staleness so far: each frees room for another
-        self.started, self.first_step = False, 1  # first_step: the step of the first batch (a resumed run's next)
+        self.running: dict[int, asyncio.Future[tuple[list[int], list[PromptTrees], float]]] = {}
+        self.leaves: dict[int, int] = {}  # each running step's leaves back so far
+        self.bars: dict[int, Any] = {}  # the progress bar of the step the trainer waits for
+        self.positions: dict[int, dict[str, int]] = {}
+        self.next_step: int | None = None  # the next step to send to the pool
         self.cycle_start = time.perf_counter()
         self.idle_mark = rollout.idle_seconds()
-        self.engine_idle_mark = 0.0  # read when the first prompts are sent
+        self.engine_idle_mark = 0.0  # read when the first step is sent
         self.failures_mark, self.reruns_mark = rollout.failures, rollout.reruns
 
-    def _send(self) -> None:
-        """Send prompts, in order, while the bound allows (and no further than the run's last step's)."""
-        size = self.config.prompts_per_step
-        needed = (self.config.steps - self.first_step + 1) * size + self.dropped  # the run's remaining steps
-        allowed = min((self.trained_steps + self.ahead + 1) * size + self.dropped, needed)
-        while self.sent_count < allowed:
-            if not self.queued:
-                self.groups += 1
-                group = self.first_step + self.groups - 1
-                self.queued = [(group, index, task) for index, task in enumerate(self.order.take(size))]
-            group, index, task = self.queued.pop(0)
-            seed = rollout_seed(self.config.seed, group)
-            trees = asyncio.ensure_future(self.pool.rollout_prompt(index, task, seed))
-            self.sent.append(_Sent(group, index, task, time.perf_counter(), trees))
-            self.sent_count += 1
+    def _send(self, last: int) -> None:
+        """Send steps up to ``last`` (and at most the run's last) to the pool, in order."""
+        assert self.next_step is not None
+        while self.next_step <= min(last, self.config.steps):
+            step = self.next_step
+            tasks = self.order.take(self.config.prompts_per_step)
+            self.positions[step] = self.order.position()
+            self.leaves[step] = 0
+            self.running[step] = asyncio.ensure_future(self._roll(step, tasks))
+            self.next_step += 1
 
-    async def batch(self, step: int) -> tuple[list[TrainingPath], dict[str, float], dict[str, Any]]:
+    async def _roll(self, step: int, tasks: list[int]) -> tuple[list[int], list[PromptTrees], float]:
+        def back(leaves: int) -> None:
+            self.leaves[step] += leaves
+            if step in self.bars:
+                self.bars[step].update(leaves)
+
+        start = time.perf_counter()
+        prompts = await self.pool.rollout(tasks, rollout_seed(self.config.seed, step), back)
+        return tasks, prompts, time.perf_counter() - start
+
+    async def batch(self, step: int) -> tuple[list[TrainingPath], dict[str, float], dict[str, int]]:
         """Step ``step``'s paths and metrics (the trainer holds step ``step − 1``'s weights, synced)."""
-        if not self.started:
-            self.started, self.first_step = True, step
+        if self.next_step is None:
+            self.next_step = step
             self.engine_idle_mark = await self.pool.engine_idle_seconds()
-        self._send()
-        size, version = self.config.prompts_per_step, self.pool.version  # the trainer's weights: the last sync
+        self._send(step + self.ahead)
         wait_start = time.perf_counter()
-        dropped: list[_Sent] = []
-        total = None if self.planned is None else self.planned * size
-        with progress_bar(f"rollout step {step}", total, unit="leaves", leave=False, show=self.progress) as bar:
-            shown = 0
-            while True:
-                for sent in self.sent:
-                    if sent.trees.done() and sent.back is None:
-                        sent.back = time.perf_counter()
-                        sent.trees.result()  # a prompt that failed (no worker left) fails the step
-                # the staleness bound, docs/algorithms.md eq. 78: a prompt's trees are kept or dropped whole
-                stale = [s for s in self.sent if s.back is not None and version - _oldest(s, version) > self.ahead]
-                if stale:
-                    self.sent = [s for s in self.sent if s not in stale]  # another prompt goes in their place
-                    dropped += stale
-                    self.dropped += len(stale)
-                    self._send()
-                back = [s for s in self.sent if s.back is not None][:size]
-                branches = sum(self._branches(s) for s in back)
-                bar.update(branches - shown)
-                shown = branches
-                if len(back) == size:
-                    break
-                await asyncio.wait([s.trees for s in self.sent if s.back is None], return_when=asyncio.FIRST_COMPLETED)
+        total = None if self.planned is None else self.planned * self.config.prompts_per_step
+        with progress_bar(
+            f"rollout step {step}", total, unit="leaves", initial=self.leaves[step], leave=False, show=self.progress
+        ) as self.bars[step]:
+            tasks, prompts, seconds = await self.running.pop(step)
+        del self.bars[step], self.leaves[step]
         ready = time.perf_counter()
-        self.sent = [s for s in self.sent if s not in back]
-        prompts = [s.trees.result() for s in back]
-        staleness = [version - _oldest(s, version) for s in back]
-        tasks = [s.task for s in back]
-        seconds = max(s.back or ready for s in back) - min(s.sent for s in back)
-        paths, metrics = _credit(self.pool, self.parts, tasks, prompts, seconds, self.config.budget_reward)
-        metrics.update(_staleness_metrics(prompts, staleness, version, self.ahead))
-        metrics["async/trees_dropped"] = float(len(dropped))
-        metrics["async/groups_in_step"] = float(len({s.group for s in back}))
+        version = self.pool.version  # the trainer's weights: the pool's latest sync
+        behind = [version - _oldest_version(prompt, version) for prompt in prompts]
+        # the staleness bound, docs/algorithms.md eq. 78: a prompt's trees are kept or dropped whole
+        fresh = [(prompt, stale) for prompt, stale in zip(prompts, behind) if stale <= self.ahead]
+        if not fresh:
+            raise RuntimeError(
+                f"every prompt of step {step} was sampled more than max_staleness={self.ahead} weight versions "
+                f"before the trainer's ({version}); no tree is left to train on"
+            )
+        kept = [prompt for prompt, _ in fresh]
+        paths, metrics = _credit(self.pool, self.parts, tasks, kept, seconds, self.config.budget_reward)
+        metrics.update(_staleness_metrics(kept, [stale for _, stale in fresh], version, self.ahead))
+        metrics["async/trees_dropped"] = float(len(prompts) - len(fresh))
         idle, engine_idle = self.pool.idle_seconds(), await self.pool.engine_idle_seconds()
         metrics["time/worker_idle_s"] = idle - self.idle_mark
         metrics["time/engine_idle_s"] = engine_idle - self.engine_idle_mark
@@ -609,30 +573,19 @@ class _PipelinedSteps:
         metrics["cluster/prompts_rerun"] = float(self.pool.reruns - self.reruns_mark)
         self.cycle_start, self.idle_mark, self.engine_idle_mark = ready, idle, engine_idle
         self.failures_mark, self.reruns_mark = self.pool.failures, self.pool.reruns
-        pending = [s.task for s in self.sent] + [task for _, _, task in self.queued]
-        return paths, metrics, self.order.position(pending)
-
-    def _branches(self, sent: _Sent) -> int:
-        """What a prompt adds to its step's bar: its planned branches (its leaves, when unplanned)."""
-        return self.planned if self.planned is not None else len(sent.trees.result().leaves)
+        return paths, metrics, self.positions.pop(step)
 
     def trained(self, step: int) -> None:
-        """The trainer has updated on step ``step`` and synced the engines: prompts of η + 1 steps after it may go."""
-        self.trained_steps += 1
-        if self.ahead:  # at η = 0 the next step goes when the trainer asks for it, after any evaluation
-            self._send()
+        """The trainer has updated on step ``step`` and synced the engines: the steps up to ``step + 1 + η`` may go."""
+        if self.ahead:
+            self._send(step + 1 + self.ahead)
 
     async def close(self) -> None:
-        """Stop the rollouts of prompts that will not be trained (the run ended or failed)."""
-        for sent in self.sent:
-            sent.trees.cancel()
-        await asyncio.gather(*(sent.trees for sent in self.sent), return_exceptions=True)
-        self.sent.clear()
-
-
-def _oldest(sent: _Sent, version: int) -> int:
-    """The version that sampled the oldest token of a prompt whose trees are back (``version`` when no turn says)."""
-    return _oldest_version(sent.trees.result(), version)
+        """Stop the rollouts of steps that will not be trained (the run ended or failed)."""
+        for future in self.running.values():
+            future.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+        self.running.clear()
 
 
 def _oldest_version(prompt: PromptTrees, default: int) -> int:

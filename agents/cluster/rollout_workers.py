@@ -410,54 +410,44 @@ class RolloutPool:
     ) -> list[PromptTrees]:
         """The trees of every task, in order; prompt ``i`` of the batch keeps index ``i``.
 
-        Each prompt goes as :meth:`rollout_prompt` sends it (a dead worker's prompts run again on
-        another); the step fails only when no worker is left. ``on_branches`` counts each
+        A prompt whose worker died goes to the least-loaded live worker (or waits for a
+        restarted one); the step fails only when no worker is left. ``on_branches`` counts each
         prompt's branches when its trees come back (as
         :func:`~agents.rollout.tree_loop.rollout_trees` counts them: the planned ones, when known).
         """
         self._rollout_marks = (self.failures, self.reruns)
-
-        async def one(index: int, task: int) -> PromptTrees:
-            prompt = await self.rollout_prompt(index, task, seed)
-            if on_branches is not None:
-                on_branches(self._planned if self._planned is not None else len(prompt.leaves))
-            return prompt
-
-        # Started in order, each on the least-loaded worker at that moment: the batch spreads evenly.
-        running = [asyncio.ensure_future(one(index, task)) for index, task in enumerate(tasks)]
-        try:
-            return list(await asyncio.gather(*running))
-        finally:
-            for future in running:  # when one failed (no worker left), the others stop too
-                future.cancel()
-
-    async def rollout_prompt(self, index: int, task: int, seed: int) -> PromptTrees:
-        """The trees of one prompt (index ``index`` of a batch seeded with ``seed``) from the least-loaded live worker.
-
-        When that worker dies the prompt runs again on another live worker, or on this one once
-        Ray has restarted it; it fails only when no worker is left.
-        """
-        while True:
-            live = [worker for worker in self.workers if worker.live]
-            if not live:
-                revivals = [w.reviving for w in self.workers if w.reviving is not None]
-                if not revivals:
-                    raise RuntimeError(
-                        f"every rollout worker died ({self.failures} failures); prompt {index} (task {task}) has no "
-                        "worker left; raise cluster.worker_restarts or check the workers' logs"
-                    )
-                await asyncio.wait(revivals, return_when=asyncio.FIRST_COMPLETED)
-                continue
-            worker = min(live, key=lambda w: (w.prompts.count, w.rank))
-            worker.prompts.enter()
-            try:
-                return await _awaited(worker.handle.rollout.remote(index, task, seed))
-            except _lost_worker_errors(self._ray) as error:
-                self.reruns += 1
-                if worker.live:
-                    self._lost(worker, error)
-            finally:
+        results: dict[int, PromptTrees] = {}
+        pending = list(enumerate(tasks))
+        running: dict[asyncio.Future, tuple[_Worker, int, int]] = {}
+        while pending or running:
+            while pending and any(worker.live for worker in self.workers):
+                worker = min((w for w in self.workers if w.live), key=lambda w: (w.prompts.count, w.rank))
+                index, task = pending.pop(0)
+                worker.prompts.enter()
+                ref = worker.handle.rollout.remote(index, task, seed)
+                running[asyncio.ensure_future(_awaited(ref))] = (worker, index, task)
+            revivals = [w.reviving for w in self.workers if w.reviving is not None]
+            if not running and not revivals:
+                raise RuntimeError(
+                    f"every rollout worker died ({self.failures} failures); the prompts {[i for i, _ in pending]} "
+                    "have no worker left; raise cluster.worker_restarts or check the workers' logs"
+                )
+            done, _ = await asyncio.wait([*running, *revivals], return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                if future not in running:
+                    continue  # a revival finished: the loop hands that worker work again
+                worker, index, task = running.pop(future)
                 worker.prompts.leave()
+                try:
+                    results[index] = future.result()
+                    if on_branches is not None:
+                        on_branches(self._planned if self._planned is not None else len(results[index].leaves))
+                except _lost_worker_errors(self._ray) as error:
+                    pending.append((index, task))
+                    self.reruns += 1
+                    if worker.live:
+                        self._lost(worker, error)
+        return [results[index] for index in range(len(tasks))]
 
     def metrics(self) -> dict[str, float]:
         """``cluster/*`` numbers of the last rollout (worker failures, prompts run again) and ``sync/*`` of the

@@ -102,20 +102,6 @@ def test_task_order_crosses_epochs_and_resumes_from_its_position():
     assert resumed.take(6) == rest
 
 
-def test_task_order_hands_out_the_pending_tasks_of_a_checkpoint_first():
-    order = TaskOrder(tasks=5, holdout=1, seed=3)
-    plain = order.take(4)
-    assert order.position(pending=[2, 4]) == {"epoch": 1, "offset": 0, "pending": [2, 4]}
-    resumed = TaskOrder(tasks=5, holdout=1, seed=3, **order.position(pending=[2, 4]))
-    assert resumed.take(1) == [2] and resumed.position() == {"epoch": 1, "offset": 0, "pending": [4]}
-    assert resumed.position(pending=[7]) == {"epoch": 1, "offset": 0, "pending": [7, 4]}
-    later = TaskOrder(tasks=5, holdout=1, seed=3).take(8)[4:]  # epoch 1, as the run without pending tasks
-    assert resumed.take(3) == [4, *later[:2]] and resumed.position() == {"epoch": 1, "offset": 2}
-    assert sorted(plain) == [1, 2, 3, 4]
-    seeds = TaskOrder(tasks=None, holdout=10, seed=0, offset=3, pending=[11])
-    assert seeds.take(2) == [11, 13]
-
-
 def test_task_order_without_a_task_list_counts_seeds_past_the_held_out_ones():
     order = TaskOrder(tasks=None, holdout=10, seed=0)
     assert order.take(3) == [10, 11, 12] and order.take(2) == [13, 14]

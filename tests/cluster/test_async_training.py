@@ -7,7 +7,6 @@ requests happen to batch (what makes η = 0 comparable bit for bit).
 """
 
 import asyncio
-import json
 import math
 import shutil
 import time
@@ -25,7 +24,6 @@ from agents.engines.base import Completion, Engine, SamplingParams
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import RolloutTree
 from agents.train import TaskOrder, _PipelinedSteps, _SynchronousSteps, train
-from agents.training.checkpoint import _STATE_JSON
 from agents.training.metrics import read_jsonl
 
 # -- the gate -----------------------------------------------------------------------------------
@@ -258,21 +256,17 @@ def test_tokens_are_counted_by_their_own_versions():
 
 
 class FakePool:
-    """A pool whose prompts' trees are given by task, each back at once unless the test holds it; the test sets its version."""
+    """A pool whose rollouts are given prompts, and whose version the test sets."""
 
-    def __init__(self, trees: dict[int, PromptTrees], held: set[int]) -> None:
-        self.trees, self.version, self.failures, self.reruns, self.sent = trees, 0, 0, 0, []
-        self.held = {task: asyncio.Event() for task in held}
+    def __init__(self, batches: dict[int, list[PromptTrees]]) -> None:
+        self.batches, self.version, self.failures, self.reruns, self.sent = batches, 0, 0, 0, []
 
-    async def rollout_prompt(self, index, task, seed):
-        self.sent.append((task, index, seed))
-        if task in self.held:
-            await self.held[task].wait()
-        return self.trees[task]
-
-    def release(self, *tasks: int) -> None:
-        for task in tasks:
-            self.held[task].set()
+    async def rollout(self, tasks, seed, on_branches=None):
+        self.sent.append(tuple(tasks))
+        prompts = self.batches[len(self.sent)]
+        for prompt in prompts:
+            on_branches(len(prompt.leaves))
+        return prompts
 
     def idle_seconds(self) -> float:
         return 0.0
@@ -284,83 +278,44 @@ class FakePool:
         return {}
 
 
-def leaves_of(paths) -> set[int]:
-    return {id(path.leaf) for path in paths}
-
-
-def leaves_of_tasks(trees: dict[int, PromptTrees], *tasks: int) -> set[int]:
-    return {id(leaf) for task in tasks for leaf in trees[task].leaves}
-
-
-async def test_a_step_takes_the_first_trees_back_and_drops_a_prompt_older_than_eta_versions(capsys):
+async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_eta_versions(capsys):
     config = TrainConfig(algo="grpo", steps=3, prompts_per_step=2, holdout=0, eval_questions=0, max_staleness=1)
     config.cluster = {"rollout_workers": 1}
     parts = build(config)
-    trees = {
-        0: prompt_with_versions(0, [0, 0, 0]),
-        1: prompt_with_versions(1, [0, 1, 1]),
-        2: prompt_with_versions(0, [0, 0, 0]),
-        3: prompt_with_versions(1, [0, 0, 0]),  # back after the second sync: 2 versions behind step 3's trainer
-        4: prompt_with_versions(0, [1, 1, 1]),
-        5: prompt_with_versions(1, [1, 2, 2]),
-        6: prompt_with_versions(0, [2, 2, 2]),  # sent in place of task 3
-    }
-    pool = FakePool(trees, held={1, 3, 5})
-    seed = [train_module.rollout_seed(config.seed, group) for group in range(5)]
-    steps = _PipelinedSteps(config, parts, pool, TaskOrder(None, holdout=0, seed=0), None, ahead=1)
+    pool = FakePool(
+        {
+            1: [prompt_with_versions(0, [0, 0, 0]), prompt_with_versions(1, [0, 0, 0])],
+            2: [prompt_with_versions(0, [0, 1, 1]), prompt_with_versions(1, [1, 1, 1])],
+            # Step 3 is trained at version 2: a first turn sampled at version 0 is 2 behind (dropped).
+            3: [prompt_with_versions(0, [0, 2, 2]), prompt_with_versions(1, [1, 2, 2])],
+        }
+    )
+    order = TaskOrder(None, holdout=0, seed=0)
+    steps = _PipelinedSteps(config, parts, pool, order, None, ahead=1)
     paths, metrics, position = await steps.batch(1)
-    # Steps 1 and 2's prompts go at once (1 version ahead); step 1 takes tasks 0 and 2, not task 1 still running.
-    assert pool.sent == [(0, 0, seed[1]), (1, 1, seed[1]), (2, 0, seed[2]), (3, 1, seed[2])]
-    assert leaves_of(paths) == leaves_of_tasks(trees, 0, 2)
-    assert position == {"epoch": 0, "offset": 4, "pending": [1, 3]}
-    assert metrics["async/staleness_0"] == 2 and metrics["async/groups_in_step"] == 2
-    assert metrics["async/trees_dropped"] == 0
-    pool.version = 1  # the trainer's sync, then the pipeline hears of it
+    assert pool.sent == [(0, 1), (2, 3)]  # steps 1 and 2 go at once: step 2 is at most 1 version behind
+    assert position == {"epoch": 0, "offset": 2} and len(paths) == 4
+    assert metrics["async/staleness_0"] == 2 and metrics["async/trees_dropped"] == 0
     steps.trained(1)
+    pool.version = 1
     await ticks()
-    assert pool.sent[4:] == [(4, 0, seed[3]), (5, 1, seed[3])]  # 3 steps' prompts out for a trainer at version 1
-    pool.release(1)
+    assert pool.sent[-1] == (4, 5)  # the trainer holds step 1's weights: step 3 may go
     paths, metrics, position = await steps.batch(2)
-    assert leaves_of(paths) == leaves_of_tasks(trees, 1, 4) and position == {"epoch": 0, "offset": 6, "pending": [3, 5]}
+    assert position == {"epoch": 0, "offset": 4}
     assert (metrics["async/staleness_0"], metrics["async/staleness_1"], metrics["async/staleness_max"]) == (1, 1, 1)
     assert metrics["async/staleness_mean"] == 0.5
-    # Tokens by versions behind: task 1's first turn (2 tokens) at version 0; the rest of 1 and 4 at 1.
+    # Tokens by versions behind: prompt 0's first turn (2 tokens) at version 0; the rest at 1.
     assert (metrics["async/tokens_stale_0"], metrics["async/tokens_stale_1"]) == (6, 2)
-    pool.version = 2
     steps.trained(2)
-    await ticks()
-    assert len(pool.sent) == 6  # the run's 3 steps need no more
-    pool.release(3, 5)
-    paths, metrics, position = await steps.batch(3)
-    assert pool.sent[6:] == [(6, 0, seed[4])]  # in place of task 3, dropped
+    pool.version = 2
+    paths, metrics, _ = await steps.batch(3)
     assert metrics["async/trees_dropped"] == 1 and metrics["async/staleness_1"] == 1
-    assert leaves_of(paths) == leaves_of_tasks(trees, 5, 6)
-    assert position == {"epoch": 0, "offset": 8, "pending": [7]}  # task 6's group (step 4's tasks) has one more
-    assert metrics["async/staleness_0"] == 1
-    assert metrics["async/version"] == 2
+    assert {path.leaf.version for path in paths} == {2} and len(paths) == 2  # prompt 1's leaves only
+    assert metrics["async/version"] == 2 and len(pool.sent) == 3
     await steps.close()
-    # Each step's bar (GRPO: 16 a prompt planned) counts the prompts back.
+    # Each step's bar (GRPO: 16 a prompt planned) counts the leaves back before the trainer waited (step 2's came with 1's).
     ends = [line for line in capsys.readouterr().err.splitlines() if " in 00:" in line]
-    assert [line.split(" in ")[0] for line in ends] == [f"rollout step {s}: 32/32 leaves" for s in (1, 2, 3)]
-
-
-async def test_a_step_fails_when_a_prompt_finds_no_worker_and_the_others_stop():
-    config = TrainConfig(algo="grpo", steps=2, prompts_per_step=2, holdout=0, eval_questions=0, max_staleness=1)
-    config.cluster = {"rollout_workers": 1}
-    pool = FakePool({0: prompt_with_versions(0, [0, 0])}, held={1, 2, 3})
-
-    async def broken(index, task, seed):
-        if task == 1:
-            raise RuntimeError("every rollout worker died (1 failures)")
-        return await FakePool.rollout_prompt(pool, index, task, seed)
-
-    pool.rollout_prompt = broken
-    steps = _PipelinedSteps(config, build(config), pool, TaskOrder(None, holdout=0, seed=0), None, ahead=1)
-    with pytest.raises(RuntimeError, match="every rollout worker died"):
-        await steps.batch(1)
-    running = [sent.trees for sent in steps.sent if not sent.trees.done()]  # tasks 2 and 3, held
-    await steps.close()
-    assert len(running) == 2 and all(future.cancelled() for future in running) and not steps.sent
+    assert [line.split(" in ")[0] for line in ends] == [f"rollout step {s}: 4/32 leaves" for s in (1, 2, 3)]
 
 
 # -- runs on a rollout worker ---------------------------------------------------------------------
@@ -486,7 +441,7 @@ async def test_max_staleness_1_trains_every_step_on_trees_at_most_one_version_ol
 
 
 @pytest.mark.slow
-async def test_an_asynchronous_run_resumes_at_its_checkpoint_with_the_tasks_not_yet_trained_on_and_its_versions(
+async def test_an_asynchronous_run_resumes_at_its_checkpoint_with_the_next_steps_tasks_and_versions(
     ray_local, tiny_model, tmp_path, monkeypatch
 ):
     trained_tasks: list[list[int]] = []
@@ -499,14 +454,9 @@ async def test_an_asynchronous_run_resumes_at_its_checkpoint_with_the_tasks_not_
     monkeypatch.setattr(train_module, "_credit", spy)
     config = run_config(tiny_model, max_staleness=1, checkpoint_every=1)
     first = await train(config, tmp_path / "run", progress=False, log=lambda note: None)
-    checkpoints = tmp_path / "run" / "checkpoints"
-    shutil.rmtree(checkpoints / "step_000003")  # as if stopped after step 2's checkpoint
-    position = json.loads((checkpoints / "step_000002" / _STATE_JSON).read_text())["data_position"]
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000003")  # as if stopped after step 2's checkpoint
     again = await train(config, tmp_path / "run", resume=True, progress=False, log=lambda note: None)
-    # The checkpoint kept the 3 tasks out but not trained on by step 2, in the order sent; the run's
-    # last step trained on them, and so does the resumed run's.
-    assert trained_tasks[3] == trained_tasks[2] == position["pending"]
-    assert len(set(trained_tasks[0] + trained_tasks[1] + trained_tasks[2])) == 9  # no task twice
+    assert trained_tasks[3] == trained_tasks[2]  # step 3's tasks again (step 4's, rolled out ahead, were not kept)
     assert [record["step"] for record in again.history] == [1, 2, 3]
     # Versions go on from the checkpoint: step 3 trains at version 2, as in the first run.
     assert again.history[2]["async/version"] == first.history[2]["async/version"] == 2
