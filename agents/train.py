@@ -534,7 +534,7 @@ class _PipelinedSteps:
                 self.bars[step].update(leaves)
 
         start = time.perf_counter()
-        prompts = await self.pool.rollout(tasks, rollout_seed(self.config.seed, step), back)
+        prompts = await self.pool.rollout(tasks, rollout_seed(self.config.seed, step), back, priority=step)
         return tasks, prompts, time.perf_counter() - start
 
     async def batch(self, step: int) -> tuple[list[TrainingPath], dict[str, float], dict[str, int]]:

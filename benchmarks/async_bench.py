@@ -213,6 +213,7 @@ class SimulatedEngine(ScriptedEngine):
     def __init__(self, batch: int = SIM_BATCH) -> None:
         super().__init__(lambda ids: list(range(100, 100 + SIM_TOKENS)), latency_s=SIM_TOKENS * SIM_TOKEN_LATENCY_S)
         self.batch = asyncio.Semaphore(batch)
+        self.max_batch_size = batch  # the worker's gate lets this many in, older steps' first
         self.loads: list[tuple[float, int]] = []  # (time, version) of each load in flight
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
+import heapq
+import itertools
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -47,7 +50,11 @@ from agents.rollout.episodes import task_episode
 from agents.rollout.strategies import PromptTrees, Strategy
 from agents.rollout.tree_loop import TreeConfig, planned_branches, rollout_trees
 
-__all__ = ["RolloutPool", "RolloutWorker", "VersionGate", "WorkerSpec"]
+__all__ = ["REQUEST_PRIORITY", "RolloutPool", "RolloutWorker", "VersionGate", "WorkerSpec"]
+
+#: The priority of the requests made in this context (lower goes first): a worker's rollouts set
+#: it to their step, so that when its engine is full the requests of older steps go first.
+REQUEST_PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar("request_priority", default=0)
 
 
 @dataclass
@@ -88,6 +95,13 @@ class VersionGate(Engine):
     its tokens' versions (``token_versions``) and ``weights_version`` is its oldest token's, the
     one the bound on staleness counts.
 
+    With ``capacity`` (the requests the engine decodes together, its ``max_batch_size``), the gate
+    lets at most that many into the engine and, when it is full, the waiting request with the
+    lowest :data:`REQUEST_PRIORITY` goes next (ties in arrival order). With rollouts of several
+    steps on one engine (``max_staleness`` ≥ 1) the older step's trees then finish first, as they
+    would alone, instead of sharing the batch turn by turn with the newer step's: the trainer waits
+    for them, and the next step may start only after they are trained on.
+
     :attr:`clock` counts the seconds the engine had at least one request in flight (the rest is
     its idle time: tool calls, waits for work, drains before a load). Everything else
     (``vocab_size``, ``model``, ``sleep``, ``close``, …) is the engine's own.
@@ -98,15 +112,21 @@ class VersionGate(Engine):
             await gate.engine.update_weights(state_dict)
     """
 
-    def __init__(self, engine: Engine, version: int = 0, *, inflight_updates: bool = False) -> None:
+    def __init__(
+        self, engine: Engine, version: int = 0, *, inflight_updates: bool = False, capacity: int | None = None
+    ) -> None:
         if inflight_updates and not engine.supports_inflight_updates:
             raise ValueError(
                 f"cluster.in_flight_updates=true needs an engine that loads weights while requests are in flight, "
                 f"and {type(engine).__name__} cannot (supports_inflight_updates is False): use HFEngine workers "
                 "(cluster.worker_engine=hf) or cluster.in_flight_updates=false"
             )
-        self.engine, self.version, self.inflight_updates = engine, version, inflight_updates
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"a VersionGate's capacity must be >= 1 (or None: no limit), got {capacity}")
+        self.engine, self.version, self.inflight_updates, self.capacity = engine, version, inflight_updates, capacity
         self.clock = BusyClock()
+        self._waiting: list[tuple[int, int]] = []  # (priority, arrival) of the requests held back, a heap
+        self._arrivals = itertools.count()
         self._pending = 0
         self._changed = asyncio.Condition()
         self._one_update = asyncio.Lock()
@@ -131,8 +151,14 @@ class VersionGate(Engine):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
         async with self._changed:
-            if not self.inflight_updates:
-                await self._changed.wait_for(lambda: not self._pending)
+            ticket = (REQUEST_PRIORITY.get(), next(self._arrivals))
+            heapq.heappush(self._waiting, ticket)
+            try:
+                await self._changed.wait_for(lambda: self._may_enter(ticket))
+            finally:
+                self._waiting.remove(ticket)
+                heapq.heapify(self._waiting)
+                self._changed.notify_all()  # the next in line may go (or another, when this one was cancelled)
             self.clock.enter()
             version = self.version
         try:
@@ -148,6 +174,12 @@ class VersionGate(Engine):
             completion.token_versions, version = list(resolved), min(resolved)
         completion.weights_version = version
         return completion
+
+    def _may_enter(self, ticket: tuple[int, int]) -> bool:
+        """Whether the request holding ``ticket`` may go into the engine now."""
+        if self._pending and not self.inflight_updates:
+            return False  # a load between requests is waiting for the engine to empty
+        return self._waiting[0] == ticket and (self.capacity is None or self.in_flight < self.capacity)
 
     @contextlib.asynccontextmanager
     async def updating(self, version: int) -> AsyncIterator[None]:
@@ -245,7 +277,9 @@ class RolloutWorker:
 
             engine = make_engine(spec.config, build(spec.config), None, log=lambda note: None)
         cluster = ClusterConfig.from_dict(spec.config.cluster)
-        self.engine = VersionGate(engine, inflight_updates=cluster.in_flight_updates)
+        self.engine = VersionGate(
+            engine, inflight_updates=cluster.in_flight_updates, capacity=getattr(engine, "max_batch_size", None)
+        )
         if "torch" in sys.modules:  # the engine computes with torch: its threads are this worker's share of the cores
             sys.modules["torch"].set_num_threads(spec.threads)
         self.tokenizer = load_tokenizer(spec.config.model)
@@ -269,17 +303,20 @@ class RolloutWorker:
             "supports_sleep": bool(getattr(self.engine, "supports_sleep", False)),
         }
 
-    async def rollout(self, index: int, task: int, seed: int) -> PromptTrees:
+    async def rollout(self, index: int, task: int, seed: int, priority: int = 0) -> PromptTrees:
         """The trees of ``task``, the batch's prompt number ``index``, under the rollout ``seed``.
 
-        Node environments are dropped before the trees leave the process.
+        Its requests carry ``priority`` (:data:`REQUEST_PRIORITY`; the pipeline gives each step's
+        its step number). Node environments are dropped before the trees leave the process.
         """
+        mark = REQUEST_PRIORITY.set(priority)  # the tasks of its tree inherit it
         episode = task_episode(self.env, task)
         try:
             tree = dataclasses.replace(self.spec.tree, seed=seed)
             (prompt,) = await rollout_trees(self.engine, [episode], self.spec.strategy, tree, indices=[index])
         finally:
             episode.env.close()
+            REQUEST_PRIORITY.reset(mark)
         for rollout_tree in prompt.trees:
             for node in [rollout_tree.root, *rollout_tree.nodes()]:
                 node.env = None
@@ -406,9 +443,17 @@ class RolloutPool:
     # ---- rollout ----------------------------------------------------------------------------
 
     async def rollout(
-        self, tasks: Sequence[int], seed: int, on_branches: Callable[[int], None] | None = None
+        self,
+        tasks: Sequence[int],
+        seed: int,
+        on_branches: Callable[[int], None] | None = None,
+        *,
+        priority: int = 0,
     ) -> list[PromptTrees]:
         """The trees of every task, in order; prompt ``i`` of the batch keeps index ``i``.
+
+        ``priority``: the workers' engines, when full, serve requests of a lower one first
+        (:class:`VersionGate`); the pipeline gives each step its step number.
 
         A prompt whose worker died goes to the least-loaded live worker (or waits for a
         restarted one); the step fails only when no worker is left. ``on_branches`` counts each
@@ -424,7 +469,7 @@ class RolloutPool:
                 worker = min((w for w in self.workers if w.live), key=lambda w: (w.prompts.count, w.rank))
                 index, task = pending.pop(0)
                 worker.prompts.enter()
-                ref = worker.handle.rollout.remote(index, task, seed)
+                ref = worker.handle.rollout.remote(index, task, seed, priority)
                 running[asyncio.ensure_future(_awaited(ref))] = (worker, index, task)
             revivals = [w.reviving for w in self.workers if w.reviving is not None]
             if not running and not revivals:

@@ -262,6 +262,8 @@ class VLLMEngine(Engine):
         self._synced = False
         args = AsyncEngineArgs(**{**settings, **dict(engine_args or {})})
         self.max_logprobs = max_logprobs
+        # The requests decoded together: a rollout worker's VersionGate holds the rest back, older steps' first.
+        self.max_batch_size: int | None = args.max_num_seqs or None
         self._request_ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="VLLMEngine-loop", daemon=True)
