@@ -149,6 +149,14 @@ class TrainConfig:
             the weights that sampled their oldest token are at most η versions behind the
             trainer's, and the trainer's objective is the decoupled one (``trainer.decoupled``,
             on unless set; it needs ``trainer.old_logprobs=recompute``). See :func:`agents.train.train`.
+        stream_update: At η ≥ 1 with one optimiser update a step (``trainer.mini_batches`` and
+            ``trainer.epochs`` 1), the trainer runs its forward and backward passes on each
+            prompt's trees as they come back, while the step's other prompts roll out, and only
+            the optimiser step waits for the step's last trees
+            (:meth:`~agents.training.trainer.Trainer.accumulate`): the same update up to rounding,
+            sooner. Off: the update starts when the whole step is back. Not used at η = 0 (the
+            synchronous run stays bit for bit), nor with more updates a step (each one after the
+            first would need every tree's π_old under the step's weights first).
         strategy, credit, loss, trainer, sampling, rollout, env_kwargs, engine_kwargs, cluster:
             hyper-parameter overrides (see the module docstring).
     """
@@ -171,6 +179,7 @@ class TrainConfig:
     keep_checkpoints: int | None = 2
     budget_reward: float | None = None
     max_staleness: int = 0
+    stream_update: bool = True
     strategy: dict[str, Any] = field(default_factory=dict)
     credit: dict[str, Any] = field(default_factory=dict)
     loss: dict[str, Any] = field(default_factory=dict)
@@ -194,8 +203,9 @@ class TrainConfig:
                 f"keep_checkpoints must be an int >= 1 (the newest checkpoint always stays), or None to keep "
                 f"every checkpoint; got {keep!r}"
             )
-        if not isinstance(self.eval_before, bool):
-            raise ValueError(f"eval_before must be true or false, got {self.eval_before!r}")
+        for name in ("eval_before", "stream_update"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.budget_reward is not None and not isinstance(self.budget_reward, (int, float)):
             raise ValueError(f"budget_reward must be a number or None, got {self.budget_reward!r}")
         if self.eval_questions > self.holdout:

@@ -47,7 +47,7 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -252,7 +252,13 @@ async def train(
         last_checkpoint = checkpoint
         if parts.cluster.rollout_workers:  # at η = 0 the synchronous steps, with the workers' idle time measured
             batches: _SynchronousSteps | _PipelinedSteps = _PipelinedSteps(
-                config, parts, rollout, order, progress, ahead=config.max_staleness
+                config,
+                parts,
+                rollout,
+                order,
+                progress,
+                ahead=config.max_staleness,
+                accumulate=_streamed(config, trainer),
             )
         else:
             batches = _SynchronousSteps(config, parts, rollout, order, progress)
@@ -415,26 +421,31 @@ async def _rollout(
     start = time.perf_counter()
     prompts = await rollout.rollout(tasks, seed, on_branches)
     seconds = time.perf_counter() - start
-    return _credit(rollout, parts, tasks, prompts, seconds, budget_reward)
+    paths = _credit(parts, prompts, budget_reward)
+    return paths, _rollout_record(rollout, tasks, prompts, seconds, len(paths))
 
 
-def _credit(
-    rollout: Any,
-    parts: RunParts,
-    tasks: list[int],
-    prompts: list[PromptTrees],
-    seconds: float,
-    budget_reward: float | None,
-) -> tuple[list[TrainingPath], dict[str, float]]:
-    """Step 3: credit for the finished trees of ``prompts`` (rolled out in ``seconds``), and the rollout's metrics."""
-    cut = [leaf for prompt in prompts for leaf in prompt.leaves if leaf.info.get("status") == "budget"]
+def _credit(parts: RunParts, prompts: list[PromptTrees], budget_reward: float | None) -> list[TrainingPath]:
+    """Step 3: the training paths of the finished trees of ``prompts``, each prompt's credit on its own trees."""
     if budget_reward is not None:
-        for leaf in cut:  # no answer: what the environment's reward gives an unanswered episode
+        for leaf in _budget_cut(prompts):  # no answer: what the environment's reward gives an unanswered episode
             leaf.reward = float(budget_reward)
     paths: list[TrainingPath] = []
     for prompt in prompts:
         if prompt.leaves:
             paths += parts.learner.assign_credit(prompt.trees)
+    return paths
+
+
+def _budget_cut(prompts: list[PromptTrees]) -> list[Any]:
+    """The leaves that the token budget ended before the environment did."""
+    return [leaf for prompt in prompts for leaf in prompt.leaves if leaf.info.get("status") == "budget"]
+
+
+def _rollout_record(
+    rollout: Any, tasks: list[int], prompts: list[PromptTrees], seconds: float, paths: int
+) -> dict[str, float]:
+    """The rollout's metrics of ``prompts`` (rolled out in ``seconds``, giving ``paths`` training paths)."""
     if not paths:
         errors = [error for prompt in prompts for error in _errors(prompt)]
         raise RuntimeError(
@@ -443,14 +454,16 @@ def _credit(
         )
     metrics = rollout_metrics(prompts, seconds)
     metrics["rollout/prompts_without_leaves"] = float(sum(not prompt.leaves for prompt in prompts))
-    metrics["rollout/budget_cut_frac"] = len(cut) / max(1, sum(len(prompt.leaves) for prompt in prompts))
+    metrics["rollout/budget_cut_frac"] = len(_budget_cut(prompts)) / max(
+        1, sum(len(prompt.leaves) for prompt in prompts)
+    )
     leaves = [leaf for prompt in prompts for leaf in prompt.leaves]
     if any("grade" in leaf.info for leaf in leaves):  # the env grades answers; a leaf without one gave none
         grades = [leaf.info.get("grade", {}) for leaf in leaves]
         metrics["reward/em"] = statistics.fmean(float(grade.get("em", 0.0)) for grade in grades)
         metrics["reward/format_ok"] = statistics.fmean(float(grade.get("format_ok", False)) for grade in grades)
     metrics.update(rollout.metrics())
-    return paths, metrics
+    return metrics
 
 
 class _SynchronousSteps:
@@ -491,6 +504,11 @@ class _PipelinedSteps:
     whose oldest token is more than η versions behind the trainer's are dropped (counted in
     ``async/trees_dropped``); the rule above admits none, so this guards the bound.
 
+    With ``accumulate`` (the trainer's :meth:`~agents.training.trainer.Trainer.accumulate`;
+    ``stream_update`` at η ≥ 1) each prompt's trees go to the trainer's forward and backward
+    passes as soon as they are back and the trainer is free, while the rest of the step rolls
+    out; :meth:`batch` then returns no paths, and the trainer's step takes the optimiser step.
+
     With ``ahead = 0`` the steps are the synchronous ones, in the same order on the same weights
     (tested against :class:`_SynchronousSteps`).
     """
@@ -503,10 +521,13 @@ class _PipelinedSteps:
         order: TaskOrder,
         progress: bool | None,
         ahead: int,
+        accumulate: Callable[[list[TrainingPath]], Awaitable[None]] | None = None,
     ) -> None:
         self.config, self.parts, self.pool, self.order, self.ahead = config, parts, rollout, order, ahead
         self.progress, self.planned = progress, planned_branches(parts.learner.strategy, parts.tree)
+        self.accumulate = accumulate
         self.running: dict[int, asyncio.Future[tuple[list[int], list[PromptTrees], float]]] = {}
+        self.arrivals: dict[int, asyncio.Queue[PromptTrees]] = {}  # each running step's trees back so far
         self.leaves: dict[int, int] = {}  # each running step's leaves back so far
         self.bars: dict[int, Any] = {}  # the progress bar of the step the trainer waits for
         self.positions: dict[int, dict[str, int]] = {}
@@ -524,6 +545,7 @@ class _PipelinedSteps:
             tasks = self.order.take(self.config.prompts_per_step)
             self.positions[step] = self.order.position()
             self.leaves[step] = 0
+            self.arrivals[step] = asyncio.Queue()
             self.running[step] = asyncio.ensure_future(self._roll(step, tasks))
             self.next_step += 1
 
@@ -533,47 +555,104 @@ class _PipelinedSteps:
             if step in self.bars:
                 self.bars[step].update(leaves)
 
+        def arrived(_: int, prompt: PromptTrees) -> None:
+            self.arrivals[step].put_nowait(prompt)
+
         start = time.perf_counter()
-        prompts = await self.pool.rollout(tasks, rollout_seed(self.config.seed, step), back, priority=step)
+        on_prompt = arrived if self.accumulate is not None else None
+        prompts = await self.pool.rollout(
+            tasks, rollout_seed(self.config.seed, step), back, priority=step, on_prompt=on_prompt
+        )
         return tasks, prompts, time.perf_counter() - start
 
     async def batch(self, step: int) -> tuple[list[TrainingPath], dict[str, float], dict[str, int]]:
-        """Step ``step``'s paths and metrics (the trainer holds step ``step − 1``'s weights, synced)."""
+        """Step ``step``'s paths and metrics (the trainer holds step ``step − 1``'s weights, synced).
+
+        With ``accumulate`` the paths went to the trainer as they came back and none are returned.
+        """
         if self.next_step is None:
             self.next_step = step
             self.engine_idle_mark = await self.pool.engine_idle_seconds()
         self._send(step + self.ahead)
+        version = self.pool.version  # the trainer's weights: the pool's latest sync
+        taken = _Taken()
         wait_start = time.perf_counter()
         total = None if self.planned is None else self.planned * self.config.prompts_per_step
         with progress_bar(
             f"rollout step {step}", total, unit="leaves", initial=self.leaves[step], leave=False, show=self.progress
         ) as self.bars[step]:
+            busy = await self._stream(step, version, taken) if self.accumulate is not None else 0.0
             tasks, prompts, seconds = await self.running.pop(step)
         del self.bars[step], self.leaves[step]
+        arrivals = self.arrivals.pop(step)
         ready = time.perf_counter()
-        version = self.pool.version  # the trainer's weights: the pool's latest sync
-        behind = [version - _oldest_version(prompt, version) for prompt in prompts]
-        # the staleness bound, docs/algorithms.md eq. 78: a prompt's trees are kept or dropped whole
-        fresh = [(prompt, stale) for prompt, stale in zip(prompts, behind) if stale <= self.ahead]
-        if not fresh:
+        if self.accumulate is None:
+            self._take(prompts, version, taken)
+        else:  # the trees that came back while the trainer ran the last passes
+            await self._pass_on([arrivals.get_nowait() for _ in range(arrivals.qsize())], version, taken)
+            busy += time.perf_counter() - ready
+            ready = time.perf_counter()
+        if not taken.kept:
             raise RuntimeError(
                 f"every prompt of step {step} was sampled more than max_staleness={self.ahead} weight versions "
                 f"before the trainer's ({version}); no tree is left to train on"
             )
-        kept = [prompt for prompt, _ in fresh]
-        paths, metrics = _credit(self.pool, self.parts, tasks, kept, seconds, self.config.budget_reward)
-        metrics.update(_staleness_metrics(kept, [stale for _, stale in fresh], version, self.ahead))
-        metrics["async/trees_dropped"] = float(len(prompts) - len(fresh))
+        metrics = _rollout_record(self.pool, tasks, taken.kept, seconds, taken.count)
+        metrics.update(_staleness_metrics(taken.kept, taken.staleness, version, self.ahead))
+        metrics["async/trees_dropped"] = float(len(prompts) - len(taken.kept))
+        if self.accumulate is not None:
+            metrics["async/paths_streamed_frac"] = taken.streamed / max(taken.count, 1)
         idle, engine_idle = self.pool.idle_seconds(), await self.pool.engine_idle_seconds()
         metrics["time/worker_idle_s"] = idle - self.idle_mark
         metrics["time/engine_idle_s"] = engine_idle - self.engine_idle_mark
-        metrics["time/trainer_idle_s"] = ready - wait_start
+        metrics["time/trainer_idle_s"] = ready - wait_start - busy
         metrics["time/cycle_s"] = ready - self.cycle_start
         metrics["cluster/worker_failures"] = float(self.pool.failures - self.failures_mark)
         metrics["cluster/prompts_rerun"] = float(self.pool.reruns - self.reruns_mark)
         self.cycle_start, self.idle_mark, self.engine_idle_mark = ready, idle, engine_idle
         self.failures_mark, self.reruns_mark = self.pool.failures, self.pool.reruns
-        return paths, metrics, self.positions.pop(step)
+        return taken.paths, metrics, self.positions.pop(step)
+
+    async def _stream(self, step: int, version: int, taken: _Taken) -> float:
+        """Pass step ``step``'s trees to the trainer as they come back, until the last is; the seconds it was busy."""
+        arrivals, rollout, busy = self.arrivals[step], self.running[step], 0.0
+        while not rollout.done():
+            next_one: asyncio.Future[Any] = asyncio.ensure_future(arrivals.get())
+            await asyncio.wait([next_one, rollout], return_when=asyncio.FIRST_COMPLETED)
+            if not next_one.done():  # the last trees came back with no one waiting: batch() takes them
+                next_one.cancel()
+                break
+            early = not rollout.done()  # these passes start before the step's last trees are back
+            start = time.perf_counter()
+            prompts = [next_one.result()] + [arrivals.get_nowait() for _ in range(arrivals.qsize())]
+            await self._pass_on(prompts, version, taken)
+            busy += time.perf_counter() - start
+            if early:
+                taken.streamed = taken.count
+        return busy
+
+    async def _pass_on(self, prompts: list[PromptTrees], version: int, taken: _Taken) -> None:
+        """The trainer's passes on the kept trees of ``prompts``."""
+        assert self.accumulate is not None
+        paths = self._take(prompts, version, taken)
+        if paths:
+            await self.accumulate(paths)
+
+    def _take(self, prompts: list[PromptTrees], version: int, taken: _Taken) -> list[TrainingPath]:
+        """The paths of ``prompts`` whose trees are fresh enough (added to ``taken``); the others dropped."""
+        fresh: list[PromptTrees] = []
+        for prompt in prompts:
+            # the staleness bound, docs/algorithms.md eq. 78: a prompt's trees are kept or dropped whole
+            stale = version - _oldest_version(prompt, version)
+            if stale <= self.ahead:
+                fresh.append(prompt)
+                taken.staleness.append(stale)
+        paths = _credit(self.parts, fresh, self.config.budget_reward)
+        taken.kept += fresh
+        taken.count += len(paths)
+        if self.accumulate is None:
+            taken.paths += paths
+        return paths
 
     def trained(self, step: int) -> None:
         """The trainer has updated on step ``step`` and synced the engines: the steps up to ``step + 1 + η`` may go."""
@@ -586,6 +665,26 @@ class _PipelinedSteps:
             future.cancel()
         await asyncio.gather(*self.running.values(), return_exceptions=True)
         self.running.clear()
+
+
+@dataclass
+class _Taken:
+    """What :class:`_PipelinedSteps` has taken of a step so far: the kept prompts, their staleness,
+    their paths (or, when streamed, how many went to the trainer before the step's last trees were back)."""
+
+    kept: list[PromptTrees] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    paths: list[TrainingPath] = field(default_factory=list)
+    count: int = 0
+    streamed: int = 0
+
+
+def _streamed(
+    config: TrainConfig, trainer: Trainer | TrainerGroup
+) -> Callable[[list[TrainingPath]], Awaitable[None]] | None:
+    """The trainer's ``accumulate`` when the run streams each prompt's trees to it (``stream_update``)."""
+    one_update = trainer.config.mini_batches == trainer.config.epochs == 1
+    return trainer.accumulate if config.max_staleness and config.stream_update and one_update else None
 
 
 def _oldest_version(prompt: PromptTrees, default: int) -> int:

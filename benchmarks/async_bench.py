@@ -61,12 +61,19 @@ SIM_PROMPTS_PER_STEP = 16  # two a worker
 SIM_TOKENS, SIM_TOKEN_LATENCY_S = 100, 0.01  # 1 s a turn
 SIM_MAX_TURNS = 6
 SIM_BATCH = 8  # requests an engine runs at once: one step's 2 prompts x 4 chains
+SIM_PATHS_PER_STEP = SIM_PROMPTS_PER_STEP * 4  # GRPO, 4 chains a prompt
+# The optimiser step's share of an update (the rest is the passes over the paths); measured on the
+# cpu-demo: AdamW and the clip take about a tenth of its update.
+SIM_OPTIMIZER_SHARE = 0.1
 
 
-def _runs(etas: Sequence[int], in_flight: bool) -> list[tuple[str, int, bool]]:
-    """(label, η, in-flight loads) of each run: every η, and with ``in_flight`` each η ≥ 1 again with them."""
-    runs = [(str(eta), eta, False) for eta in etas]
-    return runs + [(f"{eta}+", eta, True) for eta in etas if eta and in_flight]
+def _runs(etas: Sequence[int], in_flight: bool, whole: bool) -> list[tuple[str, int, bool, bool]]:
+    """(label, η, in-flight loads, streamed update) of each run: every η (its update streamed when η ≥ 1),
+    with ``in_flight`` each η ≥ 1 again with them (``η+``), with ``whole`` each η ≥ 1 again with
+    the update waiting for the whole step (``η whole``, ``stream_update=false``)."""
+    runs = [(str(eta), eta, False, True) for eta in etas]
+    runs += [(f"{eta}+", eta, True, True) for eta in etas if eta and in_flight]
+    return runs + [(f"{eta} whole", eta, False, False) for eta in etas if eta and whole]
 
 
 def _run_steps(etas: Sequence[int], measured: int) -> int:
@@ -74,7 +81,7 @@ def _run_steps(etas: Sequence[int], measured: int) -> int:
     return 1 + 2 * max(etas) + measured
 
 
-def _timing(history: list[dict[str, float]], measured: int, fill: int) -> dict[str, float]:
+def _timing(history: list[dict[str, float]], measured: int, fill: int) -> dict[str, Any]:
     """Steps per hour and idle fractions over steps ``fill + 2`` … ``fill + measured + 1`` of a run.
 
     The steady state, the same steps at every η, with ``fill = max(η)``: steps 1 … η + 1 start
@@ -113,7 +120,7 @@ def _pace(row: dict[str, Any]) -> list[float]:
 # -- (a) the real model -------------------------------------------------------------------------
 
 
-async def _real(results: dict[str, Any], etas: list[int], in_flight: bool, measured: int) -> None:
+async def _real(results: dict[str, Any], etas: list[int], in_flight: bool, whole: bool, measured: int) -> None:
     import torch
 
     from agents.train import train
@@ -122,7 +129,7 @@ async def _real(results: dict[str, Any], etas: list[int], in_flight: bool, measu
     rows = {}
     steps = _run_steps(etas, measured)
     with tempfile.TemporaryDirectory() as folder:
-        for label, eta, loads_in_flight in _runs(etas, in_flight):
+        for label, eta, loads_in_flight, streamed in _runs(etas, in_flight, whole):
             config = resolve(
                 preset_name="cpu-demo",
                 values={
@@ -131,6 +138,7 @@ async def _real(results: dict[str, Any], etas: list[int], in_flight: bool, measu
                     "model": DEFAULT_MODEL,
                     "steps": steps,
                     "max_staleness": eta,
+                    "stream_update": streamed,
                     "eval_before": False,
                     "eval_every": steps,
                     "eval_questions": REAL_EVAL_QUESTIONS,
@@ -247,8 +255,28 @@ class _SimulatedEngines:
         return SimulatedEngine(self.batch)
 
 
+class _SimulatedTrainer:
+    """A trainer whose update takes ``update_s`` a step: ``SIM_OPTIMIZER_SHARE`` of it the optimiser
+    step, the rest the passes, spread evenly over the step's paths (those :meth:`accumulate` got run
+    while the step rolls out, as ``Trainer.accumulate``'s do)."""
+
+    def __init__(self, update_s: float) -> None:
+        self.update_s, self.accumulated = update_s, 0
+
+    async def accumulate(self, paths: list[Any]) -> None:
+        self.accumulated += len(paths)
+        await asyncio.sleep(self._passes_s(len(paths)))
+
+    async def step(self, rest: list[Any]) -> None:
+        self.accumulated = 0
+        await asyncio.sleep(self._passes_s(len(rest)) + SIM_OPTIMIZER_SHARE * self.update_s)
+
+    def _passes_s(self, paths: int) -> float:
+        return (1 - SIM_OPTIMIZER_SHARE) * self.update_s * paths / SIM_PATHS_PER_STEP
+
+
 async def _simulated(
-    results: dict[str, Any], etas: list[int], shares: list[float], batch: int, in_flight: bool
+    results: dict[str, Any], etas: list[int], shares: list[float], batch: int, in_flight: bool, whole: bool
 ) -> None:
     import torch
 
@@ -258,10 +286,10 @@ async def _simulated(
     steps = _run_steps(etas, SIM_MEASURED)
     ensure_ray("local", processes=SIM_WORKERS)
     weights = {"w": torch.zeros(4)}
-    runs = _runs(etas, in_flight)
+    runs = _runs(etas, in_flight, whole)
     rows: dict[float, dict[str, Any]] = {share: {} for share in shares}
     rollout_s = None
-    for loads_in_flight in dict.fromkeys(loads for _, _, loads in runs):  # one pool of workers per kind of load
+    for loads_in_flight in dict.fromkeys(loads for _, _, loads, _ in runs):  # one pool of workers per kind of load
         config = resolve(
             values={
                 "algo": "grpo",
@@ -291,16 +319,18 @@ async def _simulated(
                 )  # warm-up, and a synchronous rollout's duration
                 rollout_s = time.perf_counter() - start
             for share in shares:
-                for label, eta, loads in runs:
+                for label, eta, loads, streamed in runs:
                     if loads != loads_in_flight:
                         continue
                     config.max_staleness = eta
                     order = TaskOrder(None, holdout=0, seed=0)
-                    pipeline = _PipelinedSteps(config, parts, pool, order, False, ahead=eta)
+                    trainer = _SimulatedTrainer(share * rollout_s)
+                    accumulate = trainer.accumulate if eta and streamed else None
+                    pipeline = _PipelinedSteps(config, parts, pool, order, False, ahead=eta, accumulate=accumulate)
                     history = []
                     for step in range(1, steps + 1):
-                        _, metrics, _ = await pipeline.batch(step)
-                        await asyncio.sleep(share * rollout_s)  # the trainer's update
+                        paths, metrics, _ = await pipeline.batch(step)
+                        await trainer.step(paths)
                         await pool.update_weights(weights)
                         pipeline.trained(step)
                         history.append(metrics)
@@ -315,7 +345,7 @@ async def _simulated(
         base = rows[share][str(etas[0])]["steps_per_hour"]
         for row in rows[share].values():
             row["ratio"] = row["steps_per_hour"] / base
-        ordered = {label: rows[share][label] for label, _, _ in runs}
+        ordered = {label: rows[share][label] for label, _, _, _ in runs}
         settings.append({"update_share": share, "update_s": share * rollout_s, "rows": ordered})
     results["simulated"] = {
         "settings": settings,
@@ -374,6 +404,11 @@ def main() -> None:
     parser.add_argument(
         "--in-flight", action="store_true", help="also run each η >= 1 with cluster.in_flight_updates (label η+)"
     )
+    parser.add_argument(
+        "--whole",
+        action="store_true",
+        help="also run each η >= 1 with the update waiting for the whole step (stream_update=false; label 'η whole')",
+    )
     args = parser.parse_args()
     parts = args.parts.split(",")
     etas = [int(value) for value in args.etas.split(",")]
@@ -381,9 +416,9 @@ def main() -> None:
     start = time.perf_counter()
     if "simulated" in parts:
         shares = [float(value) for value in args.update_shares.split(",")]
-        asyncio.run(_simulated(results, etas, shares, args.engine_batch, args.in_flight))
+        asyncio.run(_simulated(results, etas, shares, args.engine_batch, args.in_flight, args.whole))
     if "real" in parts:
-        asyncio.run(_real(results, etas, args.in_flight, args.real_steps))
+        asyncio.run(_real(results, etas, args.in_flight, args.whole, args.real_steps))
     results["seconds"] = time.perf_counter() - start
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

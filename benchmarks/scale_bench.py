@@ -108,18 +108,18 @@ async def _real(results: dict[str, Any]) -> None:
         row["rollout_s"] = statistics.median(row["rollout_s_runs"])
         row["tokens_per_s"] = row["tokens"] / row["rollout_s"]
     # One trainer update of such a batch (the same in every layout: the trainer runs in the driver).
-    paths, metrics = await _rollout(pool, parts, REAL_TASKS, REAL_SEED, config.budget_reward)
+    paths, metrics = await _rollout(pool, parts, REAL_TASKS, REAL_SEED, config.budget_reward, lambda _: None)
     trainer = Trainer(config.model, dataclasses.replace(parts.trainer, progress=False))
     trainer.engine = pool
     record = await trainer.step(paths, metrics)
     update_s, sync_s = record["time/old_logprobs_s"] + record["time/update_s"], record["time/sync_s"]
     await pool.close()
     single = rows["single process"]
-    table = []
+    lines = []
     for name, row in rows.items():
         row["ratio_to_single"] = row["tokens_per_s"] / single["tokens_per_s"]
         row["steps_per_hour"] = 3600 / (row["rollout_s"] + update_s + (0 if name == "single process" else sync_s))
-        table.append(
+        lines.append(
             [name, row["tokens"], row["rollout_s"], row["tokens_per_s"], row["ratio_to_single"], row["steps_per_hour"]]
         )
     results["real"] = {"rows": rows, "update_s": update_s, "sync_s": sync_s, "tasks": REAL_TASKS}
@@ -127,7 +127,7 @@ async def _real(results: dict[str, Any]) -> None:
         table(
             f"(a) real model on CPU: {len(REAL_TASKS)} cpu-demo AT2PO prompts; update {update_s:.1f} s, sync {sync_s:.2f} s",
             ["layout", "tokens", "rollout s", "tokens/s", "x single", "steps/h"],
-            table,
+            lines,
         )
     )
 

@@ -449,11 +449,13 @@ class RolloutPool:
         on_branches: Callable[[int], None] | None = None,
         *,
         priority: int = 0,
+        on_prompt: Callable[[int, PromptTrees], None] | None = None,
     ) -> list[PromptTrees]:
         """The trees of every task, in order; prompt ``i`` of the batch keeps index ``i``.
 
         ``priority``: the workers' engines, when full, serve requests of a lower one first
-        (:class:`VersionGate`); the pipeline gives each step its step number.
+        (:class:`VersionGate`); the pipeline gives each step its step number. ``on_prompt(i,
+        trees)`` is called as each prompt's trees come back (the pipeline streams them to the trainer).
 
         A prompt whose worker died goes to the least-loaded live worker (or waits for a
         restarted one); the step fails only when no worker is left. ``on_branches`` counts each
@@ -487,6 +489,8 @@ class RolloutPool:
                     results[index] = future.result()
                     if on_branches is not None:
                         on_branches(self._planned if self._planned is not None else len(results[index].leaves))
+                    if on_prompt is not None:
+                        on_prompt(index, results[index])
                 except _lost_worker_errors(self._ray) as error:
                     pending.append((index, task))
                     self.reruns += 1

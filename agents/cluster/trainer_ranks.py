@@ -98,6 +98,9 @@ class _Rank:
     def step(self, paths: Sequence[Any], rollout_metrics: Mapping[str, float] | None) -> dict[str, float]:
         return asyncio.run(self._trainer().step(paths, rollout_metrics))
 
+    def accumulate(self, paths: Sequence[Any]) -> None:
+        asyncio.run(self._trainer().accumulate(paths))
+
     def open_steps_bar(self) -> None:
         self._trainer().open_steps_bar()
 
@@ -210,6 +213,11 @@ class TrainerGroup:
             await self.engine.wake_up()
         await self.sync_weights()
         return records[0]
+
+    async def accumulate(self, paths: Sequence[Any]) -> None:
+        """The next step's passes on part of its batch, on every rank (:meth:`agents.training.trainer.Trainer.accumulate`)."""
+        part = self._ray.put(list(paths))
+        await self._collect_async([a.accumulate.remote(part) for a in self._actors])
 
     def open_steps_bar(self) -> None:
         """Show rank 0's ``train`` bar now (:meth:`agents.training.trainer.Trainer.open_steps_bar`)."""

@@ -318,10 +318,10 @@ def sft_loss(
     micro-batches by action tokens (docs/algorithms.md eq. 58), so an update's loss and gradient are
     those of the mean NLL over every action token of the batch. The optional KL and entropy terms
     are the other losses' (eqs. 50, 51), off by default. Extra metric: ``nll`` (equal to
-    ``pg_loss``). Formula: docs/algorithms.md "Supervised cold start" (eq. 79).
+    ``pg_loss``). Formula: docs/algorithms.md "Supervised cold start" (eq. 80).
     """
     mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy)
-    nll = aggregate(-logprobs, mask, agg)  # docs/algorithms.md eq. 79
+    nll = aggregate(-logprobs, mask, agg)  # docs/algorithms.md eq. 80
     metrics = {"nll": nll.item()}
     return _with_regularizers(nll, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 

@@ -16,6 +16,10 @@ One :meth:`Trainer.step` (read :meth:`Trainer._update` top to bottom):
 6. metrics (:mod:`agents.training.metrics`), merged with the caller's rollout numbers, to JSONL and
    the reporters of ``report_to`` (TensorBoard, W&B).
 
+A batch that arrives in parts (asynchronous training, each prompt's trees as they come back) goes
+through :meth:`Trainer.accumulate` part by part, its passes run at once, and the step that brings
+the rest takes the one optimiser step.
+
 Every hyper-parameter is a field of :class:`TrainerConfig` with its default and source.
 
 Example::
@@ -221,6 +225,7 @@ class Trainer:
         self._passes: defaultdict[str, int] = defaultdict(int)  # what the step's update passes forwarded
         self._last_pass: dict[str, int] = {}
         self._steps_bar: Any = None  # the ``train`` bar (progress_bar), opened by open_steps_bar
+        self._accumulated: _StepWork | None = None  # the next step's passes so far (accumulate)
 
     @property
     def engine(self) -> Any:
@@ -263,14 +268,17 @@ class Trainer:
 
         Args:
             paths: the batch's training paths (or an already collated :class:`PathBatch`),
-                with advantages from credit assignment and the sampler's log-probs.
+                with advantages from credit assignment and the sampler's log-probs. After
+                :meth:`accumulate`, the batch's remaining paths (possibly none).
             rollout_metrics: the caller's numbers for this batch, merged into the record, for
                 instance ``time/rollout_s`` and ``tokens/generated`` (see :mod:`agents.training.metrics`)
                 or ``reward/em``; names must differ from the trainer's own.
         """
         rollout_metrics = _checked_rollout_metrics(rollout_metrics or {})
         self.open_steps_bar()
-        batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
+        batch = None if not _size(paths) else paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
+        if batch is None and self._accumulated is None:
+            raise ValueError("Trainer.step got no paths and none were accumulated: there is nothing to train on")
         if self.metrics is None:  # before the update, so that a folder holding another run fails first
             self.metrics = self._open_metrics(resume_step=None)
         sleeps = self.config.sleep_engine and bool(getattr(self.engine, "supports_sleep", False))
@@ -281,7 +289,11 @@ class Trainer:
             await self.engine.sleep(level=1 if self.config.lora_rank else 2)
         time_sleep = time.perf_counter() - start
         # The update runs in a worker thread so the event loop (and a shared engine) keeps going.
-        metrics = await asyncio.to_thread(self._update, batch)
+        if self._accumulated is None:
+            assert batch is not None
+            metrics = await asyncio.to_thread(self._update, batch)
+        else:
+            metrics = await asyncio.to_thread(self._finish_accumulated, batch)
         start = time.perf_counter()
         if sleeps:
             self.optimizer.zero_grad(set_to_none=True)  # the engine's KV cache takes their memory
@@ -298,17 +310,33 @@ class Trainer:
         self._advance_steps_bar(record)
         return record
 
+    async def accumulate(self, paths: Sequence[TrainingPath] | PathBatch) -> None:
+        """Run the next step's forward and backward passes on part of its batch now.
+
+        For a batch that arrives in parts (asynchronous training streams each prompt's trees
+        as they come back): the parts' gradients add up, and :meth:`step` with the rest of the
+        batch (possibly nothing) takes the one optimiser step. The update is the one of
+        ``step(all paths)`` up to rounding: each part's loss is weighted by its loss units (the
+        action tokens under token-mean) and the sum divided by the
+        whole batch's once it is known (docs/algorithms.md eq. 79). Needs one optimiser update a step
+        (``mini_batches = epochs = 1``): every later one would need the whole batch's π_old first.
+        """
+        cfg = self.config
+        if cfg.mini_batches != 1 or cfg.epochs != 1:
+            raise ValueError(
+                f"Trainer.accumulate needs one optimiser update a step, but mini_batches={cfg.mini_batches} and "
+                f"epochs={cfg.epochs}: set both to 1, or hand the whole batch to Trainer.step"
+            )
+        if not _size(paths):
+            return
+        batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
+        self._accumulated = await asyncio.to_thread(self._accumulate, batch, self._accumulated)
+
     def _update(self, batch: PathBatch) -> dict[str, float]:
         """Steps 2-4 of the module docstring on one collated batch; returns the trainer's metrics."""
         cfg = self.config
-        batch = batch.to(self.device)
-        mask = batch.mask.bool()
+        batch = self._on_device(batch)
         n = batch.ids.shape[0]
-        if mask[:, 0].any():
-            raise ValueError(
-                "a path starts with an action token, which has no context to be scored from; "
-                "every path must start with at least one prompt token"
-            )
         if cfg.mini_batches > n:
             raise ValueError(f"mini_batches={cfg.mini_batches} but the batch has only {n} sequences")
         lengths = batch.attention_mask.sum(-1)
@@ -324,118 +352,203 @@ class Trainer:
             leave=False,
             show=self._shows_progress,
         )
-        mismatch = _Mismatch()
+        work = _StepWork(batch)
         self._passes = defaultdict(int)
-
         # 2-3. Old log-probs: the current policy before this step's updates, and the reference's.
-        start = time.perf_counter()
-        old_logprobs = batch.old_logprobs
-        if cfg.old_logprobs == "recompute":
-            old_logprobs = self._score(self.model, batch)
-            mismatch.add(old_logprobs, batch.old_logprobs, mask)
-        ref_logprobs = None
-        if self._uses_reference:
-            with self._reference_policy() as reference:
-                ref_logprobs = self._score(reference, batch)
-        time_old = time.perf_counter() - start
+        old_logprobs, ref_logprobs = self._old_and_reference(batch, work)
 
         # 4. Updates: one optimiser step per mini-batch, gradients accumulated over its micro-batches.
         start = time.perf_counter()
-        # A_t ← w_t · A_t when shared turns are trained once (docs/algorithms.md eq. 35)
-        advantages = batch.advantages * batch.weights if cfg.dedup_shared_turns else batch.advantages
-        # The loss averages over action tokens (token-mean) or sequences (the seq-mean modes); a
-        # micro-batch's loss is weighted by its share of the mini-batch's, so that accumulating
-        # micro-batches gives the gradient of the whole mini-batch at once (docs/algorithms.md eq. 58).
-        units = mask.sum(-1) if self._token_weighted else (mask.sum(-1) > 0)  # u_j of docs/algorithms.md eq. 58
-        loss_metrics, optim = _LossMetrics(), defaultdict(list)
+        units = self._loss_units(batch)
         for epoch in range(cfg.epochs):
             for update, mini_batch in enumerate(micro_batches):
                 self.optimizer.zero_grad(set_to_none=True)
                 total = sum(int(units[rows].sum()) for rows in mini_batch)  # over the whole mini-batch, every rank
                 for rows, real in passes[update]:
-                    width = int(batch.attention_mask[rows].sum(-1).max())  # trim the batch's padding
-                    cut = (rows, slice(0, width))
-                    with self._checkpointing():
-                        logprobs, entropy = self._forward(
-                            self.model,
-                            batch.ids[cut],
-                            batch.attention_mask[cut],
-                            entropy_grad=cfg.entropy_coef > 0,
-                            scored=batch.mask[cut],
-                        )
-                    assert entropy is not None  # _forward computes the entropy unless asked not to (entropy=False)
-                    if real:
-                        for name, count in self._last_pass.items():
-                            self._passes[name] += count
-                    if cfg.old_logprobs == "sampler" and epoch == update == 0 and real:
-                        mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask[cut])
-                    optional = {
-                        "entropy": entropy,
-                        "turn_ids": batch.turn_ids[cut],
-                        "entropy_coef": cfg.entropy_coef,
-                        "ref_logprobs": None if ref_logprobs is None else ref_logprobs[cut],
-                        "kl_coef": cfg.kl_coef,
-                        # π_behav of the decoupled objective: the sampler's (docs/algorithms.md eq. 75)
-                        "behaviour_logprobs": batch.old_logprobs[cut] if cfg.decoupled else None,
-                    }
-                    loss, metrics = self.loss_fn(
-                        logprobs,
-                        old_logprobs[cut],
-                        advantages[cut],
-                        batch.mask[cut],
-                        **cfg.loss_kwargs,
-                        **{name: value for name, value in optional.items() if name in self._loss_params},
-                    )
                     share = int(units[rows].sum()) / max(total, 1)  # u_j / Σ_j' u_j'  (docs/algorithms.md eq. 58)
-                    if not real:  # a pass that keeps the ranks' collectives in step: gradient exactly 0
-                        (loss * 0.0).backward()
-                        bar.update()
-                        continue
-                    (loss * share).backward()
-                    if "loss" not in metrics:  # a callable loss may report nothing
-                        metrics["loss"] = float(loss.detach())
-                    if "entropy" not in metrics:
-                        metrics["entropy"] = _masked_mean(entropy.detach(), mask[cut])
-                    loss_metrics.add(metrics, share)
+                    self._backward(
+                        batch, rows, real, old_logprobs, ref_logprobs, share, work, first=epoch == update == 0
+                    )
                     bar.update()
-                if self.world_size > 1:  # each rank's micro-batches' shares: their sum is the mini-batch's
-                    loss_metrics.update = defaultdict(float, _sum_over_ranks(loss_metrics.update))
-                optim["lr"].append(self.scheduler.get_last_lr()[0])
-                # Clip to max_grad_norm; the returned norm is the one before clipping (docs/algorithms.md eq. 57).
-                # Over sharded parameters it is the norm of the whole (reduced) gradient.
-                norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters, cfg.max_grad_norm)
-                grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-                optim["grad_norm"].append(grad_norm)
-                if math.isfinite(grad_norm):
-                    with self._weights_changing():
-                        self.optimizer.step()
-                else:  # verl skips an update whose gradient overflowed rather than corrupt the weights
-                    optim["skipped_updates"].append(1.0)
-                self.scheduler.step()
-                loss_metrics.end_update()
+                self._optimizer_step(work)
         bar.close()
-        time_update = time.perf_counter() - start
+        work.time_update += time.perf_counter() - start
+        return self._update_metrics(work)
+
+    def _accumulate(self, batch: PathBatch, work: _StepWork | None) -> _StepWork:
+        """:meth:`accumulate` on one collated part: its passes' gradients added to the step's so far."""
+        batch = self._on_device(batch)
+        if work is None:  # the step's first part
+            self.optimizer.zero_grad(set_to_none=True)
+            self._passes = defaultdict(int)
+            work = _StepWork(batch)
+        else:
+            work.add(batch)
+        old_logprobs, ref_logprobs = self._old_and_reference(batch, work)
+        start = time.perf_counter()
+        units = self._loss_units(batch)
+        micro_batches = self._micro_batches(torch.arange(batch.ids.shape[0]), batch.attention_mask.sum(-1), batch.ids)
+        for rows, real in self._rank_passes(micro_batches):
+            # weighted by u_j now; divided by Σ_j' u_j' of the whole batch before the optimiser step (eq. 79)
+            self._backward(batch, rows, real, old_logprobs, ref_logprobs, float(units[rows].sum()), work, first=True)
+        work.units += int(units.sum())
+        work.time_update += time.perf_counter() - start
+        return work
+
+    def _finish_accumulated(self, rest: PathBatch | None) -> dict[str, float]:
+        """:meth:`step` after :meth:`accumulate`: the rest's passes, then the one optimiser step."""
+        assert self._accumulated is not None
+        work = self._accumulated if rest is None else self._accumulate(rest, self._accumulated)
+        self._accumulated = None
+        start = time.perf_counter()
+        scale = 1.0 / max(
+            work.units, 1
+        )  # Σ_j u_j ∇ℓ_j / Σ_j u_j: the whole batch's gradient (docs/algorithms.md eq. 79)
+        for parameter in self.trainable_parameters:
+            if parameter.grad is not None:
+                parameter.grad.mul_(scale)
+        work.loss.scale(scale)
+        self._optimizer_step(work)
+        work.time_update += time.perf_counter() - start
+        return self._update_metrics(work)
+
+    def _on_device(self, batch: PathBatch) -> PathBatch:
+        batch = batch.to(self.device)
+        if batch.mask.bool()[:, 0].any():
+            raise ValueError(
+                "a path starts with an action token, which has no context to be scored from; "
+                "every path must start with at least one prompt token"
+            )
+        return batch
+
+    def _old_and_reference(self, batch: PathBatch, work: _StepWork) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """π_old's log-probs of ``batch`` (recomputed, or the sampler's) and the reference's (KL on), timed into ``work``."""
+        start = time.perf_counter()
+        old_logprobs = batch.old_logprobs
+        if self.config.old_logprobs == "recompute":
+            old_logprobs = self._score(self.model, batch)
+            work.mismatch.add(old_logprobs, batch.old_logprobs, batch.mask.bool())
+        ref_logprobs = None
+        if self._uses_reference:
+            with self._reference_policy() as reference:
+                ref_logprobs = self._score(reference, batch)
+        work.time_old += time.perf_counter() - start
+        return old_logprobs, ref_logprobs
+
+    def _loss_units(self, batch: PathBatch) -> torch.Tensor:
+        """u_j of each path (docs/algorithms.md eq. 58): its action tokens under token-mean, else 1 (0 without any)."""
+        mask = batch.mask.bool()
+        return mask.sum(-1) if self._token_weighted else (mask.sum(-1) > 0)
+
+    def _backward(
+        self,
+        batch: PathBatch,
+        rows: torch.Tensor,
+        real: bool,
+        old_logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+        weight: float,
+        work: _StepWork,
+        *,
+        first: bool,
+    ) -> None:
+        """One micro-batch's forward pass and the backward pass of its loss × ``weight``.
+
+        ``first``: the pass of the step's first update, where the sampler's log-probs are
+        compared with the trainer's when they serve as π_old.
+        """
+        cfg = self.config
+        mask = batch.mask.bool()
+        width = int(batch.attention_mask[rows].sum(-1).max())  # trim the batch's padding
+        cut = (rows, slice(0, width))
+        # A_t ← w_t · A_t when shared turns are trained once (docs/algorithms.md eq. 35)
+        advantages = batch.advantages[cut] * batch.weights[cut] if cfg.dedup_shared_turns else batch.advantages[cut]
+        with self._checkpointing():
+            logprobs, entropy = self._forward(
+                self.model,
+                batch.ids[cut],
+                batch.attention_mask[cut],
+                entropy_grad=cfg.entropy_coef > 0,
+                scored=batch.mask[cut],
+            )
+        assert entropy is not None  # _forward computes the entropy unless asked not to (entropy=False)
+        if real:
+            for name, count in self._last_pass.items():
+                self._passes[name] += count
+        if cfg.old_logprobs == "sampler" and first and real:
+            work.mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask[cut])
+        optional = {
+            "entropy": entropy,
+            "turn_ids": batch.turn_ids[cut],
+            "entropy_coef": cfg.entropy_coef,
+            "ref_logprobs": None if ref_logprobs is None else ref_logprobs[cut],
+            "kl_coef": cfg.kl_coef,
+            # π_behav of the decoupled objective: the sampler's (docs/algorithms.md eq. 75)
+            "behaviour_logprobs": batch.old_logprobs[cut] if cfg.decoupled else None,
+        }
+        loss, metrics = self.loss_fn(
+            logprobs,
+            old_logprobs[cut],
+            advantages,
+            batch.mask[cut],
+            **cfg.loss_kwargs,
+            **{name: value for name, value in optional.items() if name in self._loss_params},
+        )
+        if not real:  # a pass that keeps the ranks' collectives in step: gradient exactly 0
+            (loss * 0.0).backward()
+            return
+        # The loss averages over action tokens (token-mean) or sequences (the seq-mean modes); a
+        # micro-batch's loss is weighted by its share of the mini-batch's, so that accumulating
+        # micro-batches gives the gradient of the whole mini-batch at once (docs/algorithms.md eq. 58).
+        (loss * weight).backward()
+        if "loss" not in metrics:  # a callable loss may report nothing
+            metrics["loss"] = float(loss.detach())
+        if "entropy" not in metrics:
+            metrics["entropy"] = _masked_mean(entropy.detach(), mask[cut])
+        work.loss.add(metrics, weight)
+
+    def _optimizer_step(self, work: _StepWork) -> None:
+        """Clip the accumulated gradient and step AdamW and the schedule; its numbers into ``work``."""
+        cfg = self.config
+        if self.world_size > 1:  # each rank's micro-batches' shares: their sum is the mini-batch's
+            work.loss.update = defaultdict(float, _sum_over_ranks(work.loss.update))
+        work.optim["lr"].append(self.scheduler.get_last_lr()[0])
+        # Clip to max_grad_norm; the returned norm is the one before clipping (docs/algorithms.md eq. 57).
+        # Over sharded parameters it is the norm of the whole (reduced) gradient.
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters, cfg.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        work.optim["grad_norm"].append(grad_norm)
+        if math.isfinite(grad_norm):
+            with self._weights_changing():
+                self.optimizer.step()
+        else:  # verl skips an update whose gradient overflowed rather than corrupt the weights
+            work.optim["skipped_updates"].append(1.0)
+        self.scheduler.step()
+        work.loss.end_update()
+
+    def _update_metrics(self, work: _StepWork) -> dict[str, float]:
+        """The trainer's metrics of the step whose passes and updates ``work`` holds."""
+        cfg = self.config
         if self.world_size > 1 and cfg.old_logprobs == "sampler":  # each rank compared its own micro-batches
-            mismatch.combine_ranks()
+            work.mismatch.combine_ranks()
         if self.world_size > 1:  # each rank counted its own passes
             self._passes = defaultdict(int, {k: int(v) for k, v in _sum_over_ranks(self._passes).items()})
-
-        trained_tokens = float(batch.attention_mask.sum())
-        rewards = batch.rewards.double()
+        rewards = torch.cat(work.rewards).double()
+        optim = work.optim
         return {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std(correction=0).item(),
             "reward/min": rewards.min().item(),
             "reward/max": rewards.max().item(),
-            **{f"policy/{name}": value for name, value in loss_metrics.result(cfg.epochs).items()},
-            **mismatch.result(),
+            **{f"policy/{name}": value for name, value in work.loss.result(cfg.epochs).items()},
+            **work.mismatch.result(),
             "optim/grad_norm": sum(optim["grad_norm"]) / len(optim["grad_norm"]),
             "optim/lr": optim["lr"][-1],
             "optim/updates": float(len(optim["grad_norm"])),
             "optim/skipped_updates": float(len(optim["skipped_updates"])),
-            "tokens/trained": trained_tokens,
-            "tokens/action": float(mask.sum()),
-            "batch/sequences": float(n),
+            "tokens/trained": work.trained_tokens,
+            "tokens/action": work.action_tokens,
+            "batch/sequences": float(work.sequences),
             # What the update's forward passes ran on: padding included, each shared prefix once under tree packing.
             "batch/tokens_forwarded": float(self._passes["tokens_forwarded"]),
             **(
@@ -447,9 +560,9 @@ class Trainer:
                 if cfg.packing == "tree"
                 else {}
             ),
-            "time/old_logprobs_s": time_old,
-            "time/update_s": time_update,
-            "throughput/update_tokens_per_s": trained_tokens * cfg.epochs / time_update,
+            "time/old_logprobs_s": work.time_old,
+            "time/update_s": work.time_update,
+            "throughput/update_tokens_per_s": work.trained_tokens * cfg.epochs / work.time_update,
         }
 
     # ---- log-probs -----------------------------------------------------------------------
@@ -1043,6 +1156,10 @@ def _unpacked(values: torch.Tensor, places: torch.Tensor, packed: PackedPaths) -
     return row[packed.where]
 
 
+def _size(paths: Sequence[TrainingPath] | PathBatch) -> int:
+    return paths.ids.shape[0] if isinstance(paths, PathBatch) else len(paths)
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float((values * mask).sum() / mask.sum().clamp(min=1))
 
@@ -1113,6 +1230,12 @@ class _LossMetrics:
         for name, value in metrics.items():
             self.update[name] += value if name in _COUNT_METRICS else value * share
 
+    def scale(self, factor: float) -> None:
+        """The update's weighted sums × ``factor`` (weights given as units, divided by their total at the end)."""
+        for name in self.update:
+            if name not in _COUNT_METRICS:
+                self.update[name] *= factor
+
     def end_update(self) -> None:
         for name, value in self.update.items():
             self.totals[name] += value
@@ -1124,3 +1247,24 @@ class _LossMetrics:
         return {
             name: value / (epochs if name in _COUNT_METRICS else self.updates) for name, value in self.totals.items()
         }
+
+
+class _StepWork:
+    """What a step's passes and updates add up to: loss metrics, the mismatch, the optimiser's
+    numbers, timings, and the sizes of the batch (or of its parts so far, under accumulate)."""
+
+    def __init__(self, batch: PathBatch) -> None:
+        self.loss, self.mismatch = _LossMetrics(), _Mismatch()
+        self.optim: defaultdict[str, list[float]] = defaultdict(list)
+        self.time_old = self.time_update = 0.0
+        self.units = 0  # Σ u_j of the parts accumulated so far
+        self.rewards: list[torch.Tensor] = []
+        self.trained_tokens = self.action_tokens = 0.0
+        self.sequences = 0
+        self.add(batch)
+
+    def add(self, batch: PathBatch) -> None:
+        self.rewards.append(batch.rewards)
+        self.trained_tokens += float(batch.attention_mask.sum())
+        self.action_tokens += float(batch.mask.sum())
+        self.sequences += batch.ids.shape[0]

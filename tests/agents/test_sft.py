@@ -242,7 +242,7 @@ def test_nothing_left_after_filtering_says_how_many_were_read_and_the_best_rewar
 
 
 def mean_nll(model, paths) -> float:
-    """The mean NLL of the paths' action tokens under ``model`` (eq. 79), computed directly."""
+    """The mean NLL of the paths' action tokens under ``model`` (eq. 80), computed directly."""
     total, count = 0.0, 0
     with torch.no_grad():
         for path in paths:
@@ -291,7 +291,7 @@ async def test_two_steps_lower_the_nll_and_leave_a_loadable_checkpoint(tmp_path,
     paths = [training_path(example) for example in result.data.examples]
     before, after = mean_nll(load_model(tiny_model), paths), mean_nll(load_model(str(result.model_dir)), paths)
     print(f"mean NLL of the training examples' action tokens: {before:.4f} before, {after:.4f} after")
-    assert before == pytest.approx(metrics[0]["policy/loss"], rel=1e-5)  # the trainer's loss is eq. 79 too
+    assert before == pytest.approx(metrics[0]["policy/loss"], rel=1e-5)  # the trainer's loss is eq. 80 too
     assert after < before - 0.1
 
     with pytest.raises(FileExistsError, match="already holds a run .its newest checkpoint is step_000002"):

@@ -673,3 +673,74 @@ def test_decoupled_objective_needs_recomputed_logprobs_and_a_loss_that_takes_the
 
     with pytest.raises(ValueError, match="takes no behaviour_logprobs, so it cannot apply .* decoupled objective"):
         Trainer(tiny_model(), config(loss=plain, decoupled=True))
+
+
+@pytest.mark.parametrize(
+    ("loss", "extra"),
+    [("ppo_clip", {}), ("atpo", {}), ("aepo", {"entropy_coef": 0.01}), ("ppo_clip", {"kl_coef": 0.05})],
+)
+async def test_accumulated_parts_give_the_whole_batchs_update(loss, extra):
+    # Asynchronous training streams a step's batch prompt by prompt: the parts' forward and
+    # backward passes run as they arrive, and step(rest) takes the one optimiser step. Parts that
+    # are the whole batch's micro-batches (two padded paths each) give its very passes.
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.2 * (-1) ** i)
+    cfg = config(loss=loss, decoupled=True, micro_batch_size=2, packing="padded", **extra)
+    whole_trainer = Trainer(tiny_model(), cfg)
+    whole = await whole_trainer.step(paths)
+    parted = Trainer(tiny_model(), cfg)
+    await parted.accumulate(paths[:2])
+    assert all(p.grad is not None for p in parted.trainable_parameters)  # the passes ran; no optimiser step yet
+    torch.testing.assert_close(
+        parted.model.model.embed_tokens.weight, tiny_model().model.embed_tokens.weight, atol=0, rtol=0
+    )
+    streamed = await parted.step(paths[2:])
+    assert_same_gradients(parted, whole_trainer)
+    for name in ("policy/pg_loss", "policy/entropy", "policy/behaviour_weight_mean", "optim/grad_norm"):
+        assert streamed[name] == pytest.approx(whole[name], rel=1e-6), name
+    for name in ("tokens/action", "tokens/trained", "batch/sequences", "optim/updates", "reward/mean", "reward/std"):
+        assert streamed[name] == whole[name], name
+    assert streamed["tokens/action"] == 32 and streamed["optim/updates"] == 1.0
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "atpo"])
+async def test_accumulated_parts_of_any_size_give_the_whole_batchs_gradient(loss):
+    # Parts that cut across the micro-batches: the same gradient (each pass weighted by its loss
+    # units, the sum divided by the batch's). A loss with micro-batch statistics (AEPO's entropy
+    # normalisation) depends on the micro-batches, in one step as in parts.
+    paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.2 * (-1) ** i)
+    cfg = config(loss=loss, decoupled=True, micro_batch_size=2)
+    whole_trainer, parted = Trainer(tiny_model(), cfg), Trainer(tiny_model(), cfg)
+    await whole_trainer.step(paths)
+    await parted.accumulate(paths[:1])
+    await parted.accumulate(paths[1:3])
+    await parted.step(paths[3:])
+    assert_same_gradients(parted, whole_trainer)
+
+
+def assert_same_gradients(trainer, other):
+    """The gradients the optimisers stepped with (the weights are the wrong check: AdamW's first
+    step moves a weight by lr·sign(g), so a rounding difference of a near-zero gradient shows as 2·lr)."""
+    grads = dict(trainer.model.named_parameters())
+    for name, value in other.model.named_parameters():
+        torch.testing.assert_close(grads[name].grad, value.grad, atol=1e-7, rtol=1e-4)
+
+
+async def test_a_step_after_accumulate_may_bring_no_paths_and_the_next_step_starts_afresh():
+    paths = make_paths()
+    whole_trainer, parted = Trainer(tiny_model(), config()), Trainer(tiny_model(), config())
+    for _ in range(2):  # the second step must not see the first one's gradients
+        whole = await whole_trainer.step(paths)
+        await parted.accumulate(paths[:2])
+        await parted.accumulate(paths[2:])
+        streamed = await parted.step([])
+        assert streamed["optim/grad_norm"] == pytest.approx(whole["optim/grad_norm"], rel=1e-5)
+        assert streamed["batch/sequences"] == 4.0
+    with pytest.raises(ValueError, match="got no paths and none were accumulated"):
+        await parted.step([])
+
+
+async def test_accumulate_needs_one_optimiser_update_a_step():
+    for overrides in ({"mini_batches": 2}, {"epochs": 2}):
+        trainer = Trainer(tiny_model(), config(**overrides))
+        with pytest.raises(ValueError, match=r"needs one optimiser update a step, but mini_batches=\d and epochs=\d"):
+            await trainer.accumulate(make_paths())

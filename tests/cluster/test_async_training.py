@@ -26,6 +26,7 @@ from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import RolloutTree
 from agents.train import TaskOrder, _PipelinedSteps, _SynchronousSteps, train
 from agents.training.metrics import read_jsonl
+from agents.training.trainer import TrainerConfig
 
 # -- the gate -----------------------------------------------------------------------------------
 
@@ -322,13 +323,20 @@ class FakePool:
         self.batches, self.version, self.failures, self.reruns, self.sent = batches, 0, 0, 0, []
         self.priorities: list[int] = []
 
-    async def rollout(self, tasks, seed, on_branches=None, *, priority=0):
+    async def rollout(self, tasks, seed, on_branches=None, *, priority=0, on_prompt=None):
         self.sent.append(tuple(tasks))
         self.priorities.append(priority)
-        prompts = self.batches[len(self.sent)]
-        for prompt in prompts:
+        step = len(self.sent)
+        prompts = self.batches[step]
+        for index, prompt in enumerate(prompts):
+            await self.back(step, index)
             on_branches(len(prompt.leaves))
+            if on_prompt is not None:
+                on_prompt(index, prompt)
         return prompts
+
+    async def back(self, step: int, index: int) -> None:
+        """When prompt ``index`` of step ``step`` comes back: at once."""
 
     def idle_seconds(self) -> float:
         return 0.0
@@ -379,6 +387,82 @@ async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_et
     # Each step's bar (GRPO: 16 a prompt planned) counts the leaves back before the trainer waited (step 2's came with 1's).
     ends = [line for line in capsys.readouterr().err.splitlines() if " in 00:" in line]
     assert [line.split(" in ")[0] for line in ends] == [f"rollout step {s}: 4/32 leaves" for s in (1, 2, 3)]
+
+
+class HeldPool(FakePool):
+    """A FakePool whose prompts come back when the test releases them."""
+
+    def __init__(self, batches: dict[int, list[PromptTrees]]) -> None:
+        super().__init__(batches)
+        self.released = {(step, i): asyncio.Event() for step, prompts in batches.items() for i in range(len(prompts))}
+
+    async def back(self, step: int, index: int) -> None:
+        await self.released[step, index].wait()
+
+
+async def test_streamed_steps_hand_each_prompts_paths_to_the_trainer_as_they_come_back():
+    config = TrainConfig(algo="grpo", steps=2, prompts_per_step=3, holdout=0, eval_questions=0, max_staleness=1)
+    config.cluster = {"rollout_workers": 1}
+    parts = build(config)
+    pool = HeldPool(
+        {
+            1: [prompt_with_versions(i, [0, 0, 0]) for i in range(3)],
+            # Step 2 is trained at version 1: prompt 1's first turn, at version 0, is one behind (kept).
+            2: [
+                prompt_with_versions(0, [1, 1, 1]),
+                prompt_with_versions(1, [0, 1, 1]),
+                prompt_with_versions(2, [1] * 4),
+            ],
+        }
+    )
+    handed: list[list[float]] = []  # the rewards of each part the trainer got
+
+    async def accumulate(paths):
+        handed.append([path.reward for path in paths])
+        await asyncio.sleep(0.05)  # the trainer's passes take a while: trees come back meanwhile
+
+    steps = _PipelinedSteps(
+        config, parts, pool, TaskOrder(None, holdout=0, seed=0), None, ahead=1, accumulate=accumulate
+    )
+    first = asyncio.ensure_future(steps.batch(1))
+    pool.released[1, 0].set()
+    await ticks()
+    assert handed == [[0.0, 1.0]] and not first.done()  # prompt 0's two leaves, before prompts 1 and 2
+    pool.released[1, 1].set()
+    pool.released[1, 2].set()  # both back while the trainer runs prompt 0's passes: one part
+    paths, metrics, position = await first
+    assert paths == [] and handed == [[0.0, 1.0], [0.0, 1.0, 0.0, 1.0]]
+    assert metrics["async/paths_streamed_frac"] == pytest.approx(2 / 6)  # prompt 0's, before the last were back
+    assert metrics["async/staleness_0"] == 3 and metrics["rollout/prompts_without_leaves"] == 0
+    assert 0.0 <= metrics["time/trainer_idle_s"] < metrics["time/cycle_s"]
+    steps.trained(1)
+    pool.version = 1
+    for i in range(3):
+        pool.released[2, i].set()
+    paths, metrics, _ = await steps.batch(2)
+    # every prompt came back before the trainer looked: one part, nothing streamed early
+    assert paths == [] and handed[2:] == [[0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 2.0]]
+    assert metrics["async/paths_streamed_frac"] == 0.0 and metrics["async/trees_dropped"] == 0
+    assert metrics["async/staleness_1"] == 1
+    await steps.close()
+
+
+def test_streaming_is_the_runs_at_max_staleness_1_with_one_update_a_step():
+    class Trainer:
+        def __init__(self, mini_batches, epochs):
+            self.config = TrainerConfig(mini_batches=mini_batches, epochs=epochs)
+
+        async def accumulate(self, paths):
+            pass
+
+    one = Trainer(1, 1)
+    assert train_module._streamed(TrainConfig(max_staleness=1), one) == one.accumulate
+    assert train_module._streamed(TrainConfig(max_staleness=0), one) is None  # η = 0 stays the synchronous run
+    assert train_module._streamed(TrainConfig(max_staleness=1, stream_update=False), one) is None
+    assert train_module._streamed(TrainConfig(max_staleness=1), Trainer(2, 1)) is None
+    assert train_module._streamed(TrainConfig(max_staleness=1), Trainer(1, 2)) is None
+    with pytest.raises(ValueError, match="stream_update must be true or false, got 'yes'"):
+        TrainConfig(stream_update="yes")
 
 
 # -- runs on a rollout worker ---------------------------------------------------------------------
@@ -458,13 +542,13 @@ async def test_a_workers_rollout_gives_its_requests_its_priority_behind_a_gate_a
 def capture_trees(monkeypatch) -> list[list[PromptTrees]]:
     """The trees each step trains on, as the pipeline hands them to credit assignment."""
     seen: list[list[PromptTrees]] = []
-    credit = train_module._credit
+    record = train_module._rollout_record
 
-    def spy(rollout, parts, tasks, prompts, seconds, budget_reward):
+    def spy(rollout, tasks, prompts, seconds, paths):
         seen.append(prompts)
-        return credit(rollout, parts, tasks, prompts, seconds, budget_reward)
+        return record(rollout, tasks, prompts, seconds, paths)
 
-    monkeypatch.setattr(train_module, "_credit", spy)
+    monkeypatch.setattr(train_module, "_rollout_record", spy)
     return seen
 
 
@@ -482,7 +566,7 @@ async def test_max_staleness_0_through_the_pipeline_is_the_synchronous_run_bit_f
 ):
     config = run_config(tiny_model)
     with monkeypatch.context() as patch:  # the steps a run without rollout workers takes
-        patch.setattr(train_module, "_PipelinedSteps", lambda *args, ahead: _SynchronousSteps(*args))
+        patch.setattr(train_module, "_PipelinedSteps", lambda *args, ahead, accumulate: _SynchronousSteps(*args))
         synchronous = await train(config, tmp_path / "sync", progress=False, log=lambda note: None)
     assert "async/version" not in synchronous.history[0]
     seen = capture_trees(monkeypatch)
@@ -526,6 +610,7 @@ async def test_max_staleness_1_trains_every_step_on_trees_at_most_one_version_ol
         assert record["time/trainer_idle_s"] >= 0 and record["time/engine_idle_s"] >= 0
         assert record["time/worker_idle_s"] >= 0
         assert record["time/cycle_s"] >= record["time/trainer_idle_s"]
+        assert 0.0 <= record["async/paths_streamed_frac"] <= 1.0  # one update a step: each prompt's trees streamed
     # Step 2 went to the worker with step 1, before the first update; its requests wait for step 1's
     # (one at a time on this engine, the older step's first), and those that ran before the sync are version 0.
     assert records[1]["async/staleness_1"] >= 1 and any(0 in versions(p) for p in seen[1])
@@ -537,13 +622,13 @@ async def test_an_asynchronous_run_resumes_at_its_checkpoint_with_the_next_steps
     ray_local, tiny_model, tmp_path, monkeypatch
 ):
     trained_tasks: list[list[int]] = []
-    credit = train_module._credit
+    record = train_module._rollout_record
 
-    def spy(rollout, parts, tasks, prompts, seconds, budget_reward):
+    def spy(rollout, tasks, prompts, seconds, paths):
         trained_tasks.append(list(tasks))
-        return credit(rollout, parts, tasks, prompts, seconds, budget_reward)
+        return record(rollout, tasks, prompts, seconds, paths)
 
-    monkeypatch.setattr(train_module, "_credit", spy)
+    monkeypatch.setattr(train_module, "_rollout_record", spy)
     config = run_config(tiny_model, max_staleness=1, checkpoint_every=1)
     first = await train(config, tmp_path / "run", progress=False, log=lambda note: None)
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000003")  # as if stopped after step 2's checkpoint

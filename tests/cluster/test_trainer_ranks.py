@@ -177,6 +177,17 @@ async def test_two_ranks_match_one_process_with_lora_checkpointing_kl_and_packin
         assert (
             checkpoint / "model" / ("adapter_config.json" if overrides.get("lora_rank") else "config.json")
         ).is_file()
+
+        if config(**overrides).mini_batches == 1:
+            # A step streamed in parts (asynchronous training): a part of one path on two ranks
+            # (rank 1 pads with a zero-share pass), then the rest with the optimiser step.
+            await single.accumulate(BATCH_A[:1])
+            want = await single.step(BATCH_A[1:])
+            await group.accumulate(BATCH_A[:1])
+            record = await group.step(BATCH_A[1:])
+            assert_same_record(record, want)
+            state, want_state = group.engine_state_dict(), single.engine_state_dict()
+            assert max(float((state[name] - want_state[name]).abs().max()) for name in want_state) <= 1e-5
     finally:
         group.close()
 
