@@ -1,11 +1,13 @@
 """Asynchronous training benchmark: steps per hour and idle time at max_staleness η = 0, 1, 4.
 
     python -m benchmarks.async_bench [--json PATH] [--parts real,simulated] [--etas 0,1,4] [--update-shares 1,0.75,0.5]
-        [--engine-batch 8] [--in-flight] [--real-steps 3]
+        [--engine-batch 8] [--in-flight] [--whole] [--real-steps 3]
 
 Each η ≥ 1 runs with syncs between requests (a sync holds new requests until those in flight
-finish); ``--in-flight`` adds a run of it with ``cluster.in_flight_updates`` (a sync lands between
-two decode steps and the requests go on), labelled ``η+``. The engine idle fraction is the time
+finish) and the update streamed (``stream_update``: each prompt's trees go to the trainer's passes
+as they come back); ``--in-flight`` adds a run of it with ``cluster.in_flight_updates`` (a sync
+lands between two decode steps and the requests go on), labelled ``η+``, and ``--whole`` one whose
+update waits for the whole step (``stream_update=false``), labelled ``η whole``. The engine idle fraction is the time
 an engine had no request in flight (``time/engine_idle_s``), the worker idle fraction the time a
 worker held no prompt (``time/worker_idle_s``; the engine also idles inside it, through tool calls
 and drains before a sync).
@@ -23,11 +25,12 @@ and drains before a sync).
     8 by default: a worker's share of a step fits its batch)
     on a toy environment whose episodes last 1 to ``SIM_MAX_TURNS`` turns (a long tail: a step
     waits for its longest), and a trainer whose update takes a share of one synchronous rollout
-    of a step (the warm-up's; ``--update-shares``, default 1, 0.75 and 0.5), then a real weight
-    sync through the pool. The same pipeline code (``agents.train._PipelinedSteps``) drives both.
-    Why the engines still idle at η ≥ 1 here: a worker's part of a step ends before the step's
-    longest tree, and the bound keeps it from starting a step further ahead (see README
-    "Asynchronous training").
+    of a step (the warm-up's; ``--update-shares``, default 1, 0.75 and 0.5; its passes
+    ``1 − SIM_OPTIMIZER_SHARE`` of it, spread over the step's paths, and streamed as the real
+    trainer's are), then a real weight sync through the pool. The same pipeline code (``agents.train._PipelinedSteps``) drives both.
+    Why the engines still idle at η = 1 here: a worker's part of a step ends before the step's
+    longest tree, and the bound keeps it from starting a step further ahead until the update on
+    the step before is done (see README "Asynchronous training").
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ SIM_TOKENS, SIM_TOKEN_LATENCY_S = 100, 0.01  # 1 s a turn
 SIM_MAX_TURNS = 6
 SIM_BATCH = 8  # requests an engine runs at once: one step's 2 prompts x 4 chains
 SIM_PATHS_PER_STEP = SIM_PROMPTS_PER_STEP * 4  # GRPO, 4 chains a prompt
-# The optimiser step's share of an update (the rest is the passes over the paths); measured on the
-# cpu-demo: AdamW and the clip take about a tenth of its update.
+# The optimiser step's share of an update (the rest is the passes over the paths): a model's choice,
+# not a measurement; AdamW and the clip go over the weights once, the passes over every token.
 SIM_OPTIMIZER_SHARE = 0.1
 
 
