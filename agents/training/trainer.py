@@ -401,9 +401,8 @@ class Trainer:
         work = self._accumulated if rest is None else self._accumulate(rest, self._accumulated)
         self._accumulated = None
         start = time.perf_counter()
-        scale = 1.0 / max(
-            work.units, 1
-        )  # Σ_j u_j ∇ℓ_j / Σ_j u_j: the whole batch's gradient (docs/algorithms.md eq. 79)
+        # Σ_j u_j ∇ℓ_j / Σ_j u_j: the whole batch's gradient (docs/algorithms.md eq. 79)
+        scale = 1.0 / max(work.units, 1)
         for parameter in self.trainable_parameters:
             if parameter.grad is not None:
                 parameter.grad.mul_(scale)
