@@ -589,7 +589,7 @@ class _PipelinedSteps:
         if self.accumulate is None:
             self._take(prompts, version, taken)
         else:  # the trees that came back while the trainer ran the last passes
-            await self._pass_on([arrivals.get_nowait() for _ in range(arrivals.qsize())], version, taken)
+            await self._pass_on(_drained(arrivals), version, taken)
             busy += time.perf_counter() - ready
             ready = time.perf_counter()
         if not taken.kept:
@@ -624,7 +624,7 @@ class _PipelinedSteps:
                 break
             early = not rollout.done()  # these passes start before the step's last trees are back
             start = time.perf_counter()
-            prompts = [next_one.result()] + [arrivals.get_nowait() for _ in range(arrivals.qsize())]
+            prompts = [next_one.result(), *_drained(arrivals)]
             await self._pass_on(prompts, version, taken)
             busy += time.perf_counter() - start
             if early:
@@ -677,6 +677,11 @@ class _Taken:
     paths: list[TrainingPath] = field(default_factory=list)
     count: int = 0
     streamed: int = 0
+
+
+def _drained(queue: asyncio.Queue[PromptTrees]) -> list[PromptTrees]:
+    """Everything in ``queue`` now, without waiting."""
+    return [queue.get_nowait() for _ in range(queue.qsize())]
 
 
 def _streamed(

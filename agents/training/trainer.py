@@ -457,9 +457,9 @@ class Trainer:
         compared with the trainer's when they serve as π_old.
         """
         cfg = self.config
-        mask = batch.mask.bool()
         width = int(batch.attention_mask[rows].sum(-1).max())  # trim the batch's padding
         cut = (rows, slice(0, width))
+        mask = batch.mask[cut].bool()
         # A_t ← w_t · A_t when shared turns are trained once (docs/algorithms.md eq. 35)
         advantages = batch.advantages[cut] * batch.weights[cut] if cfg.dedup_shared_turns else batch.advantages[cut]
         with self._checkpointing():
@@ -475,7 +475,7 @@ class Trainer:
             for name, count in self._last_pass.items():
                 self._passes[name] += count
         if cfg.old_logprobs == "sampler" and first and real:
-            work.mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask[cut])
+            work.mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask)
         optional = {
             "entropy": entropy,
             "turn_ids": batch.turn_ids[cut],
@@ -503,7 +503,7 @@ class Trainer:
         if "loss" not in metrics:  # a callable loss may report nothing
             metrics["loss"] = float(loss.detach())
         if "entropy" not in metrics:
-            metrics["entropy"] = _masked_mean(entropy.detach(), mask[cut])
+            metrics["entropy"] = _masked_mean(entropy.detach(), mask)
         work.loss.add(metrics, weight)
 
     def _optimizer_step(self, work: _StepWork) -> None:
