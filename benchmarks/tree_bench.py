@@ -54,16 +54,15 @@ from agents.engines import HFEngine, SamplingParams
 from agents.models import DEFAULT_MODEL
 from agents.rollout import Episode, RolloutConfig
 from agents.rollout.diagnostics import rollout_metrics
-from agents.strategies import (
+from agents.rollout.strategies import (
     Chain,
     EntropyBalancedBranching,
     EntropyBranching,
     EntropyTree,
     RandomTree,
     Strategy,
-    TreeConfig,
-    rollout_trees,
 )
+from agents.rollout.tree_loop import TreeConfig, rollout_trees
 
 #: The strategies at their papers' budgets, with the number of leaves per prompt that budget gives.
 STRATEGIES: dict[str, tuple[Strategy, int]] = {

@@ -145,7 +145,7 @@ def _loaded_after(statement: str) -> set[str]:
 
 def test_credit_strategies_and_the_rollout_side_load_without_torch():
     loaded = _loaded_after(
-        "import agents.credit, agents.strategies, agents.rollout, agents.tree, "
+        "import agents.training.credit, agents.rollout.strategies, agents.rollout, agents.rollout.tree, "
         "agents.rollout.diagnostics, agents.rollout.tree_loop"
     )
     assert "agents" in loaded and "torch" not in loaded and "transformers" not in loaded

@@ -103,7 +103,7 @@ class TreeConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if not isinstance(self.budget, Budget):
-            raise TypeError(f"budget must be an agents.strategies.Budget, got {type(self.budget).__name__}")
+            raise TypeError(f"budget must be an agents.rollout.strategies.Budget, got {type(self.budget).__name__}")
         if self.turn_timeout is not None and not self.turn_timeout > 0:
             raise ValueError(f"turn_timeout must be > 0 seconds or None, got {self.turn_timeout!r}")
 

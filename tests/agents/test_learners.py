@@ -26,16 +26,15 @@ from agents.learners import (
     TurnwiseCredit,
 )
 from agents.rollout import Episode
-from agents.rollout.tree import RolloutTree, TrainingPath
-from agents.strategies import (
+from agents.rollout.strategies import (
     Chain,
     EntropyBalancedBranching,
     EntropyBranching,
     EntropyTree,
     RandomTree,
-    TreeConfig,
-    rollout_trees,
 )
+from agents.rollout.tree import RolloutTree, TrainingPath
+from agents.rollout.tree_loop import TreeConfig, rollout_trees
 from agents.training.credit import grpo_advantages, tree_grpo_advantages
 from agents.training.losses import ppo_clip_loss
 

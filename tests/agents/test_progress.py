@@ -19,17 +19,15 @@ from agents.config import TrainConfig, merge
 from agents.engines.scripted import ScriptedEngine, ScriptedTurn
 from agents.progress import LogLines, phase, progress_bar
 from agents.rollout import Episode
-from agents.rollout.tree_loop import planned_branches
-from agents.strategies import (
+from agents.rollout.strategies import (
     Budget,
     Chain,
     EntropyBalancedBranching,
     EntropyBranching,
     EntropyTree,
     RandomTree,
-    TreeConfig,
-    rollout_trees,
 )
+from agents.rollout.tree_loop import TreeConfig, planned_branches, rollout_trees
 from agents.train import train
 
 

@@ -18,8 +18,7 @@ from agentenv.datasets import Example
 from agents.engines.base import SamplingParams
 from agents.engines.scripted import ScriptedEngine, ScriptedTurn
 from agents.rollout import Episode, RolloutConfig, TurnRecord
-from agents.rollout.tree import RolloutTree
-from agents.strategies import (
+from agents.rollout.strategies import (
     SEGMENT_ENTROPY,
     Branch,
     BranchEvent,
@@ -30,13 +29,13 @@ from agents.strategies import (
     EntropyTree,
     PromptTrees,
     RandomTree,
-    TreeConfig,
     branch_probability,
     global_samples,
     penalized_branch_probability,
-    rollout_trees,
     segment_entropy,
 )
+from agents.rollout.tree import RolloutTree
+from agents.rollout.tree_loop import TreeConfig, rollout_trees
 
 EOS = 2
 
