@@ -4,8 +4,8 @@ A :class:`Learner` is a plain composition a user can take apart or replace piece
 
 - ``strategy`` (:mod:`agents.rollout.strategies`): where the rollout trees of a prompt branch;
 - ``credit``: from the finished trees of one prompt to training paths with advantages, any
-  callable ``credit(trees) -> list[TrainingPath]`` (:class:`GRPOCredit`, :class:`TreeGRPOCredit`
-  and :class:`TurnwiseCredit` wrap the formulas of :mod:`agents.training.credit`);
+  callable ``credit(trees) -> list[TrainingPath]`` (:mod:`agents.training.credit` has the formulas
+  and the three that wrap them: ``GRPOCredit``, ``TreeGRPOCredit``, ``TurnwiseCredit``);
 - ``loss`` (:mod:`agents.training.losses`): a name of :data:`agents.training.losses.LOSSES` or any callable with
   the losses' signature, with ``loss_kwargs``, and the KL coefficient to a reference policy.
 
@@ -43,7 +43,7 @@ from agents.rollout.strategies import (
     Strategy,
 )
 from agents.rollout.tree import RolloutTree, TrainingPath
-from agents.training.credit import ADVANTAGES, BACKUPS, grpo_credit, tree_grpo_credit, turnwise_credit
+from agents.training.credit import Credit, GRPOCredit, TreeGRPOCredit, TurnwiseCredit
 from agents.training.losses import LOSSES, LossFn
 from agents.training.trainer_config import TrainerConfig
 
@@ -53,76 +53,9 @@ __all__ = [
     "AT2PO",
     "GRPO",
     "LEARNERS",
-    "Credit",
-    "GRPOCredit",
     "Learner",
     "TreeGRPO",
-    "TreeGRPOCredit",
-    "TurnwiseCredit",
 ]
-
-#: ``credit(trees) -> paths``: assign credit over the finished trees of one prompt and return one
-#: training path per leaf, its action tokens carrying their advantages.
-Credit = Callable[[Sequence[RolloutTree]], list[TrainingPath]]
-
-
-@dataclass(frozen=True)
-class GRPOCredit:
-    """GRPO: each leaf's reward z-scored over all leaves of the prompt, broadcast over its path.
-
-    Args:
-        eps: Added to the std (verl's ``epsilon``).
-        unbiased: Bessel-corrected std, the official code's (see :func:`agents.training.credit.grpo_advantages`).
-    """
-
-    eps: float = 1e-6
-    unbiased: bool = True
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[TrainingPath]:
-        grpo_credit(trees, self.eps, self.unbiased)
-        return [path for tree in trees for path in tree.paths(advantage="leaf")]
-
-
-@dataclass(frozen=True)
-class TreeGRPOCredit:
-    """Tree-GRPO: z-score within the leaf's tree plus z-score within the prompt, over its path.
-
-    Args:
-        eps: Added to each std.
-    """
-
-    eps: float = 1e-6
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[TrainingPath]:
-        tree_grpo_credit(trees, self.eps)
-        return [path for tree in trees for path in tree.paths(advantage="leaf")]
-
-
-@dataclass(frozen=True)
-class TurnwiseCredit:
-    """AT²PO turn-wise credit: values backed up each tree, every turn trained with its own advantage.
-
-    The arguments are those of :func:`agents.training.credit.turnwise_credit`; the defaults are the
-    official code's (leaves z-scored within the tree, softmax-of-entropy backup, ``A_n = V_n``).
-    """
-
-    backup: str = "child_softmax"
-    advantage: str = "node_value"
-    normalize_leaves: bool = True
-    eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if self.backup not in BACKUPS:
-            raise ValueError(f"TurnwiseCredit.backup must be one of {', '.join(BACKUPS)}, got {self.backup!r}")
-        if self.advantage not in ADVANTAGES:
-            raise ValueError(f"TurnwiseCredit.advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[TrainingPath]:
-        paths = []
-        for tree in trees:
-            turnwise_credit(tree, self.backup, self.advantage, self.normalize_leaves, self.eps)  # type: ignore[arg-type]
-            paths += tree.paths(advantage="turn")
-        return paths
 
 
 @dataclass(frozen=True)
@@ -131,7 +64,7 @@ class Learner:
 
     Args:
         strategy: Where the trees of a prompt branch (an :class:`agents.rollout.strategies.Strategy`).
-        credit: ``credit(trees) -> paths`` over the finished trees of one prompt (:data:`Credit`).
+        credit: ``credit(trees) -> paths`` over the finished trees of one prompt (:data:`agents.training.credit.Credit`).
         loss: A loss name (``ppo_clip``, ``gspo``, ``atpo``, ``aepo``) or a callable
             ``f(logprobs, old_logprobs, advantages, mask, **hyper) -> (loss, metrics)``.
         loss_kwargs: The loss's hyper-parameters; unset ones keep the loss's defaults.

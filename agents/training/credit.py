@@ -10,6 +10,10 @@ Two families, exactly as in docs/algorithms.md "Credit assignment":
   its own advantage, filling ``node.value`` and ``node.advantage`` (train with
   ``tree.paths(advantage="turn")``).
 
+The learners take credit as a callable ``credit(trees) -> paths`` (:data:`Credit`):
+:class:`GRPOCredit`, :class:`TreeGRPOCredit` and :class:`TurnwiseCredit` are these functions
+with their hyper-parameters, returning the trees' training paths.
+
 Every function is pure arithmetic in float64; none produces NaN for any valid tree (single
 children, ties, one leaf, all-equal rewards).
 """
@@ -17,14 +21,19 @@ children, ties, one leaf, all-equal rewards).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
-from agents.rollout.tree import Node, RolloutTree
+from agents.rollout.tree import Node, RolloutTree, TrainingPath
 
 __all__ = [
     "ADVANTAGES",
     "BACKUPS",
+    "Credit",
+    "GRPOCredit",
+    "TreeGRPOCredit",
+    "TurnwiseCredit",
     "grpo_advantages",
     "grpo_credit",
     "tree_grpo_advantages",
@@ -180,6 +189,70 @@ def turnwise_credit(
             node.advantage = value - root_value  # A_n = V_n − V_root  (docs/algorithms.md eq. 30)
         else:
             node.advantage = (value - parent_value) + (value - root_value)  # sum of the two (docs/algorithms.md eq. 31)
+
+
+#: ``credit(trees) -> paths``: assign credit over the finished trees of one prompt and return one
+#: training path per leaf, its action tokens carrying their advantages.
+Credit = Callable[[Sequence[RolloutTree]], list[TrainingPath]]
+
+
+@dataclass(frozen=True)
+class GRPOCredit:
+    """GRPO: each leaf's reward z-scored over all leaves of the prompt, broadcast over its path.
+
+    Args:
+        eps: Added to the std (verl's ``epsilon``).
+        unbiased: Bessel-corrected std, the official code's (see :func:`grpo_advantages`).
+    """
+
+    eps: float = 1e-6
+    unbiased: bool = True
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[TrainingPath]:
+        grpo_credit(trees, self.eps, self.unbiased)
+        return [path for tree in trees for path in tree.paths(advantage="leaf")]
+
+
+@dataclass(frozen=True)
+class TreeGRPOCredit:
+    """Tree-GRPO: z-score within the leaf's tree plus z-score within the prompt, over its path.
+
+    Args:
+        eps: Added to each std.
+    """
+
+    eps: float = 1e-6
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[TrainingPath]:
+        tree_grpo_credit(trees, self.eps)
+        return [path for tree in trees for path in tree.paths(advantage="leaf")]
+
+
+@dataclass(frozen=True)
+class TurnwiseCredit:
+    """AT²PO turn-wise credit: values backed up each tree, every turn trained with its own advantage.
+
+    The arguments are those of :func:`turnwise_credit`; the defaults are the
+    official code's (leaves z-scored within the tree, softmax-of-entropy backup, ``A_n = V_n``).
+    """
+
+    backup: str = "child_softmax"
+    advantage: str = "node_value"
+    normalize_leaves: bool = True
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.backup not in BACKUPS:
+            raise ValueError(f"TurnwiseCredit.backup must be one of {', '.join(BACKUPS)}, got {self.backup!r}")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"TurnwiseCredit.advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[TrainingPath]:
+        paths = []
+        for tree in trees:
+            turnwise_credit(tree, self.backup, self.advantage, self.normalize_leaves, self.eps)  # type: ignore[arg-type]
+            paths += tree.paths(advantage="turn")
+        return paths
 
 
 def _child_weights(node: Node, backup: str) -> list[float]:

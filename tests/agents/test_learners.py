@@ -19,11 +19,8 @@ from agents.learners import (
     AT2PO,
     GRPO,
     LEARNERS,
-    GRPOCredit,
     Learner,
     TreeGRPO,
-    TreeGRPOCredit,
-    TurnwiseCredit,
 )
 from agents.rollout import Episode
 from agents.rollout.strategies import (
@@ -35,7 +32,7 @@ from agents.rollout.strategies import (
 )
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.rollout.tree_loop import TreeConfig, rollout_trees
-from agents.training.credit import grpo_advantages, tree_grpo_advantages
+from agents.training.credit import GRPOCredit, TreeGRPOCredit, TurnwiseCredit, grpo_advantages, tree_grpo_advantages
 from agents.training.losses import ppo_clip_loss
 
 
