@@ -10,10 +10,11 @@ See the README for the tour: tools, parsers, graders, datasets, search, TokenEnv
 """
 
 import agentenv.envs  # noqa: F401  (registers the shipped environments)
-from agentenv.core import Env, ForkStrategy, OptionError, OptionTypeError, Text, fork
+from agentenv.core import Env, ForkStrategy, Text, fork
 from agentenv.datasets import Example, Paragraph, load_examples
 from agentenv.graders import Grade, grade
 from agentenv.mcp_client import MCPHttpServer, MCPStdioServer, mcp_tools
+from agentenv.options import OptionError, OptionTypeError
 from agentenv.parsers import Action, JSONToolCallParser, ToolCall, ToolCallParser, XMLTagParser
 from agentenv.registration import EnvSpec, UnknownEnvError, make, register, registry, spec
 from agentenv.search import BM25Search, Passage, SearchBackend

@@ -31,7 +31,8 @@ from typing import Any
 import gymnasium
 from gymnasium.envs.registration import parse_env_id
 
-from agentenv.core import Env, OptionError, OptionTypeError, unknown_option
+from agentenv.core import Env
+from agentenv.options import OptionError, OptionTypeError, unknown_option
 
 __all__ = [
     "EnvSpec",
@@ -95,8 +96,8 @@ class EnvSpec:
     def make(self, **overrides: Any) -> Env:
         """Build the environment with the registered defaults updated by ``overrides``.
 
-        A bad option raises :class:`~agentenv.core.OptionError` (a ``ValueError``; for a wrong type
-        or an option the environment does not take, :class:`~agentenv.core.OptionTypeError`, also
+        A bad option raises :class:`~agentenv.options.OptionError` (a ``ValueError``; for a wrong type
+        or an option the environment does not take, :class:`~agentenv.options.OptionTypeError`, also
         a ``TypeError``), one line starting ``make(id):`` that names the option, the value and
         what is allowed, or lists the valid options.
         """

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from agentenv.core import Env, ForkStrategy, Option, OptionError, OptionRule, check_options, unknown_option
+from agentenv.core import Env, ForkStrategy
 from agentenv.datasets import Example
 from agentenv.graders import Grade, extract_answer, grade, normalize_answer
+from agentenv.options import Option, OptionError, OptionRule, check_options, unknown_option
 from agentenv.parsers import PARSERS, Action, ToolCallParser, get_parser
 from agentenv.rewards import REWARD_SCHEMES, RewardScheme, acall_reward, get_reward
 from agentenv.tools import Tool, ToolError, as_tool
@@ -132,8 +133,8 @@ class ToolEnv(Env):
             with one). ``None`` (default) shows none, as the papers do.
 
     Every option is checked first (:meth:`check_options`, which subclasses call before their own
-    work): a bad one raises :class:`~agentenv.core.OptionError`, a ``ValueError``
-    (:class:`~agentenv.core.OptionTypeError`, also a ``TypeError``, for a wrong type or an option
+    work): a bad one raises :class:`~agentenv.options.OptionError`, a ``ValueError``
+    (:class:`~agentenv.options.OptionTypeError`, also a ``TypeError``, for a wrong type or an option
     not taken), in one line naming the option, the value given and what is allowed.
     """
 
@@ -210,7 +211,7 @@ class ToolEnv(Env):
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], *, extra: Mapping[str, OptionRule] | None = None) -> None:
-        """Raise :class:`~agentenv.core.OptionError` for the first bad keyword option of ``cls(...)`` in ``options``.
+        """Raise :class:`~agentenv.options.OptionError` for the first bad keyword option of ``cls(...)`` in ``options``.
 
         Bad: a name the constructor does not take (the message lists those it does), a value of
         the wrong type or out of range (the message names the option, the value and what is

@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, get_args
 
-from agentenv.core import PATH, Option, OptionRule
 from agentenv.datasets import load_examples
 from agentenv.graders import grade, prepare_math_grading
+from agentenv.options import PATH, Option, OptionRule
 from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
 from agentenv.tool_env import ToolEnv
 from agentenv.tools import Tool

@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, get_args
 
-from agentenv.core import PATH, Option, OptionError, OptionRule, OptionTypeError
 from agentenv.datasets import UNANSWERABLE, Example, Paragraph, UnanswerableMode, load_examples, union_corpus
 from agentenv.envs.math import PYTHON_OPTIONS
 from agentenv.graders import F1_VARIANTS, BoxRule, F1Variant, dataset_f1, grade
+from agentenv.options import PATH, Option, OptionError, OptionRule, OptionTypeError
 from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
 from agentenv.rewards import RewardScheme, get_reward
 from agentenv.search import BM25Search, SearchBackend, load_corpus, search_tool
@@ -65,7 +65,7 @@ def local_passages(examples: Sequence[Example], corpus: str | Path | None) -> li
 
 
 def check_search(name: str, search: Any) -> None:
-    """Raise :class:`~agentenv.core.OptionError` unless ``search`` is a backend :func:`make_search_backend` can make."""
+    """Raise :class:`~agentenv.options.OptionError` unless ``search`` is a backend :func:`make_search_backend` can make."""
     if isinstance(search, SearchBackend) or (
         isinstance(search, str) and (search in ("local", "duckduckgo") or search.startswith(("http://", "https://")))
     ):

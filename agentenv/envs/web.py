@@ -27,9 +27,9 @@ from typing import Any, ClassVar
 from urllib.parse import quote_plus
 
 from agentenv.browse import DEFAULT_PAGE_CHARS, DEFAULT_TIMEOUT, Browser, browse_tool
-from agentenv.core import Option, OptionRule
 from agentenv.datasets import Example, load_examples
 from agentenv.envs.qa import DATA_OPTIONS, local_passages, make_search_backend
+from agentenv.options import Option, OptionRule
 from agentenv.rewards import get_reward
 from agentenv.search import SearchBackend
 from agentenv.serve.web import LOCAL_WEB_URL, LocalWeb, LocalWebSearch

@@ -7,11 +7,11 @@ import agentenv
 import agentenv.envs.math
 import agentenv.envs.qa
 import agentenv.envs.web
-from agentenv.core import Option, OptionError, OptionTypeError
 from agentenv.datasets import DatasetError, Example
 from agentenv.envs.math import MathEnv
 from agentenv.envs.qa import QAEnv
 from agentenv.envs.web import WebResearchEnv
+from agentenv.options import Option, OptionError, OptionTypeError
 from agentenv.rewards import REWARD_SCHEMES
 from agentenv.tool_env import ToolEnv
 
