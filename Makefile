@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # A machine whose nvidia-smi lists a GPU gets the CUDA builds (`make GPU=0` or `GPU=1` to choose).
 GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1 || echo 0)
 
-.PHONY: demo test check venv clean
+.PHONY: demo test check docs venv clean
 
 venv: $(STAMP)
 
@@ -70,6 +70,10 @@ check: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+
+# The documentation site (mkdocs.yml), served on the loopback and rebuilt on every save.
+docs: $(STAMP)
+	$(PY) -m mkdocs serve -a 127.0.0.1:8000
 
 clean:
 	rm -rf $(VENV) .pytest_cache
