@@ -6,7 +6,7 @@
     obs, reward, terminated, truncated, info = env.step("<search>Corliss Archer</search>")
     branch = env.fork()  # an independent copy of this state
 
-See the README for the tour: tools, parsers, graders, datasets, search, TokenEnv, check_env.
+See docs/environments.md for the tour: tools, parsers, graders, datasets, search, check_env; docs/rollouts.md for TokenEnv.
 """
 
 import agentenv.envs  # noqa: F401  (registers the shipped environments)

@@ -1,6 +1,6 @@
 """Scale-out on existing engines: Ray places the processes, FSDP2 shards the trainer, engines generate.
 
-One training step crosses these processes (see README "Scaling out"):
+One training step crosses these processes (see docs/scaling.md):
 
 - the **driver** (the ``agents train`` process) draws the tasks, assigns prompts to rollout
   workers, gathers their finished trees, assigns credit and hands the batch to the trainer;
