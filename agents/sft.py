@@ -55,14 +55,15 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
-from agentenv.wrappers.token_env import inline_observation
+from agentenv.wrappers.token_env import ChatLayout
+from agents.config import TrainConfig, build
 from agents.heldout import HeldOut, HeldOutEvaluation, HeldOutLog, evaluate_heldout
+from agents.models import load_tokenizer
 from agents.progress import note
 from agents.rollout.episodes import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS
 from agents.rollout.tree import RolloutTree, TrainingPath
 
 if TYPE_CHECKING:
-    from agents.config import TrainConfig
     from agents.training.trainer import Trainer
 
 __all__ = [
@@ -500,13 +501,14 @@ def chat_example(
         )
     if getattr(tokenizer, "chat_template", None) is None:
         raise SFTDataError(f"{where}: the tokenizer has no chat template, which chat records need")
+    layout = ChatLayout(tokenizer)  # the template's text and its ids, as TokenEnv renders and encodes them
     if observations == "inline":
-        return _inline_chat(messages, first, tokenizer, reward, where)
-    return _turn_chat(messages, tokenizer, reward, where)
+        return _inline_chat(messages, first, layout, reward, where)
+    return _turn_chat(messages, layout, reward, where)
 
 
 def _inline_chat(
-    messages: list[dict[str, str]], first: int, tokenizer: Any, reward: float | None, where: str
+    messages: list[dict[str, str]], first: int, layout: ChatLayout, reward: float | None, where: str
 ) -> SFTExample:
     """TokenEnv's ``observations="inline"``: one assistant turn, tool results inside it as ``<result>`` blocks."""
     for index, message in enumerate(messages[:first]):
@@ -515,17 +517,17 @@ def _inline_chat(
                 f"{where}: messages[{index}] is a {message['role']!r} message before the first assistant one; "
                 "the prompt is the system and user messages"
             )
-    prompt_ids = _encode(tokenizer, _render(tokenizer, messages[:first], True, where))
+    prompt_ids = layout.encode(_render(layout, messages[:first], True, where))
     turns: list[SFTTurn] = []
     obs: list[int] = []
     for index, message in enumerate(messages[first:], start=first):
         if message["role"] == "assistant":
-            action = _encode(tokenizer, message["content"])
+            action = layout.encode(message["content"])
             if action:
                 turns.append(SFTTurn(obs, action, [0.0] * len(action)))
                 obs = []
         elif message["role"] == "tool":
-            obs = obs + _encode(tokenizer, inline_observation(message["content"]))
+            obs = obs + layout.observation_ids(message["content"], turns[-1].action_ids if turns else [])
         else:
             raise SFTDataError(
                 f"{where}: messages[{index}] is a {message['role']!r} message after the first assistant one; with "
@@ -533,7 +535,7 @@ def _inline_chat(
                 "assistant and tool messages may follow it; lay out chats of several user turns with "
                 "observations 'turn'"
             )
-    eos = getattr(tokenizer, "eos_token_id", None)
+    eos = getattr(layout.tokenizer, "eos_token_id", None)
     if turns and messages[-1]["role"] == "assistant" and eos is not None:
         # The episode's last action ends where the model stops it, with its end-of-sequence token,
         # as sampled episodes do: trained on, so that the model learns to stop after its answer.
@@ -542,23 +544,25 @@ def _inline_chat(
     return SFTExample(prompt_ids, turns, reward, "chat")
 
 
-def _turn_chat(messages: list[dict[str, str]], tokenizer: Any, reward: float | None, where: str) -> SFTExample:
+def _turn_chat(messages: list[dict[str, str]], layout: ChatLayout, reward: float | None, where: str) -> SFTExample:
     """TokenEnv's ``observations="turn"``: every message a turn of the chat template.
 
     The text of the whole chat is cut where each assistant message starts (after the template's
     generation prompt) and where its action ends: its content and the end-of-turn special token
     right after it. The text between two actions (the template's delimiters, tool and user turns,
     the next generation prompt) is one observation, tokenised alone as TokenEnv tokenises one.
+    A chat may hold user turns between actions, which an episode's fixed observation role cannot,
+    so the cuts are made in the rendered chat rather than with the layout's turn delimiters.
     """
-    full = _render(tokenizer, messages, False, where)
-    specials = sorted(getattr(tokenizer, "all_special_tokens", ()), key=len, reverse=True)
+    full = _render(layout, messages, False, where)
+    specials = sorted(getattr(layout.tokenizer, "all_special_tokens", ()), key=len, reverse=True)
     pieces: list[tuple[str, str]] = []  # (context text, action text)
     cursor = 0
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:index], True, where)
-        upto = _render(tokenizer, messages[: index + 1], False, where)
+        before = _render(layout, messages[:index], True, where)
+        upto = _render(layout, messages[: index + 1], False, where)
         if not (full.startswith(upto) and upto.startswith(before) and len(before) >= cursor):
             raise SFTDataError(
                 f"{where}: the chat template renders messages[{index}] differently once later messages follow "
@@ -577,13 +581,13 @@ def _turn_chat(messages: list[dict[str, str]], tokenizer: Any, reward: float | N
         pieces.append((full[cursor : len(before)], segment[:end]))
         cursor = len(before) + end
     (prompt_text, _), *_ = pieces
-    prompt_ids = _encode(tokenizer, prompt_text)
+    prompt_ids = layout.encode(prompt_text)
     turns: list[SFTTurn] = []
     obs: list[int] = []
     for position, (context, action_text) in enumerate(pieces):
         if position:
-            obs = obs + _encode(tokenizer, context)
-        action = _encode(tokenizer, action_text)
+            obs = obs + layout.encode(context)
+        action = layout.encode(action_text)
         if action:
             turns.append(SFTTurn(obs, action, [0.0] * len(action)))
             obs = []
@@ -608,18 +612,12 @@ def _check_messages(messages: Any, where: str) -> None:
             )
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool, where: str) -> str:
-    """The chat template's text, as TokenEnv renders a prompt."""
+def _render(layout: ChatLayout, messages: list[dict[str, str]], add_generation_prompt: bool, where: str) -> str:
+    """The chat template's text (:meth:`ChatLayout.render`), its errors naming the record."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return layout.render(messages, add_generation_prompt)
     except Exception as error:  # jinja raises its own types, and templates raise what they like
         raise SFTDataError(f"{where}: the chat template cannot render these messages ({error})") from None
-    return str(text)
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens added, as TokenEnv tokenises a prompt or an observation."""
-    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
 def _reward(record: Mapping[str, Any], where: str) -> float | None:
@@ -722,8 +720,6 @@ async def sft(
     if tokenizer is None:
         if not isinstance(model, str):
             raise ValueError("sft(model=...) with a model object needs its tokenizer (tokenizer=...)")
-        from agents.models import load_tokenizer
-
         tokenizer = load_tokenizer(model)
     dataset = load_sft_data(
         data,
@@ -810,7 +806,6 @@ def _heldout_evaluation(
     cleanup: contextlib.AsyncExitStack,
 ) -> HeldOutEvaluation:
     """The RL run's held-out evaluation, on an engine that shares the trainer's model (no weight sync)."""
-    from agents.config import build
     from agents.engines.hf import HFEngine
 
     tree = build(run).tree

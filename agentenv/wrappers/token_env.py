@@ -14,7 +14,9 @@ model never sampled). Only the new observation segment is tokenised, wrapped eit
   turn), derived once from the template.
 
 ``info`` of each step gives the spans of the action and the observation in the sequence;
-:meth:`TokenEnv.sequence` gives the whole sequence and its action mask.
+:meth:`TokenEnv.sequence` gives the whole sequence and its action mask. :class:`ChatLayout` is
+that layout on its own (``TokenEnv.layout``): ``agents sft`` lays out written chats with it, so a
+chat trains on the ids an episode of the same turns would have.
 
 Tokenising a long text (a prompt, three retrieved passages) takes ~0.5 ms, more than the rest
 of a turn's bookkeeping; :meth:`TokenEnv.areset` and :meth:`TokenEnv.astep` do it in a worker
@@ -43,7 +45,7 @@ import gymnasium
 
 from agentenv.core import Env, run_sync
 
-__all__ = ["TokenEnv", "inline_observation", "skip_special_decoder"]
+__all__ = ["ChatLayout", "TokenEnv", "inline_observation", "skip_special_decoder"]
 
 _ACTION, _OBSERVATION = "AGENTENV-ACTION-SENTINEL", "AGENTENV-OBSERVATION-SENTINEL"
 
@@ -126,6 +128,100 @@ class _OffLoopEncoder:
         return await asyncio.get_running_loop().run_in_executor(_OffLoopEncoder._pool, self._encode, text)
 
 
+class ChatLayout:
+    """How a chat becomes token ids: TokenEnv's episodes, and the chats ``agents sft`` trains on.
+
+    - the prompt: the chat template's text of the messages before the first action, with its
+      generation prompt, encoded alone (:meth:`prompt_ids`);
+    - an action: the ids the model sampled, never re-encoded (a written chat's action is its
+      content encoded, :meth:`encode`);
+    - an observation: the text :meth:`observation_text` wraps it in, encoded alone, less the
+      end-of-turn token when the action before it already closed its turn (:meth:`observation_ids`).
+
+    Args:
+        tokenizer: A Hugging Face tokenizer with a chat template.
+        chat_template: A Jinja chat template to use instead of the tokenizer's own.
+        observations: ``"inline"`` (papers' ``<result>`` inside the assistant turn) or ``"turn"``.
+        observation_role: The role of observation turns when ``observations="turn"``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        chat_template: str | None = None,
+        observations: Literal["inline", "turn"] = "inline",
+        observation_role: str = "user",
+    ) -> None:
+        if observations not in ("inline", "turn"):
+            raise ValueError(f"observations must be 'inline' or 'turn', got {observations!r}")
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.observations = observations
+        if observations == "turn":
+            self._before_obs, self._after_obs = self._turn_delimiters(observation_role)
+            self._end_of_turn = self.encode(self._before_obs)[:1]
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The chat template's text of ``messages``."""
+        return str(
+            self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, no special tokens added (the template's own are in the text)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def prompt_text(self, messages: list[dict[str, str]]) -> str:
+        """The prompt's text: ``messages`` rendered with the template's generation prompt."""
+        return self.render(messages, add_generation_prompt=True)
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt's ids: :meth:`prompt_text`, encoded alone."""
+        return self.encode(self.prompt_text(messages))
+
+    def observation_text(self, observation: str) -> str:
+        """An observation with its delimiters: a ``<result>`` block, or a chat turn of ``observation_role``."""
+        if self.observations == "inline":
+            return inline_observation(observation)
+        return self._before_obs + observation + self._after_obs
+
+    def observation_ids(self, observation: str, action_ids: Sequence[int]) -> list[int]:
+        """The ids of the segment that follows an action: the observation with its delimiters."""
+        return self.closed_once(self.encode(self.observation_text(observation)), action_ids)
+
+    def closed_once(self, observation_ids: list[int], action_ids: Sequence[int]) -> list[int]:
+        """``observation_ids`` less its end-of-turn token when the action already ended with it."""
+        if self.observations == "inline":
+            return observation_ids
+        end_of_turn = self._end_of_turn[0] if self._end_of_turn else None
+        closed = bool(action_ids) and action_ids[-1] == end_of_turn
+        if closed and end_of_turn in set(getattr(self.tokenizer, "all_special_ids", ())):
+            return observation_ids[1:]  # the model already closed its turn: do not close it twice
+        return observation_ids
+
+    def _turn_delimiters(self, role: str) -> tuple[str, str]:
+        """The template's text between an assistant message and an observation, and after it."""
+        messages = [
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": _ACTION},
+            {"role": role, "content": _OBSERVATION},
+        ]
+        try:
+            text = self.render(messages, add_generation_prompt=True)
+        except Exception as e:
+            raise ValueError(
+                f"the chat template cannot render a {role!r} turn ({e}); choose another observation_role (e.g. 'user')"
+            ) from e
+        if _ACTION not in text or _OBSERVATION not in text:
+            raise ValueError("the chat template drops message contents; pass chat_template= explicitly")
+        action_end = text.index(_ACTION) + len(_ACTION)
+        obs_start = text.index(_OBSERVATION)
+        return text[action_end:obs_start], text[obs_start + len(_OBSERVATION) :]
+
+
 @dataclass(frozen=True, slots=True)
 class _Segment:
     """A run of tokens that are all action or all non-action; linked to the one before (shared by forks)."""
@@ -162,19 +258,30 @@ class TokenEnv:
         observation_role: str = "user",
         system_prompt: str | None = None,
     ) -> None:
-        if observations not in ("inline", "turn"):
-            raise ValueError(f"observations must be 'inline' or 'turn', got {observations!r}")
         self.env = env
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
-        self.observations = observations
+        #: How the episode's chat becomes token ids (the prompt and each observation).
+        self.layout = ChatLayout(
+            tokenizer, chat_template=chat_template, observations=observations, observation_role=observation_role
+        )
         self.system_prompt = system_prompt
-        if observations == "turn":
-            self._before_obs, self._after_obs = self._turn_delimiters(observation_role)
-            self._end_of_turn = self._encode(self._before_obs)[:1]
         self._last: _Segment | None = None
         self._off_loop = _OffLoopEncoder.for_tokenizer(tokenizer)
         self._decode = skip_special_decoder(tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (the layout's)."""
+        return self.layout.tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template used instead of the tokenizer's own, if any (the layout's)."""
+        return self.layout.chat_template
+
+    @property
+    def observations(self) -> Literal["inline", "turn"]:
+        """``"inline"`` or ``"turn"`` (the layout's)."""
+        return self.layout.observations
 
     # -- the wrapper protocol -------------------------------------------------------------------
     # Not a gymnasium.Wrapper subclass on purpose: that would make TokenEnv a gymnasium.Env whose
@@ -233,55 +340,10 @@ class TokenEnv:
 
     # -- tokenisation of what the environment says (never of what the model sampled) --------
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
     async def _aencode(self, text: str) -> list[int]:
         if self._off_loop is None or len(text) < OFF_LOOP_MIN_CHARS:
-            return self._encode(text)
+            return self.layout.encode(text)
         return await self._off_loop.encode(text)
-
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-
-    def _turn_delimiters(self, role: str) -> tuple[str, str]:
-        """The template's text between an assistant message and an observation, and after it."""
-        messages = [
-            {"role": "user", "content": "question"},
-            {"role": "assistant", "content": _ACTION},
-            {"role": role, "content": _OBSERVATION},
-        ]
-        try:
-            text = self._render(messages, add_generation_prompt=True)
-        except Exception as e:
-            raise ValueError(
-                f"the chat template cannot render a {role!r} turn ({e}); choose another observation_role (e.g. 'user')"
-            ) from e
-        if _ACTION not in text or _OBSERVATION not in text:
-            raise ValueError("the chat template drops message contents; pass chat_template= explicitly")
-        action_end = text.index(_ACTION) + len(_ACTION)
-        obs_start = text.index(_OBSERVATION)
-        return text[action_end:obs_start], text[obs_start + len(_OBSERVATION) :]
-
-    def observation_ids(self, observation: str, action_ids: Sequence[int]) -> list[int]:
-        """The ids of the segment that follows an action: the observation with its delimiters."""
-        return self._unless_closed_twice(self._encode(self._observation_text(observation)), action_ids)
-
-    def _observation_text(self, observation: str) -> str:
-        if self.observations == "inline":
-            return inline_observation(observation)
-        return self._before_obs + observation + self._after_obs
-
-    def _unless_closed_twice(self, ids: list[int], action_ids: Sequence[int]) -> list[int]:
-        if self.observations == "inline":
-            return ids
-        end_of_turn = self._end_of_turn[0] if self._end_of_turn else None
-        closed = bool(action_ids) and action_ids[-1] == end_of_turn
-        if closed and end_of_turn in set(getattr(self.tokenizer, "all_special_ids", ())):
-            ids = ids[1:]  # the model already closed its turn: do not close it twice
-        return ids
 
     # -- the episode ------------------------------------------------------------------------
 
@@ -296,9 +358,7 @@ class TokenEnv:
         """Reset the episode; returns the prompt ids (chat template applied) and the env's info."""
         obs, info = await self.env.areset(seed=seed, options=options)
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        prompt_ids = await self._aencode(
-            self._render([*messages, {"role": "user", "content": obs}], add_generation_prompt=True)
-        )
+        prompt_ids = await self._aencode(self.layout.prompt_text([*messages, {"role": "user", "content": obs}]))
         self._last = None
         info["prompt_span"] = self._append(prompt_ids, is_action=False)
         return prompt_ids, info
@@ -314,7 +374,7 @@ class TokenEnv:
         obs_ids = (
             []
             if terminated or truncated
-            else self._unless_closed_twice(await self._aencode(self._observation_text(obs)), action_ids)
+            else self.layout.closed_once(await self._aencode(self.layout.observation_text(obs)), action_ids)
         )
         info["obs_span"] = self._append(obs_ids, is_action=False)
         info["length"] = self._last.end

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import agentenv
+from agentenv.wrappers import TokenEnv
 from agents.cli import main
 from agents.models import load_model, load_tokenizer
 from agents.rollout.episodes import Trajectory, TurnRecord
@@ -147,6 +149,39 @@ def test_a_turn_chat_trains_on_the_assistant_content_and_its_end_of_turn_token_o
     )
     assert decode(tokenizer, example.prompt_ids).endswith("<|im_start|>assistant\n")
     assert example.num_action_tokens == sum(training_path(example).mask)
+
+
+class ReplayedChat(agentenv.Env):
+    """An environment that asks CHAT's question and answers each action with CHAT's next tool message."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.results = [m["content"] for m in CHAT if m["role"] == "tool"]
+        return CHAT[1]["content"], {}
+
+    def step(self, action):
+        if self.results:
+            return self.results.pop(0), 0.0, False, False, {}
+        return "", 1.0, True, False, {}
+
+
+@pytest.mark.parametrize("observations", ["inline", "turn"])
+def test_a_chat_trains_on_the_ids_of_the_episode_tokenenv_lays_out(tokenizer, observations):
+    example = chat_example(CHAT, tokenizer, observations=observations)
+    env = TokenEnv(
+        ReplayedChat(),
+        tokenizer,
+        observations=observations,
+        observation_role="tool",
+        system_prompt=CHAT[0]["content"],
+    )
+    prompt_ids, _ = env.reset()
+    assert prompt_ids == example.prompt_ids
+    for turn in example.turns:
+        env.step(turn.action_ids)
+    ids, mask = env.sequence()
+    assert (ids, mask) == (example.ids, example.mask)
+    assert len(example.turns) == 2 and sum(mask) == example.num_action_tokens
 
 
 # -- the file: filtering and errors ------------------------------------------------------------------
