@@ -48,6 +48,7 @@ from agentenv.judge import Judge, Judgement
 from agentenv.wrappers import TokenEnv
 from agents.engines.base import Engine, SamplingParams
 from agents.rollout import Episode, RolloutConfig, Trajectory, stream_episodes
+from agents.tables import text_table
 
 __all__ = [
     "GRADERS",
@@ -391,13 +392,7 @@ class EvalReport:
                     *(f"{100 * m[key]:.1f}" for key in ("in_results", "equals_example", "repeated_answers")),
                 ]
             )
-        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-        lines = [
-            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-            for row in [head, *body]
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return text_table(head, body)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the sampling setup, metrics per environment and pooled, per-question scores

@@ -28,6 +28,7 @@ from agents.engines.base import Engine, SamplingParams
 from agents.evaluation import evaluate, repeated_answers
 from agents.rollout import RolloutConfig
 from agents.rollout.tree_loop import TreeConfig
+from agents.tables import text_table
 from agents.training.metrics import FRACTION, Display, MetricsLog, label_axis, save_figure
 
 if TYPE_CHECKING:
@@ -344,10 +345,4 @@ def comparison_table(results: Sequence[HeldOut], labels: Sequence[str] | None = 
     for name, display in SCORE_DISPLAY.items():
         unit = " %" if display.bounds == FRACTION else ""
         body.append([display.name + unit, *(cell(result.scores.get(name), display) for result in results)])
-    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        for row in [head, *body]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(head, body)

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from agents.config import TrainConfig, build, resolve
 from agents.heldout import SCORE_DISPLAY, HeldOut, comparison_table, draw_scores, evaluate_heldout, greedy_rollout
 from agents.models import cache_root, resolve_model
+from agents.tables import text_table
 from agents.train import TaskOrder, TrainResult, plot_title, train
 from agents.training.metrics import draw_curve, label_axis, save_figure
 
@@ -337,16 +338,6 @@ def trl_split(result: dict[str, Any]) -> dict[str, float]:
 # -- tables and plot --------------------------------------------------------------------------
 
 
-def table(head: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
-    lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        for row in [head, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def throughput_table(splits: dict[str, dict[str, float]], trl: dict[str, float] | None) -> str:
     columns = ["rollout s", "old log-probs s", "update s", "step s", "update tokens/s"]
     rows = [[name, *(f"{split[c]:.1f}" for c in columns)] for name, split in splits.items()]
@@ -354,7 +345,7 @@ def throughput_table(splits: dict[str, dict[str, float]], trl: dict[str, float] 
         rows.append(["TRL GRPOTrainer", *(f"{trl[c]:.1f}" for c in columns)])
         for name, split in splits.items():
             rows.append([f"{name} / TRL", *(f"{split[c] / trl[c]:.2f}x" if trl[c] > 0 else "-" for c in columns)])
-    return table(["run", *columns], rows)
+    return text_table(["run", *columns], rows)
 
 
 def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path) -> Figure:
@@ -489,7 +480,7 @@ def main() -> None:
     print(comparison_table([before] + [result.heldout[-1] for result in results.values()], labels))
     rows = [[algo, *(f"{record['reward/mean']:+.2f}" for record in result.history)] for algo, result in results.items()]
     print("\n=== training reward per step (mean over the step's leaves)")
-    print(table(["learner", *(f"step {s}" for s in range(1, args.steps + 1))], rows))
+    print(text_table(["learner", *(f"step {s}" for s in range(1, args.steps + 1))], rows))
 
     splits = {algo: step_split(result) for algo, result in results.items()}
     trl, trl_note = None, None
