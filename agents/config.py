@@ -43,11 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# Only light imports at the top: the parser of `agents train` (agents.cli) reads ENGINES, PRESETS and
+# Only light imports at the top: the parser of `agents train` (agents.cli) reads PRESETS and
 # TrainConfig's defaults, and its --help must not load torch. The parts a config builds into (learners,
 # losses, trainer, rollout) are imported by the functions that build them.
 from agents.cluster.config import ClusterConfig
 from agents.engines.base import SamplingParams
+from agents.engines.factory import ENGINES
 from agents.models import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
     from agents.training.trainer_config import TrainerConfig
 
 __all__ = [
-    "ENGINES",
     "PRESETS",
     "RESUMABLE",
     "SECTIONS",
@@ -71,8 +71,6 @@ __all__ = [
     "resolve",
 ]
 
-#: Generation engines a run can use (``--engine``).
-ENGINES = ("hf", "vllm")
 #: The sections of :class:`TrainConfig` that hold hyper-parameter overrides.
 SECTIONS = (
     "strategy",
@@ -193,6 +191,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
+        if self.engine == "openai":
+            raise ValueError(
+                "engine 'openai' samples from a server's model, which cannot load the trainer's weights after each "
+                "step; train with engine hf or vllm (agents eval --engine openai evaluates a served model)"
+            )
         for name in ("steps", "prompts_per_step", "checkpoint_every"):
             _require_int(name, getattr(self, name), minimum=1)
         for name in ("seed", "holdout", "eval_questions", "eval_every", "max_staleness"):

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents.models import resolve_model
+
 __all__ = ["KNOWN_SHAPES", "MemoryPlan", "ModelShape", "memory_plan", "model_shape", "run_plan", "set_flags"]
 
 GIB = 2**30
@@ -88,8 +90,6 @@ def model_shape(model: str) -> ModelShape:
     is converted once, offline)."""
     if model in KNOWN_SHAPES:
         return KNOWN_SHAPES[model]
-    from agents.models import resolve_model
-
     folder = Path(model) if Path(model).is_dir() else resolve_model(model)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     return ModelShape.from_config(config.get("text_config", config))

@@ -27,7 +27,7 @@ and drains before a sync).
     waits for its longest), and a trainer whose update takes a share of one synchronous rollout
     of a step (the warm-up's; ``--update-shares``, default 1, 0.75 and 0.5; its passes
     ``1 − SIM_OPTIMIZER_SHARE`` of it, spread over the step's paths, and streamed as the real
-    trainer's are), then a real weight sync through the pool. The same pipeline code (``agents.train._PipelinedSteps``) drives both.
+    trainer's are), then a real weight sync through the pool. The same pipeline code (``agents.steps.PipelinedSteps``) drives both.
     Why the engines still idle at η = 1 here: a worker's part of a step ends before the step's
     longest tree, and the bound keeps it from starting a step further ahead until the update on
     the step before is done (see README "Asynchronous training").
@@ -283,7 +283,8 @@ async def _simulated(
 ) -> None:
     import torch
 
-    from agents.train import TaskOrder, _PipelinedSteps
+    from agents.steps import PipelinedSteps
+    from agents.train import TaskOrder
 
     agentenv.register("async-bench/long-tail-v0", LongTail)
     steps = _run_steps(etas, SIM_MEASURED)
@@ -329,7 +330,7 @@ async def _simulated(
                     order = TaskOrder(None, holdout=0, seed=0)
                     trainer = _SimulatedTrainer(share * rollout_s)
                     accumulate = trainer.accumulate if eta and streamed else None
-                    pipeline = _PipelinedSteps(config, parts, pool, order, False, ahead=eta, accumulate=accumulate)
+                    pipeline = PipelinedSteps(config, parts, pool, order, False, ahead=eta, accumulate=accumulate)
                     history = []
                     for step in range(1, steps + 1):
                         paths, metrics, _ = await pipeline.batch(step)

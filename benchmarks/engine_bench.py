@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from agents.engines import Completion, Engine, HFEngine, SamplingParams
+from agents.engines import Completion, Engine, SamplingParams, make_engine
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
 from agents.training.scoring import score_tokens
 
@@ -33,16 +33,6 @@ QUESTIONS = [
     "Describe a cat to someone who has never seen one.",
     "What is 17 times 23? Show your steps.",
 ]
-
-
-def make_engine(name: str) -> Engine:
-    if name == "hf":
-        return HFEngine(DEFAULT_MODEL, max_batch_size=32)
-    if name == "vllm":
-        from agents.engines.vllm import VLLMEngine
-
-        return VLLMEngine(DEFAULT_MODEL, max_model_len=2048, max_num_seqs=32)
-    raise ValueError(f"unknown engine {name!r}; choose hf or vllm")
 
 
 def requests(tokenizer, n: int, new_tokens: int) -> list[tuple[list[int], SamplingParams]]:
@@ -78,7 +68,7 @@ async def bench_engine(
     name: str, concurrency: list[int], new_tokens: int, sequential_requests: int, trainer_model, tokenizer
 ):
     start = time.perf_counter()
-    engine = make_engine(name)
+    engine = make_engine(name, DEFAULT_MODEL, concurrency=max(concurrency), max_model_len=2048)
     startup_s = time.perf_counter() - start
     rows = []
     try:

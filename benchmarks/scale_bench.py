@@ -71,7 +71,8 @@ def _real_config():
 
 
 async def _real(results: dict[str, Any]) -> None:
-    from agents.train import _LocalRollout, _rollout, make_engine
+    from agents.rollout_backend import LocalRollout, run_engine
+    from agents.steps import rollout_step
     from agents.training.trainer import Trainer
 
     config = _real_config()
@@ -89,7 +90,9 @@ async def _real(results: dict[str, Any]) -> None:
         print(f"  {name}: {tokens} tokens in {seconds:.1f} s", flush=True)
 
     env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), tokenizer)
-    layouts: dict[str, Any] = {"single process": _LocalRollout(env, make_engine(config, parts, None), tokenizer, parts)}
+    layouts: dict[str, Any] = {
+        "single process": LocalRollout(env, run_engine(config, parts.tree.rollout), tokenizer, parts)
+    }
     ensure_ray("local", processes=3)
     for workers in (1, 2):  # each worker's torch threads: its share of the 2 cores (oversubscribing is ~5x slower)
         spec = WorkerSpec(
@@ -108,7 +111,7 @@ async def _real(results: dict[str, Any]) -> None:
         row["rollout_s"] = statistics.median(row["rollout_s_runs"])
         row["tokens_per_s"] = row["tokens"] / row["rollout_s"]
     # One trainer update of such a batch (the same in every layout: the trainer runs in the driver).
-    paths, metrics = await _rollout(pool, parts, REAL_TASKS, REAL_SEED, config.budget_reward, lambda _: None)
+    paths, metrics = await rollout_step(pool, parts, REAL_TASKS, REAL_SEED, config.budget_reward, lambda _: None)
     trainer = Trainer(config.model, dataclasses.replace(parts.trainer, progress=False))
     trainer.engine = pool
     record = await trainer.step(paths, metrics)

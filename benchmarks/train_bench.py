@@ -91,13 +91,13 @@ async def _real_paths(prompts: int = 2) -> list[Any]:
     from agentenv import TokenEnv, make
     from agents.config import build, resolve
     from agents.models import load_tokenizer
-    from agents.train import _LocalRollout, make_engine
+    from agents.rollout_backend import LocalRollout, run_engine
 
     config = resolve(preset_name="cpu-demo", values={"algo": "at2po", "env": "multihop-qa"})
     parts = build(config)
     tokenizer = load_tokenizer(config.model)
     env = TokenEnv(make(config.env, **config.env_kwargs), tokenizer)
-    rollout = _LocalRollout(env, make_engine(config, parts, None), tokenizer, parts)
+    rollout = LocalRollout(env, run_engine(config, parts.tree.rollout), tokenizer, parts)
     try:
         trees = await rollout.rollout(list(range(prompts)), seed=0)
     finally:

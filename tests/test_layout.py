@@ -25,25 +25,33 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _run_time_imports(body: list[ast.stmt]):
-    """Import statements run when the module loads: module level, not under TYPE_CHECKING or in a function."""
+def _run_time_imports(body: list[ast.stmt], in_function: bool = False):
+    """The import statements that run, each with whether it runs in a function (later) or when the module loads.
+
+    Everything but the blocks under ``if TYPE_CHECKING:``, which never run.
+    """
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif isinstance(node, ast.If) and not _is_type_checking(node.test):
-            yield from _run_time_imports(node.body)
-            yield from _run_time_imports(node.orelse)
-        elif isinstance(node, ast.Try):
-            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
-                yield from _run_time_imports(block)
+            yield node, in_function
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _run_time_imports(node.orelse, in_function)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from _run_time_imports(node.body, True)
+        else:
+            blocks = [getattr(node, name, []) for name in ("body", "orelse", "finalbody")]
+            blocks += [handler.body for handler in getattr(node, "handlers", [])]  # try/except
+            blocks += [case.body for case in getattr(node, "cases", [])]  # match
+            for block in blocks:
+                yield from _run_time_imports([stmt for stmt in block if isinstance(stmt, ast.stmt)], in_function)
 
 
-def imports_of(name: str) -> set[str]:
-    """The project modules ``name`` imports when it loads (``from a import b`` counts ``a.b`` if that is a module)."""
-    tree = ast.parse(MODULES[name].read_text())
-    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in _run_time_imports(tree.body):
+def imports_of(name: str, modules: dict[str, Path] = MODULES) -> tuple[set[str], set[str]]:
+    """The project modules ``name`` imports when it loads, and those it imports only inside functions
+    (``from a import b`` counts ``a.b`` if that is a module; one imported both ways counts as loaded)."""
+    tree = ast.parse(modules[name].read_text())
+    package = name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
+    loaded, deferred = set(), set()
+    for node, in_function in _run_time_imports(tree.body):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -52,30 +60,40 @@ def imports_of(name: str) -> set[str]:
                 base = ".".join(
                     package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
                 )
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
-        found.update(target for target in targets if target in MODULES)
-    found.discard(name)
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        (deferred if in_function else loaded).update(target for target in targets if target in modules)
+    loaded.discard(name)
+    return loaded, deferred - loaded - {name}
+
+
+def third_party_loaded(name: str) -> set[str]:
+    """The top-level names of the packages outside the project that ``name`` imports when it loads."""
+    found = set()
+    for node, in_function in _run_time_imports(ast.parse(MODULES[name].read_text()).body):
+        if in_function or (isinstance(node, ast.ImportFrom) and node.level):
+            continue
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        found.update(top for top in (n.split(".")[0] for n in names) if top not in PACKAGES)
     return found
 
 
-GRAPH = {name: imports_of(name) for name in MODULES}
+IMPORTS = {name: imports_of(name) for name in MODULES}
+THIRD_PARTY = {name: third_party_loaded(name) for name in MODULES}
+#: What loads with each module (module-level imports).
+LOADS = {name: loaded for name, (loaded, _) in IMPORTS.items()}
+#: Every import that runs, at load time or in a function (what an import circle is made of).
+GRAPH = {name: loaded | deferred for name, (loaded, deferred) in IMPORTS.items()}
 
 
-def test_the_graph_sees_the_imports():
-    # A walker that found nothing would pass every rule below.
-    assert "agents.rollout.tree" in GRAPH["agents.rollout.strategies.base"]
-    assert "agents.training.losses" in GRAPH["agents.training.trainer_config"]
-    assert "agents.rollout.tree_loop" not in GRAPH["agents.rollout.strategies.base"]  # only under TYPE_CHECKING before
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan's algorithm)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
 
-
-def test_no_import_circle_among_the_project_s_modules():
-    index, low, on_stack, stack, circles = {}, {}, set(), [], []
-
-    def visit(node: str) -> None:  # Tarjan's strongly connected components
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for nxt in sorted(GRAPH[node]):
+        for nxt in sorted(graph[node]):
             if nxt not in index:
                 visit(nxt)
                 low[node] = min(low[node], low[nxt])
@@ -90,12 +108,112 @@ def test_no_import_circle_among_the_project_s_modules():
                 if member == node:
                     break
             if len(component) > 1:
-                circles.append(sorted(component))
+                found.append(sorted(component))
 
-    for name in sorted(GRAPH):
+    for name in sorted(graph):
         if name not in index:
             visit(name)
-    assert circles == [], f"modules that import each other in a circle: {circles}"
+    return found
+
+
+def test_the_graph_sees_the_imports():
+    # A walker that found nothing would pass every rule below.
+    assert "agents.rollout.tree" in LOADS["agents.rollout.strategies.base"]
+    assert "agents.training.losses" in LOADS["agents.training.trainer_config"]
+    assert "agents.rollout.tree_loop" not in GRAPH["agents.rollout.strategies.base"]  # only under TYPE_CHECKING
+    assert "agents.learners" in GRAPH["agents.config"] - LOADS["agents.config"]  # in a function
+    assert "torch" in third_party_loaded("agents.training.trainer")
+
+
+def test_no_import_circle_among_the_project_s_modules():
+    # Imports inside functions count: a circle closed by one still makes the modules one unit, which no
+    # layer can be understood, tested or loaded without.
+    assert circles(GRAPH) == [], "modules that import each other in a circle"
+
+
+def test_the_circle_check_finds_a_circle_closed_inside_a_function(tmp_path):
+    package = tmp_path / "planted"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "first.py").write_text("from planted import second\n")
+    (package / "second.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from planted import third\n"
+        "def later():\n    from planted.first import thing\n"
+    )
+    (package / "third.py").write_text("import planted.second\n")
+    modules = {f"planted.{path.stem}": path for path in package.glob("[!_]*.py")}
+    graph = {name: set().union(*imports_of(name, modules)) for name in modules}
+    assert circles(graph) == [["planted.first", "planted.second"]]  # third's edge back is TYPE_CHECKING only
+
+
+#: Packages worth deferring (top-level names; agentenv is the project's own). A function-level import of a
+#: project module is deliberate when that module loads one of them and the importing module does not.
+DEFERRED = {
+    "torch": "heavy: seconds to load",
+    "transformers": "heavy: seconds to load",
+    "vllm": "optional, and heavy",
+    "ray": "optional",
+    "wandb": "optional",
+    "trl": "optional",
+    "peft": "optional",
+    "datasets": "optional",
+    "aiohttp": "0.4 s, for the openai engine only",
+    "tqdm": "0.1 s, for progress bars only (agents.models loads with the CLI's parser)",
+    "agentenv": "0.5 s of environments, parsers and datasets, which the parsers and the run config do not need",
+}
+#: Function-level imports of project modules that defer none of DEFERRED, each with why it waits.
+LAZY_IMPORTS = {
+    ("agents.cluster.trainer_ranks", "agents.cluster.weight_sync"): (
+        "none known: to move to the top once trainer_ranks.py, being split now, is committed"
+    ),
+}
+#: Scripts whose parts each import what they measure when they run (and vLLM's spawned workers
+#: re-import the main module): the circle rule holds for them, the rule on lazy imports does not.
+SCRIPTS = ("benchmarks.",)
+
+
+def _loaded_with(name: str) -> set[str]:
+    """``name`` and the project modules that load with it (their parent packages included)."""
+    seen, todo = set(), [name]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo += [m for m in LOADS[module] if m not in seen]
+        todo += [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in MODULES]
+    return seen
+
+
+def _deferred_packages(name: str) -> set[str]:
+    """The packages of DEFERRED that loading ``name`` loads."""
+    loaded = _loaded_with(name)
+    packages = {module.split(".")[0] for module in loaded} | {p for module in loaded for p in THIRD_PARTY[module]}
+    return packages & DEFERRED.keys()
+
+
+def _lazy_imports() -> dict[tuple[str, str], set[str]]:
+    """Each function-level import of a project module outside :data:`SCRIPTS`, with the DEFERRED packages it
+    keeps from loading with the importing module."""
+    packages = {name: _deferred_packages(name) for name in MODULES}
+    return {
+        (name, target): packages[target] - packages[name]
+        for name, (_, deferred) in IMPORTS.items()
+        if not name.startswith(SCRIPTS)
+        for target in deferred
+    }
+
+
+def test_an_import_inside_a_function_defers_a_heavy_or_optional_package_or_says_why_it_waits():
+    lazy = _lazy_imports()
+    unexplained = sorted(pair for pair, packages in lazy.items() if not packages and pair not in LAZY_IMPORTS)
+    assert unexplained == [], (
+        "imported inside a function though loading it at the top would load none of "
+        f"{', '.join(DEFERRED)}: {unexplained}; import these at the top, or list the pair in LAZY_IMPORTS with why"
+    )
+    stale = sorted(pair for pair in LAZY_IMPORTS if pair not in lazy or lazy[pair])
+    assert stale == [], f"LAZY_IMPORTS lists pairs that are no function-level import, or that defer a package: {stale}"
 
 
 def _reachable(name: str) -> set[str]:
@@ -119,7 +237,7 @@ ABOVE_ROLLOUT = (
 )
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("agents.rollout")))
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n == "agents.rollout" or n.startswith("agents.rollout.")))
 def test_the_rollout_side_imports_nothing_above_it(name):
     above = sorted(m for m in _reachable(name) if m.startswith(ABOVE_ROLLOUT))
     assert above == [], f"{name} imports {above}, which belong above the rollout side"

@@ -34,21 +34,29 @@ import contextvars
 import dataclasses
 import heapq
 import itertools
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import agentenv
 from agentenv.registration import EnvSpec
+from agentenv.wrappers import TokenEnv
 from agents.cluster.config import ClusterConfig
 from agents.cluster.runtime import import_ray, require_resources
 from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
 from agents.engines.base import Completion, Engine, SamplingParams
+from agents.heldout import HeldOut, evaluate_heldout
+from agents.models import load_tokenizer
 from agents.rollout.episodes import task_episode
 from agents.rollout.strategies import PromptTrees, Strategy
 from agents.rollout.tree_loop import TreeConfig, planned_branches, rollout_trees
+from agents.rollout_backend import RolloutBackend, run_engine
+
+if TYPE_CHECKING:
+    from agents.config import TrainConfig
 
 __all__ = ["REQUEST_PRIORITY", "RolloutPool", "RolloutWorker", "VersionGate", "WorkerSpec"]
 
@@ -240,7 +248,7 @@ class WorkerSpec:
             your own engine, or a scripted one for a simulated cluster (``benchmarks.scale_bench``).
     """
 
-    config: Any
+    config: TrainConfig
     env_spec: EnvSpec
     strategy: Strategy
     tree: TreeConfig
@@ -255,8 +263,6 @@ class RolloutWorker:
     """
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
-        from agents.models import load_tokenizer
-
         self.spec, self.rank = spec, rank
         env = spec.env_spec
         if env != _registered(env.id):  # a user's environment, registered in the driver
@@ -267,15 +273,10 @@ class RolloutWorker:
                 description=env.description,
                 **env.kwargs,
             )
-        from agentenv.wrappers import TokenEnv
-
         if spec.engine is not None:
             engine = spec.engine()
         else:
-            from agents.config import build
-            from agents.train import make_engine
-
-            engine = make_engine(spec.config, build(spec.config), None, log=lambda note: None)
+            engine = run_engine(spec.config, spec.tree.rollout, log=lambda note: None)
         cluster = ClusterConfig.from_dict(spec.config.cluster)
         self.engine = VersionGate(
             engine, inflight_updates=cluster.in_flight_updates, capacity=getattr(engine, "max_batch_size", None)
@@ -294,13 +295,11 @@ class RolloutWorker:
 
     def ready(self) -> dict[str, Any]:
         """Where the worker runs (returned once it has loaded its engine)."""
-        import os
-
         return {
             "rank": self.rank,
             "pid": os.getpid(),
             "weights_version": self.weights_version,
-            "supports_sleep": bool(getattr(self.engine, "supports_sleep", False)),
+            "supports_sleep": self.engine.supports_sleep,
         }
 
     async def rollout(self, index: int, task: int, seed: int, priority: int = 0) -> PromptTrees:
@@ -354,10 +353,8 @@ class RolloutWorker:
             )
         return weights_digest(model.state_dict(), None if names is None else set(names))
 
-    async def evaluate(self, kwargs: Mapping[str, Any]) -> Any:
+    async def evaluate(self, kwargs: Mapping[str, Any]) -> HeldOut:
         """:func:`agents.heldout.evaluate_heldout` on this worker's engine."""
-        from agents.heldout import evaluate_heldout
-
         return await evaluate_heldout(self.engine, self.tokenizer, **kwargs)
 
     async def sleep(self, level: int) -> None:
@@ -380,8 +377,11 @@ class _Worker:
     prompts: BusyClock = field(default_factory=BusyClock)  # prompts (or an evaluation) in flight on it
 
 
-class RolloutPool:
+class RolloutPool(RolloutBackend):
     """The driver's handle on M rollout workers: prompts out by load, trees back, weights to all.
+
+    The :class:`~agents.rollout_backend.RolloutBackend` of a run with ``cluster.rollout_workers`` > 0;
+    :class:`~agents.steps.PipelinedSteps` also reads its clocks, failures and weights :attr:`version`.
 
     Args:
         spec: What each worker builds.
@@ -425,7 +425,7 @@ class RolloutPool:
                 ray.kill(worker.handle, no_restart=True)
             raise RuntimeError(f"a rollout worker could not start: {error}") from None
         self._weights: tuple[list[Any], int] | None = None  # the last sync's refs, for restarted workers
-        self.supports_sleep = colocated and all(info["supports_sleep"] for info in self.info)
+        self._sleeps = colocated and all(info["supports_sleep"] for info in self.info)
         self.version = 0  # the weights' version: each sync adds one (a resumed run starts it at its step)
         self.last_sync: SyncReport | None = None
         self.failures = 0  # worker deaths noticed so far
@@ -439,6 +439,15 @@ class RolloutPool:
     def engine(self) -> RolloutPool:
         """What receives the trainer's weights: the pool itself (:meth:`update_weights`)."""
         return self
+
+    @property
+    def supports_sleep(self) -> bool:
+        """Whether the workers' engines share the trainer's GPUs (``colocated``) and can sleep through its updates."""
+        return self._sleeps
+
+    def set_version(self, version: int) -> None:
+        """The workers hold the weights of ``version`` (a resumed run's: the next sync is ``version + 1``)."""
+        self.version = version
 
     # ---- rollout ----------------------------------------------------------------------------
 
@@ -608,7 +617,7 @@ class RolloutPool:
         live = [worker for worker in self.workers if worker.live]
         return list(await asyncio.gather(*(_awaited(w.handle.digest.remote(names)) for w in live)))
 
-    async def evaluate(self, kwargs: Mapping[str, Any]) -> Any:
+    async def evaluate(self, kwargs: Mapping[str, Any]) -> HeldOut:
         """The held-out evaluation on the first live worker (no progress bar: it has no terminal)."""
         worker = next(worker for worker in self.workers if worker.live)
         worker.prompts.enter()

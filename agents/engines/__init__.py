@@ -3,13 +3,17 @@
 ``Engine`` is the one interface (see :mod:`agents.engines.base` for the exact contract);
 ``HFEngine`` runs a transformers model in-process, ``VLLMEngine`` vLLM's in-process async engine,
 ``OpenAIEngine`` talks to an OpenAI-compatible completions server, and ``ScriptedEngine`` replays
-scripted completions for tests and benchmarks. Engines whose dependencies are heavy are
-imported on first use.
+scripted completions for tests and benchmarks. ``make_engine`` builds one of :data:`ENGINES` by
+name (:mod:`agents.engines.factory`). Engines whose dependencies are heavy are imported on first use.
 """
 
+import importlib
+
 from agents.engines.base import Completion, Engine, FinishReason, SamplingParams
+from agents.engines.factory import ENGINES, make_engine
 
 __all__ = [
+    "ENGINES",
     "Completion",
     "Engine",
     "FinishReason",
@@ -18,6 +22,7 @@ __all__ = [
     "SamplingParams",
     "ScriptedEngine",
     "VLLMEngine",
+    "make_engine",
 ]
 
 _LAZY = {
@@ -30,7 +35,5 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'agents.engines' has no attribute {name!r}")

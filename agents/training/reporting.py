@@ -48,7 +48,7 @@ WANDB_PROJECT = "agentenv"
 _TENSORBOARD = "tensorboard"
 _WANDB = "wandb"  # W&B writes its files to RUN/wandb/ when given dir=RUN
 _WANDB_ID = "run_id.txt"  # in RUN/wandb/: not "run-*", which `wandb sync` takes for a run's folder
-_RUN_CONFIG = "config.json"  # agents.train.CONFIG_FILE, the run's effective configuration
+_RUN_CONFIG = "config.json"  # agents.run_folder.CONFIG_FILE, the run's effective configuration
 
 
 class Reporter(Protocol):

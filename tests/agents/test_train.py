@@ -21,7 +21,8 @@ from agents.config import TrainConfig, merge
 from agents.learners import AEPO, GRPOCredit, Learner
 from agents.models import ModelNotAvailableError
 from agents.rollout.strategies import Chain
-from agents.train import TaskOrder, rollout_seed, train
+from agents.steps import rollout_seed
+from agents.train import TaskOrder, train
 from agents.training.checkpoint import verify_checkpoint
 from agents.training.metrics import read_jsonl
 

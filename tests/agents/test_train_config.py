@@ -313,6 +313,20 @@ def test_engine_kwargs_reach_the_engine_and_are_checked_for_hf():
     build(config_with({"engine": "vllm", "engine_kwargs": {"gpu_memory_utilization": 0.5}}))  # vLLM checks its own
 
 
+def test_a_run_takes_the_engines_that_load_the_trainer_s_weights():
+    from agents.engines.factory import ENGINES, make_engine
+
+    assert ENGINES == ("hf", "vllm", "openai")  # one list: agents eval's --engine and agents train's
+    with pytest.raises(
+        ValueError, match="engine 'openai' samples from a server's model, which cannot load the trainer"
+    ):
+        TrainConfig(engine="openai")
+    with pytest.raises(ValueError, match="unknown engine 'tgi'; choose one of hf, vllm, openai"):
+        TrainConfig(engine="tgi")
+    with pytest.raises(ValueError, match="unknown engine 'tgi'; choose one of hf, vllm, openai"):
+        make_engine("tgi", "smollm2-135m", concurrency=1)
+
+
 def test_vllm_beside_the_trainer_gets_the_memory_the_optimiser_state_leaves():
     from agents.engines.vllm import colocated_memory_share
 
@@ -330,7 +344,7 @@ def test_make_engine_passes_vllm_its_arguments_and_the_colocated_share(monkeypat
     import torch
 
     from agents.engines.vllm import VLLMEngine
-    from agents.train import make_engine
+    from agents.rollout_backend import run_engine
 
     made = []
     original = VLLMEngine.__init__
@@ -345,19 +359,19 @@ def test_make_engine_passes_vllm_its_arguments_and_the_colocated_share(monkeypat
     trainer = SimpleNamespace(device=torch.device("cuda", 0), trainable_parameters=parameters)
     config = config_with({"engine": "vllm", "engine_kwargs": {"enforce_eager": True, "kv_cache_gib": None}})
     notes = []
-    make_engine(config, build(config), trainer, notes.append)
+    run_engine(config, build(config).tree.rollout, trainer, notes.append)
     ((args, kwargs),) = made
     assert args == (config.model,) and kwargs["engine_args"] == {"enforce_eager": True}  # kv_cache_gib set: no share
     assert (kwargs["max_num_seqs"], kwargs["max_model_len"], kwargs["kv_cache_gib"]) == (64, 2000 + 6192, None)
     made.clear()
     config = config_with({"engine": "vllm"})
-    make_engine(config, build(config), trainer, notes.append)
+    run_engine(config, build(config).tree.rollout, trainer, notes.append)
     assert made[0][1]["engine_args"] == {"gpu_memory_utilization": round(0.9 * 98 / 141, 3)}
     assert "gpu_memory_utilization 0.63" in notes[-1] and "2.0 GiB kept for the optimiser state" in notes[-1]
     assert made[0][1]["weight_transfer"] == "ipc"  # beside a CUDA trainer: vLLM's own transfer
     made.clear()
     config = config_with({"engine": "vllm", "engine_kwargs": {"weight_transfer": None}})
-    make_engine(config, build(config), trainer, notes.append)
+    run_engine(config, build(config).tree.rollout, trainer, notes.append)
     assert made[0][1]["weight_transfer"] is None  # the user's choice stands
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import agentenv
+from agents import steps as steps_module
 from agents import train as train_module
 from agents.cluster.rollout_workers import REQUEST_PRIORITY, RolloutWorker, VersionGate, WorkerSpec
 from agents.config import TrainConfig, build, merge
@@ -24,7 +25,8 @@ from agents.engines.base import Completion, Engine, SamplingParams
 from agents.engines.scripted import ScriptedEngine
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import RolloutTree
-from agents.train import TaskOrder, _PipelinedSteps, _SynchronousSteps, train
+from agents.steps import PipelinedSteps, SynchronousSteps
+from agents.train import TaskOrder, train
 from agents.training.metrics import read_jsonl
 from agents.training.trainer import TrainerConfig
 
@@ -311,7 +313,7 @@ def test_tokens_are_counted_by_their_own_versions():
     first = tree.add_turn(tree.root, action_ids=[3, 4, 5], logprobs=[-0.5] * 3, token_versions=[2, 3, 4])
     tree.add_turn(first, obs_ids=[6], action_ids=[7, 8], logprobs=[-0.5] * 2, version=4, terminal=True, reward=1.0)
     prompt = PromptTrees(index=0, key=0, trees=[tree], rng=np.random.default_rng(0))
-    metrics = train_module._staleness_metrics([prompt], [2], version=4, eta=2)
+    metrics = steps_module._staleness_metrics([prompt], [2], version=4, eta=2)
     assert [metrics[f"async/tokens_stale_{k}"] for k in range(3)] == [3.0, 1.0, 1.0]
     assert metrics["async/staleness_2"] == 1.0 and metrics["async/staleness_max"] == 2.0
 
@@ -361,7 +363,7 @@ async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_et
         }
     )
     order = TaskOrder(None, holdout=0, seed=0)
-    steps = _PipelinedSteps(config, parts, pool, order, None, ahead=1)
+    steps = PipelinedSteps(config, parts, pool, order, None, ahead=1)
     paths, metrics, position = await steps.batch(1)
     assert pool.sent == [(0, 1), (2, 3)]  # steps 1 and 2 go at once: step 2 is at most 1 version behind
     assert position == {"epoch": 0, "offset": 2} and len(paths) == 4
@@ -421,7 +423,7 @@ async def test_streamed_steps_hand_each_prompts_paths_to_the_trainer_as_they_com
         handed.append([path.reward for path in paths])
         await asyncio.sleep(0.05)  # the trainer's passes take a while: trees come back meanwhile
 
-    steps = _PipelinedSteps(
+    steps = PipelinedSteps(
         config, parts, pool, TaskOrder(None, holdout=0, seed=0), None, ahead=1, accumulate=accumulate
     )
     first = asyncio.ensure_future(steps.batch(1))
@@ -456,11 +458,11 @@ def test_streaming_is_the_runs_at_max_staleness_1_with_one_update_a_step():
             pass
 
     one = Trainer(1, 1)
-    assert train_module._streamed(TrainConfig(max_staleness=1), one) == one.accumulate
-    assert train_module._streamed(TrainConfig(max_staleness=0), one) is None  # η = 0 stays the synchronous run
-    assert train_module._streamed(TrainConfig(max_staleness=1, stream_update=False), one) is None
-    assert train_module._streamed(TrainConfig(max_staleness=1), Trainer(2, 1)) is None
-    assert train_module._streamed(TrainConfig(max_staleness=1), Trainer(1, 2)) is None
+    assert steps_module.streamed_update(TrainConfig(max_staleness=1), one) == one.accumulate
+    assert steps_module.streamed_update(TrainConfig(max_staleness=0), one) is None  # η = 0 stays the synchronous run
+    assert steps_module.streamed_update(TrainConfig(max_staleness=1, stream_update=False), one) is None
+    assert steps_module.streamed_update(TrainConfig(max_staleness=1), Trainer(2, 1)) is None
+    assert steps_module.streamed_update(TrainConfig(max_staleness=1), Trainer(1, 2)) is None
     with pytest.raises(ValueError, match="stream_update must be true or false, got 'yes'"):
         TrainConfig(stream_update="yes")
 
@@ -542,13 +544,13 @@ async def test_a_workers_rollout_gives_its_requests_its_priority_behind_a_gate_a
 def capture_trees(monkeypatch) -> list[list[PromptTrees]]:
     """The trees each step trains on, as the pipeline hands them to credit assignment."""
     seen: list[list[PromptTrees]] = []
-    record = train_module._rollout_record
+    record = steps_module._rollout_record
 
     def spy(rollout, tasks, prompts, seconds, paths):
         seen.append(prompts)
         return record(rollout, tasks, prompts, seconds, paths)
 
-    monkeypatch.setattr(train_module, "_rollout_record", spy)
+    monkeypatch.setattr(steps_module, "_rollout_record", spy)
     return seen
 
 
@@ -566,7 +568,7 @@ async def test_max_staleness_0_through_the_pipeline_is_the_synchronous_run_bit_f
 ):
     config = run_config(tiny_model)
     with monkeypatch.context() as patch:  # the steps a run without rollout workers takes
-        patch.setattr(train_module, "_PipelinedSteps", lambda *args, ahead, accumulate: _SynchronousSteps(*args))
+        patch.setattr(train_module, "PipelinedSteps", lambda *args, ahead, accumulate: SynchronousSteps(*args))
         synchronous = await train(config, tmp_path / "sync", progress=False, log=lambda note: None)
     assert "async/version" not in synchronous.history[0]
     seen = capture_trees(monkeypatch)
@@ -622,13 +624,13 @@ async def test_an_asynchronous_run_resumes_at_its_checkpoint_with_the_next_steps
     ray_local, tiny_model, tmp_path, monkeypatch
 ):
     trained_tasks: list[list[int]] = []
-    record = train_module._rollout_record
+    record = steps_module._rollout_record
 
     def spy(rollout, tasks, prompts, seconds, paths):
         trained_tasks.append(list(tasks))
         return record(rollout, tasks, prompts, seconds, paths)
 
-    monkeypatch.setattr(train_module, "_rollout_record", spy)
+    monkeypatch.setattr(steps_module, "_rollout_record", spy)
     config = run_config(tiny_model, max_staleness=1, checkpoint_every=1)
     first = await train(config, tmp_path / "run", progress=False, log=lambda note: None)
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000003")  # as if stopped after step 2's checkpoint

@@ -22,7 +22,8 @@ from agents.cluster.rollout_workers import RolloutPool, WorkerSpec
 from agents.cluster.weight_sync import weights_digest
 from agents.config import TrainConfig, build, merge
 from agents.models import load_model, load_tokenizer
-from agents.train import _LocalRollout, make_engine, train
+from agents.rollout_backend import LocalRollout, run_engine
+from agents.train import train
 from agents.training.metrics import read_jsonl
 
 
@@ -100,7 +101,7 @@ async def test_workers_grow_the_trees_one_process_grows_and_hold_the_trainers_we
     assert counted == [4, 4, 4, 4]  # each prompt's M + L·K branches as its trees come back (the progress bar)
     tokenizer = load_tokenizer(config.model)
     env = TokenEnv(agentenv.make(config.env, **config.env_kwargs), tokenizer)
-    local = _LocalRollout(env, make_engine(config, parts, None), tokenizer, parts)
+    local = LocalRollout(env, run_engine(config, parts.tree.rollout), tokenizer, parts)
     try:
         alone = await local.rollout(tasks, seed=11)
     finally:
