@@ -30,7 +30,7 @@ and drains before a sync).
     trainer's are), then a real weight sync through the pool. The same pipeline code (``agents.steps.PipelinedSteps``) drives both.
     Why the engines still idle at η = 1 here: a worker's part of a step ends before the step's
     longest tree, and the bound keeps it from starting a step further ahead until the update on
-    the step before is done (see README "Asynchronous training").
+    the step before is done (see docs/scaling.md, "Asynchronous training").
 """
 
 from __future__ import annotations
