@@ -89,7 +89,7 @@ class RolloutConfig:
         max_prompt_tokens: Longest prompt accepted (2000 in AT²PO and AEPO).
         max_response_tokens: Token budget of everything after the prompt, actions and tool
             results together (6192 in AT²PO and AEPO).
-        keep_states: Keep a fork of the env at each turn boundary (:attr:`TurnRecord.state`),
+        keep_states: Keep a fork of the env at each turn boundary (:attr:`TurnRecord.env`),
             so a rollout tree can branch from any turn later. Off by default: a fork of a
             stateful tool holds resources (a sandbox is a process) until it is closed.
     """
@@ -113,6 +113,20 @@ class RolloutConfig:
                 f"max_prompt_tokens and max_response_tokens must be >= 1, got "
                 f"{self.max_prompt_tokens!r} and {self.max_response_tokens!r}"
             )
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Raise ``ValueError`` if the prompt is longer than ``max_prompt_tokens``."""
+        if len(prompt_ids) > self.max_prompt_tokens:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={self.max_prompt_tokens}; "
+                "raise RolloutConfig.max_prompt_tokens or shorten the prompt"
+            )
+
+    def turn_sampling(self, env: TokenEnv, *, max_new_tokens: int, seed: int | None) -> SamplingParams:
+        """The sampling of one turn in ``env``: ``sampling`` with the env's stop strings added, the cap and the seed."""
+        base = self.sampling
+        stop = base.stop + tuple(s for s in env.stop_strings if s not in base.stop)
+        return dataclasses.replace(base, stop=stop, max_new_tokens=max_new_tokens, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -158,9 +172,9 @@ class TurnRecord:
         stop_reason: The stop string or token id that matched, if any.
         entropies: Full-distribution entropy per action token, when the engine gave them.
         top_logprobs: Top log-probs per action token, when asked for (``sampling.logprobs_topk``).
-        state: A fork of the env taken just before this action was applied (``None`` unless
-            ``keep_states``): ``state.sequence()`` is the context the action was sampled from, and
-            stepping ``state`` with another action branches a sibling of this turn.
+        env: A fork of the env taken just before this action was applied (``None`` unless
+            ``keep_states``): ``env.sequence()`` is the context the action was sampled from, and
+            stepping ``env`` with another action branches a sibling of this turn.
         info: The env's step info (tool used, parse error, grade on the last turn).
         weights_version: The version of the weights that sampled the action
             (:attr:`agents.engines.Completion.weights_version`; ``None`` when the engine does not say).
@@ -178,7 +192,7 @@ class TurnRecord:
     stop_reason: str | int | None = None
     entropies: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    state: TokenEnv | None = None
+    env: TokenEnv | None = None
     info: dict[str, Any] = field(default_factory=dict)
     weights_version: int | None = None
     token_versions: list[int] | None = None
@@ -306,7 +320,7 @@ class Trajectory:
         The chain hangs under ``parent`` (default: the root, whose prompt must equal this
         trajectory's). A trajectory whose env ended it (``terminated``/``truncated``) becomes a
         leaf with its reward; any other stays open (a strategy decides, e.g. ``tree.prune``).
-        Each node's ``env`` is the turn's :attr:`TurnRecord.state`.
+        Each node's ``env`` is the turn's :attr:`TurnRecord.env`.
         """
         node = tree.root if parent is None else parent
         if parent is None and tree.prompt_ids != self.prompt_ids:
@@ -323,7 +337,7 @@ class Trajectory:
                 action_ids=turn.action_ids,
                 logprobs=turn.logprobs,
                 token_entropies=turn.entropies,
-                env=turn.state,
+                env=turn.env,
                 terminal=terminal,
                 reward=self.reward if terminal else None,
                 info={"finish_reason": turn.finish_reason, "tool": turn.info.get("tool"), "status": self.status},
@@ -331,12 +345,12 @@ class Trajectory:
             previous_obs = turn.obs_ids
         return node
 
-    def close_states(self) -> None:
+    def close_envs(self) -> None:
         """Close the env forks kept at the turn boundaries (releases stateful tools, e.g. sandboxes)."""
         for turn in self.turns:
-            if turn.state is not None:
-                turn.state.close()
-                turn.state = None
+            if turn.env is not None:
+                turn.env.close()
+                turn.env = None
 
 
 def _json_scalar_or_list(value: Any) -> bool:
@@ -389,23 +403,19 @@ async def _play(engine: Engine, episode: Episode, config: RolloutConfig, traject
     prompt_ids, info = await env.areset(seed=episode.seed, options=dict(episode.options) if episode.options else None)
     trajectory.prompt_ids = list(prompt_ids)
     trajectory.info = info
-    if len(prompt_ids) > config.max_prompt_tokens:
-        raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens, more than max_prompt_tokens={config.max_prompt_tokens}; "
-            f"raise RolloutConfig.max_prompt_tokens or shorten the prompt"
-        )
+    config.check_prompt(prompt_ids)
     base_seed = config.sampling.seed
     ids = list(prompt_ids)  # the running context: prompt + action + observation + …
     while True:
-        state = env.fork() if config.keep_states else None
+        fork = env.fork() if config.keep_states else None
         seed = None if base_seed is None else _turn_seed(base_seed, trajectory.index, len(trajectory.turns))
         try:
             turn, status = await take_turn(
-                engine, env, ids, config, prompt_length=len(prompt_ids), seed=seed, state=state
+                engine, env, ids, config, prompt_length=len(prompt_ids), seed=seed, fork=fork
             )
         except BaseException:
-            if state is not None:
-                state.close()  # a fork may hold a process (a sandbox); no turn keeps it
+            if fork is not None:
+                fork.close()  # a fork may hold a process (a sandbox); no turn keeps it
             raise
         ids += turn.action_ids
         ids += turn.obs_ids
@@ -425,7 +435,7 @@ async def take_turn(
     prompt_length: int,
     seed: int | None = None,
     max_new_tokens: int | None = None,
-    state: TokenEnv | None = None,
+    fork: TokenEnv | None = None,
 ) -> tuple[TurnRecord, EpisodeStatus | None]:
     """One turn of an episode in progress: sample an action after ``ids`` and apply it to ``env``.
 
@@ -438,11 +448,11 @@ async def take_turn(
         ids: The running context (prompt + actions + observations so far); not modified. The
             caller appends ``turn.action_ids + turn.obs_ids`` to continue.
         config: Sampling parameters and the token budget (``config.keep_states`` is the
-            caller's business: pass the fork it took as ``state``).
+            caller's business: pass the fork it took as ``fork``).
         prompt_length: How many of ``ids`` are the prompt (the budget counts what follows).
         seed: The sampling seed of this turn (replaces ``config.sampling.seed``).
         max_new_tokens: A further cap on this turn's tokens (e.g. a tree's token budget).
-        state: Stored as :attr:`TurnRecord.state`.
+        fork: A fork of ``env`` taken before this turn, stored as :attr:`TurnRecord.env`.
 
     Returns:
         The turn, and how the episode ended: ``"terminated"``/``"truncated"`` (the env ended
@@ -452,14 +462,12 @@ async def take_turn(
     budget = config.max_response_tokens - (len(ids) - prompt_length)
     if budget < 1:
         raise ValueError(f"the episode has used its max_response_tokens={config.max_response_tokens}; no turn is left")
-    base = config.sampling
-    stop = base.stop + tuple(s for s in env.stop_strings if s not in base.stop)
-    cap = min(base.max_new_tokens, budget)  # docs/algorithms.md eq. 60
+    cap = min(config.sampling.max_new_tokens, budget)  # docs/algorithms.md eq. 60
     if max_new_tokens is not None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
         cap = min(cap, max_new_tokens)
-    params = dataclasses.replace(base, stop=stop, max_new_tokens=cap, seed=seed)
+    params = config.turn_sampling(env, max_new_tokens=cap, seed=seed)
     completion = await engine.generate(ids, params)
     _check_completion(completion, params)
     action_ids = list(completion.token_ids)
@@ -486,7 +494,7 @@ async def take_turn(
         stop_reason=completion.stop_reason,
         entropies=None if completion.entropies is None else list(completion.entropies),
         top_logprobs=completion.top_logprobs,
-        state=state,
+        env=fork,
         info=step_info,
         weights_version=completion.weights_version,
         token_versions=_changed_versions(completion.token_versions),

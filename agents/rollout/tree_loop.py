@@ -204,17 +204,12 @@ class _Probe:
     async def sample(self, max_new_tokens: int) -> Completion:
         """One completion of the prompt alone, stopping at the env's stop strings."""
         loop, run = self._loop, self._loop.run
-        base = run.rollout.sampling
-        env = loop.root_env
-        params = dataclasses.replace(
-            base,
-            stop=base.stop + tuple(s for s in env.stop_strings if s not in base.stop),
-            max_new_tokens=max_new_tokens,
-            seed=run.seed(loop.group.index, 0, 0),
+        params = run.rollout.turn_sampling(
+            loop.root_env, max_new_tokens=max_new_tokens, seed=run.seed(loop.prompt.index, 0, 0)
         )
         async with run.slots:
             completion = await run.engine.generate(loop.prompt_ids, params)
-        loop.group.premonitor_tokens += len(completion.token_ids)
+        loop.prompt.premonitor_tokens += len(completion.token_ids)
         return completion
 
     async def episode(self) -> Trajectory:
@@ -222,14 +217,14 @@ class _Probe:
         loop, run = self._loop, self._loop.run
         env = loop.fork(0, loop.root_env)
         config = dataclasses.replace(
-            run.rollout, sampling=dataclasses.replace(run.rollout.sampling, seed=run.seed(loop.group.index, 0, 1))
+            run.rollout, sampling=dataclasses.replace(run.rollout.sampling, seed=run.seed(loop.prompt.index, 0, 1))
         )
         episode = Episode(env, seed=loop.episode.seed, options=loop.episode.options)
         try:
             trajectory = await run_episode(run.engine, episode, config)
         finally:
             env.close()
-        loop.group.premonitor_tokens += trajectory.num_action_tokens
+        loop.prompt.premonitor_tokens += trajectory.num_action_tokens
         return trajectory
 
 
@@ -242,8 +237,8 @@ class _PromptLoop:
         self.root_env: TokenEnv = episode.env
         self.prompt_ids: list[int] = []
         rng = np.random.default_rng(np.random.SeedSequence(run.config.seed, spawn_key=(index,)))
-        self.group = PromptTrees(index=index, key=episode.key, trees=[], rng=rng)
-        self.kept: list[Node] = []  # nodes whose env is a state this loop forked
+        self.prompt = PromptTrees(index=index, key=episode.key, trees=[], rng=rng)
+        self.kept: list[Node] = []  # nodes whose env this loop forked
         self.unclosed: dict[Branch, None] = {}  # branches whose env is still open, in order
         budget = run.config.budget
         self.runs_ahead = (
@@ -253,30 +248,26 @@ class _PromptLoop:
         self.reported = 0  # branches counted to run.on_branches
 
     async def grow(self) -> PromptTrees:
-        group, strategy = self.group, self.run.strategy
+        prompt, strategy = self.prompt, self.run.strategy
         start = time.perf_counter()
         try:
             options = dict(self.episode.options) if self.episode.options else None
-            prompt_ids, group.info = await self.root_env.areset(seed=self.episode.seed, options=options)
+            prompt_ids, prompt.info = await self.root_env.areset(seed=self.episode.seed, options=options)
             self.prompt_ids = list(prompt_ids)
-            if len(self.prompt_ids) > self.run.rollout.max_prompt_tokens:
-                raise ValueError(
-                    f"the prompt has {len(self.prompt_ids)} tokens, more than max_prompt_tokens="
-                    f"{self.run.rollout.max_prompt_tokens}; raise it or shorten the prompt"
-                )
-            group.trees = [RolloutTree(self.prompt_ids, env=self.root_env) for _ in range(strategy.trees_per_prompt)]
-            group.stats = [TreeStats() for _ in group.trees]
-            await strategy.prepare(group, _Probe(self))
-            live = self.open(strategy.start(group))
+            self.run.rollout.check_prompt(self.prompt_ids)
+            prompt.trees = [RolloutTree(self.prompt_ids, env=self.root_env) for _ in range(strategy.trees_per_prompt)]
+            prompt.stats = [TreeStats() for _ in prompt.trees]
+            await strategy.prepare(prompt, _Probe(self))
+            live = self.open(strategy.start(prompt))
             while True:
                 if not live:
-                    live = self.open(strategy.next_round(group))
+                    live = self.open(strategy.next_round(prompt))
                     if not live:
                         break
                 live = await self.step(live)
-            strategy.finish(group)
+            strategy.finish(prompt)
         except Exception as error:  # a prompt that fails is recorded and never stops the others
-            group.error = f"{type(error).__name__}: {error}"
+            prompt.error = f"{type(error).__name__}: {error}"
         finally:
             try:
                 await self.stop_running_ahead()
@@ -285,55 +276,55 @@ class _PromptLoop:
                     self.retire(branch)
                 self.drop_dead_ends()
                 self.release_states()
-        group.seconds = time.perf_counter() - start
-        group.metrics = [
-            tree_metrics(tree, stats, [e for e in group.events if e.tree == position])
-            for position, (tree, stats) in enumerate(zip(group.trees, group.stats))
+        prompt.seconds = time.perf_counter() - start
+        prompt.metrics = [
+            tree_metrics(tree, stats, [e for e in prompt.events if e.tree == position])
+            for position, (tree, stats) in enumerate(zip(prompt.trees, prompt.stats))
         ]
         if self.run.planned is not None:
             self.report(self.run.planned - self.reported)  # those never started: the prompt is done
-        return group
+        return prompt
 
     # -- branches -----------------------------------------------------------------------------
 
     def open(self, points: list[BranchPoint]) -> list[Branch]:
         """Start a branch at each point the leaf budget allows."""
-        group, leaves = self.group, self.run.config.budget.leaves
+        prompt, leaves = self.prompt, self.run.config.budget.leaves
         opened = []
         for point in points:
             if not isinstance(point, BranchPoint):
                 raise TypeError(
                     f"{type(self.run.strategy).__name__} returned a {type(point).__name__}, not a BranchPoint"
                 )
-            if leaves is not None and group.started >= leaves:
-                group.refused += 1
+            if leaves is not None and prompt.started >= leaves:
+                prompt.refused += 1
                 self.exhausted("leaves")
                 continue
-            if not 0 <= point.tree < len(group.trees):
-                raise ValueError(f"branch point names tree {point.tree}; this prompt has {len(group.trees)} trees")
+            if not 0 <= point.tree < len(prompt.trees):
+                raise ValueError(f"branch point names tree {point.tree}; this prompt has {len(prompt.trees)} trees")
             parent = point.parent
-            if group.trees[point.tree].node(parent.id) is not parent:
+            if prompt.trees[point.tree].node(parent.id) is not parent:
                 raise ValueError(f"branch point parent {parent.id} is not in tree {point.tree}")
             if point.kind != "chain":
                 source = point.source if point.source is not None and not point.source.is_root else None
-                group.events.append(
+                prompt.events.append(
                     BranchEvent(
                         point.tree,
-                        group.step,
+                        prompt.step,
                         point.kind,
                         parent.depth,
                         None if source is None else source.entropy,
-                        group.entropy_median(),
+                        prompt.entropy_median(),
                     )
                 )
             opened.append(
                 Branch(
-                    number=group.started,
+                    number=prompt.started,
                     tree=point.tree,
                     kind=point.kind,
                     parent=parent,
                     obs_ids=list(point.obs_ids),
-                    env=self.fork(point.tree, point.state),
+                    env=self.fork(point.tree, point.env),
                     ids=parent.context_ids() + list(point.obs_ids),
                     tool_calls=int(parent.info.get("tool_calls", 0)),
                     reward=float(parent.info.get("return", 0.0)),
@@ -341,17 +332,17 @@ class _PromptLoop:
                 )
             )
             self.unclosed[opened[-1]] = None
-            group.started += 1
+            prompt.started += 1
             if self.runs_ahead:
                 self.ahead[opened[-1]] = _Ahead(self, opened[-1])
         return opened
 
     async def step(self, live: list[Branch]) -> list[Branch]:
         """One turn of every running branch the budgets allow; returns the branches still running."""
-        group, budget = self.group, self.run.config.budget
-        group.step += 1
-        tokens_left = None if budget.tokens is None else budget.tokens - group.tokens
-        calls_left = None if budget.tool_calls is None else budget.tool_calls - group.tool_calls
+        prompt, budget = self.prompt, self.run.config.budget
+        prompt.step += 1
+        tokens_left = None if budget.tokens is None else budget.tokens - prompt.tokens
+        calls_left = None if budget.tool_calls is None else budget.tool_calls - prompt.tool_calls
         spent = [
             name
             for name, left in (("tokens", tokens_left), ("tool_calls", calls_left))
@@ -387,14 +378,14 @@ class _PromptLoop:
             if isinstance(outcome, BaseException):
                 if not isinstance(outcome, Exception):
                     raise outcome
-                stats = group.stats[branch.tree]
+                stats = prompt.stats[branch.tree]
                 stats.errors.append(f"{type(outcome).__name__}: {outcome}")
                 stats.dropped += 1
                 self.retire(branch)
                 continue
-            turn, status, state = outcome
-            node = self.record(branch, turn, status, state)
-            points = self.run.strategy.after_turn(group, branch, node, turn, status is not None)
+            turn, status, fork = outcome
+            node = self.record(branch, turn, status, fork)
+            points = self.run.strategy.after_turn(prompt, branch, node, turn, status is not None)
             if status is None:
                 still.append(branch)
             else:
@@ -414,9 +405,9 @@ class _PromptLoop:
     async def turn(
         self, branch: Branch, ids: list[int], turns: int, cap: int | None
     ) -> tuple[TurnRecord, EpisodeStatus | None, TokenEnv | None]:
-        """Sample and apply the branch's turn number ``turns`` after context ``ids`` (forking its state first when states are kept)."""
+        """Sample and apply the branch's turn number ``turns`` after context ``ids`` (forking its env first when states are kept)."""
         run = self.run
-        state = self.fork(branch.tree, branch.env) if run.keeps_states else None
+        fork = self.fork(branch.tree, branch.env) if run.keeps_states else None
         try:
             async with run.slots:
                 try:
@@ -427,19 +418,19 @@ class _PromptLoop:
                             ids,
                             run.rollout,
                             prompt_length=len(self.prompt_ids),
-                            seed=run.seed(self.group.index, branch.number + 1, turns),
+                            seed=run.seed(self.prompt.index, branch.number + 1, turns),
                             max_new_tokens=cap,
-                            state=state,
+                            fork=fork,
                         )
                 except TimeoutError:
                     raise TimeoutError(f"the turn took longer than turn_timeout={run.config.turn_timeout} s") from None
         except BaseException:
-            if state is not None:
-                state.close()
+            if fork is not None:
+                fork.close()
             raise
-        return turn, status, state
+        return turn, status, fork
 
-    def record(self, branch: Branch, turn: TurnRecord, status: EpisodeStatus | None, state: TokenEnv | None) -> Node:
+    def record(self, branch: Branch, turn: TurnRecord, status: EpisodeStatus | None, fork: TokenEnv | None) -> Node:
         """Add the turn to the branch's tree and advance the branch."""
         calls = turn.info.get("tool_calls")
         made = max(0, calls - branch.tool_calls) if isinstance(calls, int) else 0  # the env counts per episode
@@ -459,22 +450,22 @@ class _PromptLoop:
         if "grade" in turn.info:  # an answered episode's grade (EM, F1, format), for the trainer's metrics
             info["grade"] = dict(turn.info["grade"])
         ended = status is not None
-        node = self.group.trees[branch.tree].add_turn(
+        node = self.prompt.trees[branch.tree].add_turn(
             branch.parent,
             obs_ids=branch.obs_ids,
             action_ids=turn.action_ids,
             logprobs=turn.logprobs,
             token_entropies=turn.entropies,
-            env=state,
+            env=fork,
             terminal=ended,
             reward=branch.reward if ended else None,
             info=info,
             version=turn.weights_version,
             token_versions=turn.token_versions,
         )
-        if state is not None:
+        if fork is not None:
             self.kept.append(node)
-        stats = self.group.stats[branch.tree]
+        stats = self.prompt.stats[branch.tree]
         stats.turns += 1
         stats.tokens += len(turn.action_ids)
         stats.context_tokens += len(branch.ids)
@@ -488,7 +479,7 @@ class _PromptLoop:
 
     def cut(self, branch: Branch) -> None:
         """End a branch because a budget ran out: its last turn becomes a leaf when it can."""
-        stats = self.group.stats[branch.tree]
+        stats = self.prompt.stats[branch.tree]
         stats.budget_cuts += 1
         last = branch.last
         if last is not None and not last.children and not last.terminal:
@@ -523,7 +514,7 @@ class _PromptLoop:
 
     def fork(self, tree: int, env: TokenEnv) -> TokenEnv:
         """``env.fork()``, counted and timed on the tree's stats."""
-        stats = self.group.stats[tree]
+        stats = self.prompt.stats[tree]
         start = time.perf_counter()
         child = env.fork()
         stats.fork_seconds += time.perf_counter() - start
@@ -531,14 +522,14 @@ class _PromptLoop:
         return child
 
     def exhausted(self, name: str) -> None:
-        if name not in self.group.budget_exhausted:
-            self.group.budget_exhausted.append(name)
+        if name not in self.prompt.budget_exhausted:
+            self.prompt.budget_exhausted.append(name)
 
     # -- the end ------------------------------------------------------------------------------
 
     def drop_dead_ends(self) -> None:
         """Prune turns that lead to no leaf (branches abandoned after an error or a budget)."""
-        for tree in self.group.trees:
+        for tree in self.prompt.trees:
             if any(not node.terminal and not node.children for node in tree.nodes()):
                 tree.prune(tree.leaves())
 
@@ -546,7 +537,7 @@ class _PromptLoop:
         """Close the environment states this loop kept, except on kept nodes when asked to keep them."""
         keep = self.run.config.rollout.keep_states
         for node in self.kept:
-            if keep and any(_holds(tree, node) for tree in self.group.trees):
+            if keep and any(_holds(tree, node) for tree in self.prompt.trees):
                 continue
             node.env.close()
             node.env = None

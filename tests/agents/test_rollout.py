@@ -317,18 +317,18 @@ async def test_states_at_turn_boundaries_fork_the_episode_where_each_action_was_
     env = make_env()
     trajectory = await run_episode(ScriptEngine(), Episode(env, options={"index": 5}), RolloutConfig(keep_states=True))
     first, second = trajectory.turns
-    assert first.state.sequence()[0] == trajectory.prompt_ids
-    assert second.state.sequence()[0] == trajectory.ids[: second.action_span[0]]
+    assert first.env.sequence()[0] == trajectory.prompt_ids
+    assert second.env.sequence()[0] == trajectory.ids[: second.action_span[0]]
 
     # Resample turn 2 from its state: a wrong answer, without touching the recorded episode.
-    obs, reward, terminated, _, info = await second.state.astep(ids_of("<answer> \\boxed{41} </answer>"))
+    obs, reward, terminated, _, info = await second.env.astep(ids_of("<answer> \\boxed{41} </answer>"))
     assert (reward, terminated, info["grade"]["em"]) == (0.0, True, 0.0)
     assert env.sequence()[0] == trajectory.ids and env.state.reward == 1.0
 
     bare = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 5}), RolloutConfig())
-    assert [t.state for t in bare.turns] == [None, None]  # off by default: a fork may hold a sandbox
-    trajectory.close_states()
-    assert [t.state for t in trajectory.turns] == [None, None]
+    assert [t.env for t in bare.turns] == [None, None]  # off by default: a fork may hold a sandbox
+    trajectory.close_envs()
+    assert [t.env for t in trajectory.turns] == [None, None]
 
 
 async def test_entropies_and_top_logprobs_are_kept_when_the_engine_gives_them():
@@ -362,7 +362,7 @@ async def test_a_trajectory_becomes_a_chain_of_a_rollout_tree_with_the_same_trai
     tree = RolloutTree(trajectory.prompt_ids)
     leaf = trajectory.add_to(tree)
     assert leaf.terminal and leaf.reward == 1.0 and leaf.depth == 2
-    assert leaf.env is trajectory.turns[1].state and leaf.parent.env is trajectory.turns[0].state
+    assert leaf.env is trajectory.turns[1].env and leaf.parent.env is trajectory.turns[0].env
     leaf.advantage = 0.5
     (path,) = tree.paths(advantage="leaf")
     assert path.ids == trajectory.ids and path.mask == trajectory.mask
@@ -438,13 +438,13 @@ async def test_take_turn_resumes_an_episode_from_a_kept_state_without_touching_t
         ScriptEngine(), Episode(make_env(), options={"index": 2}), RolloutConfig(keep_states=True)
     )
     second = trajectory.turns[1]
-    context = second.state.sequence()[0]
+    context = second.env.sequence()[0]
     assert context == trajectory.ids[: second.action_span[0]]
 
     wrong = ScriptEngine(lambda prompt, turn: "<answer> \\boxed{7} </answer>")
     turn, status = await take_turn(
         wrong,
-        second.state.fork(),
+        second.env.fork(),
         context,
         RolloutConfig(sampling=GREEDY),
         prompt_length=len(trajectory.prompt_ids),
@@ -456,7 +456,7 @@ async def test_take_turn_resumes_an_episode_from_a_kept_state_without_touching_t
     assert turn.action_span == (len(context), len(context) + len(turn.action_ids)) and turn.obs_ids == []
     ((prompt, params),) = wrong.requests
     assert prompt == context and (params.seed, params.max_new_tokens) == (11, 40)
-    assert trajectory.reward == 1.0 and second.state.sequence()[0] == context  # both untouched
+    assert trajectory.reward == 1.0 and second.env.sequence()[0] == context  # both untouched
 
 
 async def test_take_turn_reports_a_used_up_budget_and_refuses_a_turn_beyond_it():

@@ -167,7 +167,7 @@ def turn_seed(seed: int, prompt: int, branch: int, turn: int) -> int:
 class InStep(Chain):
     """Chain, but with an ``after_turn`` of its own: the loop then keeps its turns to the steps."""
 
-    def after_turn(self, group, branch, node, turn, ended):
+    def after_turn(self, prompt, branch, node, turn, ended):
         return []
 
 
@@ -199,11 +199,11 @@ async def test_turns_run_ahead_grow_the_same_trees_as_turns_in_steps():
         return (seed % 5) * 0.002
 
     class InStepTree(EntropyTree):
-        def after_turn(self, group, branch, node, turn, ended):
+        def after_turn(self, prompt, branch, node, turn, ended):
             return []
 
     class InStepRandom(RandomTree):
-        def after_turn(self, group, branch, node, turn, ended):
+        def after_turn(self, prompt, branch, node, turn, ended):
             return []
 
     for ahead, in_step in (
@@ -391,16 +391,16 @@ class Draws:
         return self.values.pop(0)
 
 
-def hand_group(*draws, started=0):
+def hand_prompt(*draws, started=0):
     tree = RolloutTree([1, 2, 3])
-    group = PromptTrees(index=0, key=None, trees=[tree], rng=Draws(*draws), started=started)
-    group.notes["vocab_size"] = 4
-    return group
+    prompt = PromptTrees(index=0, key=None, trees=[tree], rng=Draws(*draws), started=started)
+    prompt.notes["vocab_size"] = 4
+    return prompt
 
 
-def branch_at(group, action_logprob_tops, notes=None, turns=1, kind="chain"):
+def branch_at(prompt, action_logprob_tops, notes=None, turns=1, kind="chain"):
     """A branch whose latest turn is a new first turn with the given per-token top log-probs."""
-    tree = group.trees[0]
+    tree = prompt.trees[0]
     node = tree.add_turn(
         tree.root,
         action_ids=[5] * len(action_logprob_tops),
@@ -437,12 +437,12 @@ HALF_QUARTER = [(1, math.log(0.5)), (2, math.log(0.25))]
 
 def test_arpo_branches_with_probability_from_the_path_s_entropy_change():
     strategy = EntropyBranching(n=16, N=8)
-    group = hand_group(0.69, 0.71)
+    prompt = hand_prompt(0.69, 0.71)
     # Two tokens of entropy ln 2 each over ln 4: H_t = 1.0; the path's first segment had 0.0.
-    branch, node, record = branch_at(group, [HALF_QUARTER] * 2, notes={"h_initial": 0.0})
-    [point] = strategy.after_turn(group, branch, node, record, ended=False)  # p = 0.7 > 0.69
+    branch, node, record = branch_at(prompt, [HALF_QUARTER] * 2, notes={"h_initial": 0.0})
+    [point] = strategy.after_turn(prompt, branch, node, record, ended=False)  # p = 0.7 > 0.69
     assert node.info[SEGMENT_ENTROPY] == pytest.approx(1.0) and node.info["copies"] == 1
-    assert (point.parent, point.state, tuple(point.obs_ids), point.kind, point.source) == (
+    assert (point.parent, point.env, tuple(point.obs_ids), point.kind, point.source) == (
         node,
         "state-after",
         (9,),
@@ -450,35 +450,35 @@ def test_arpo_branches_with_probability_from_the_path_s_entropy_change():
         node,
     )  # a copy of the current prefix, tool result included
     assert point.notes == {"h_initial": 0.0}
-    assert strategy.after_turn(group, branch, node, record, ended=False) == []  # 0.71 > 0.7
+    assert strategy.after_turn(prompt, branch, node, record, ended=False) == []  # 0.71 > 0.7
 
-    first, node, record = branch_at(group := hand_group(0.49, 0.51), [HALF_QUARTER] * 2)
-    assert len(strategy.after_turn(group, first, node, record, ended=False)) == 1  # first segment: ΔH = 0, p = 0.5
+    first, node, record = branch_at(prompt := hand_prompt(0.49, 0.51), [HALF_QUARTER] * 2)
+    assert len(strategy.after_turn(prompt, first, node, record, ended=False)) == 1  # first segment: ΔH = 0, p = 0.5
     assert first.notes == {"h_initial": pytest.approx(1.0)}  # H_initial is this path's first segment
-    assert strategy.after_turn(group, first, node, record, ended=False) == []
+    assert strategy.after_turn(prompt, first, node, record, ended=False) == []
 
 
 def test_arpo_draws_nothing_when_the_budget_is_used_or_the_episode_ended():
     strategy = EntropyBranching(n=16, N=8)
-    group = hand_group(started=16)  # no draws available: drawing would fail
-    branch, node, record = branch_at(group, [HALF_QUARTER])
-    assert strategy.after_turn(group, branch, node, record, ended=False) == []
-    group = hand_group()
-    branch, node, record = branch_at(group, [HALF_QUARTER])
-    assert strategy.after_turn(group, branch, node, record, ended=True) == []
+    prompt = hand_prompt(started=16)  # no draws available: drawing would fail
+    branch, node, record = branch_at(prompt, [HALF_QUARTER])
+    assert strategy.after_turn(prompt, branch, node, record, ended=False) == []
+    prompt = hand_prompt()
+    branch, node, record = branch_at(prompt, [HALF_QUARTER])
+    assert strategy.after_turn(prompt, branch, node, record, ended=True) == []
     assert node.info[SEGMENT_ENTROPY] == pytest.approx(0.5)  # still measured
 
 
 def test_arpo_paper_timing_resamples_the_segment_after_a_tool_result():
     strategy = EntropyBranching(measure="segment_after")
     assert strategy.keeps_turn_states
-    group = hand_group(0.0)
-    branch, first, record = branch_at(group, [HALF_QUARTER])
-    assert strategy.after_turn(group, branch, first, record, ended=False) == []  # no tool result before it
-    second = group.trees[0].add_turn(first, obs_ids=[9], action_ids=[5], logprobs=[-0.1], env="state-before-2")
+    prompt = hand_prompt(0.0)
+    branch, first, record = branch_at(prompt, [HALF_QUARTER])
+    assert strategy.after_turn(prompt, branch, first, record, ended=False) == []  # no tool result before it
+    second = prompt.trees[0].add_turn(first, obs_ids=[9], action_ids=[5], logprobs=[-0.1], env="state-before-2")
     branch.last = branch.parent = second
-    [point] = strategy.after_turn(group, branch, second, record, ended=True)  # measured even on an answer
-    assert (point.parent, point.state, tuple(point.obs_ids), point.source) == (first, "state-before-2", (9,), second)
+    [point] = strategy.after_turn(prompt, branch, second, record, ended=True)  # measured even on an answer
+    assert (point.parent, point.env, tuple(point.obs_ids), point.source) == (first, "state-before-2", (9,), second)
 
 
 async def test_arpo_fills_n_rollouts_with_branches_then_refills():
@@ -526,24 +526,24 @@ def test_aepo_branch_probability_has_the_consecutive_branch_penalty():
 def test_aepo_penalises_consecutive_branchings_on_a_path():
     strategy = EntropyBalancedBranching(k=16)
     # ΔH = 0: p = 0.5 at l = 0, 0.475 at l = 1, 0.45 at l = 2.
-    group = hand_group(0.49, 0.47, 0.48)
-    branch, node, record = branch_at(group, [HALF_QUARTER], notes={"h_initial": 0.5})
-    [copy] = strategy.after_turn(group, branch, node, record, ended=False)  # 0.49 < 0.5
+    prompt = hand_prompt(0.49, 0.47, 0.48)
+    branch, node, record = branch_at(prompt, [HALF_QUARTER], notes={"h_initial": 0.5})
+    [copy] = strategy.after_turn(prompt, branch, node, record, ended=False)  # 0.49 < 0.5
     assert branch.notes["consecutive"] == 1 and copy.notes["consecutive"] == 1
-    assert len(strategy.after_turn(group, branch, node, record, ended=False)) == 1  # 0.47 < 0.475
-    assert strategy.after_turn(group, branch, node, record, ended=False) == []  # 0.48 > 0.45
+    assert len(strategy.after_turn(prompt, branch, node, record, ended=False)) == 1  # 0.47 < 0.475
+    assert strategy.after_turn(prompt, branch, node, record, ended=False) == []  # 0.48 > 0.45
     assert branch.notes["consecutive"] == 0  # a decision without a branch ends the run
 
 
 def test_aepo_can_count_branchings_per_prompt_as_the_official_code():
     strategy = EntropyBalancedBranching(k=16, penalty_count="prompt")
-    group = hand_group(0.42, 0.43)
-    group.step = 3
-    group.events += [BranchEvent(0, step, "branch", 1) for step in (1, 2, 2, 3)]  # 3 in earlier steps
-    branch, node, record = branch_at(group, [HALF_QUARTER], notes={"h_initial": 0.5})  # ΔH = 0
+    prompt = hand_prompt(0.42, 0.43)
+    prompt.step = 3
+    prompt.events += [BranchEvent(0, step, "branch", 1) for step in (1, 2, 2, 3)]  # 3 in earlier steps
+    branch, node, record = branch_at(prompt, [HALF_QUARTER], notes={"h_initial": 0.5})  # ΔH = 0
     # p = 0.5·(1 − 0.05·3) = 0.425 whatever this path did (path counting would give 0.5).
-    assert len(strategy.after_turn(group, branch, node, record, ended=False)) == 1  # 0.42 < 0.425
-    assert strategy.after_turn(group, branch, node, record, ended=False) == []  # 0.43 > 0.425
+    assert len(strategy.after_turn(prompt, branch, node, record, ended=False)) == 1  # 0.42 < 0.425
+    assert strategy.after_turn(prompt, branch, node, record, ended=False) == []  # 0.43 > 0.425
 
 
 async def test_aepo_pre_monitoring_sets_the_global_chains():

@@ -59,7 +59,7 @@ class BranchPoint:
     Attributes:
         tree: Index of the tree in :attr:`PromptTrees.trees`.
         parent: The node the branch's first turn hangs under (the root for a chain).
-        state: The environment state the first turn starts from; the loop forks it, so it must
+        env: The environment state the first turn starts from; the loop forks it, so it must
             be exactly the state that produced ``obs_ids`` after ``parent``.
         obs_ids: The observation between ``parent``'s action and the first turn (empty after
             the prompt).
@@ -70,7 +70,7 @@ class BranchPoint:
 
     tree: int
     parent: Node
-    state: TokenEnv
+    env: TokenEnv
     obs_ids: Sequence[int] = ()
     kind: BranchKind = "chain"
     source: Node | None = None
@@ -311,30 +311,30 @@ class Strategy(abc.ABC):
         starts; ``None``: not known. It sizes the rollout's progress bar."""
         return None
 
-    async def prepare(self, group: PromptTrees, probe: Probe) -> None:
+    async def prepare(self, prompt: PromptTrees, probe: Probe) -> None:
         """Look at the prompt before any chain starts (AEPO's pre-monitoring); default: nothing."""
 
     @abc.abstractmethod
-    def start(self, group: PromptTrees) -> list[BranchPoint]:
+    def start(self, prompt: PromptTrees) -> list[BranchPoint]:
         """The chains to start once the prompt is known."""
 
     def after_turn(
-        self, group: PromptTrees, branch: Branch, node: Node, turn: TurnRecord, ended: bool
+        self, prompt: PromptTrees, branch: Branch, node: Node, turn: TurnRecord, ended: bool
     ) -> list[BranchPoint]:
         """Branches to fork after ``branch`` recorded ``node`` (``ended``: its episode is over)."""
         return []
 
-    def next_round(self, group: PromptTrees) -> list[BranchPoint]:
+    def next_round(self, prompt: PromptTrees) -> list[BranchPoint]:
         """What to start when no branch is running; an empty list ends the rollout."""
         return []
 
-    def finish(self, group: PromptTrees) -> None:
+    def finish(self, prompt: PromptTrees) -> None:
         """Edit the finished trees (e.g. keep K leaves); default: nothing."""
 
 
-def fresh_chain(group: PromptTrees, tree: int, kind: BranchKind = "chain", source: Node | None = None) -> BranchPoint:
+def fresh_chain(prompt: PromptTrees, tree: int, kind: BranchKind = "chain", source: Node | None = None) -> BranchPoint:
     """A new chain from the prompt of tree ``tree`` (its first turn is a child of the root)."""
-    root = group.trees[tree].root
+    root = prompt.trees[tree].root
     return BranchPoint(tree, root, _state_of(root), (), kind, source)
 
 

@@ -28,5 +28,5 @@ class Chain(Strategy):
     def branches_per_prompt(self) -> int:
         return self.n
 
-    def start(self, group: PromptTrees) -> list[BranchPoint]:
-        return [fresh_chain(group, 0) for _ in range(self.n)]  # |leaves| = n  (docs/algorithms.md eq. 6)
+    def start(self, prompt: PromptTrees) -> list[BranchPoint]:
+        return [fresh_chain(prompt, 0) for _ in range(self.n)]  # |leaves| = n  (docs/algorithms.md eq. 6)

@@ -79,8 +79,8 @@ class EntropyBalancedBranching(SegmentEntropyBranching):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"EntropyBalancedBranching.{name} must be a finite number >= 0, got {value!r}")
 
-    async def prepare(self, group: PromptTrees, probe: Probe) -> None:
-        await super().prepare(group, probe)
+    async def prepare(self, prompt: PromptTrees, probe: Probe) -> None:
+        await super().prepare(prompt, probe)
         # The two probes are independent (each has its own seed): run together, they cost the episode's time.
         sample, run = asyncio.ensure_future(probe.sample(self.question_tokens)), asyncio.ensure_future(probe.episode())
         try:
@@ -88,38 +88,38 @@ class EntropyBalancedBranching(SegmentEntropyBranching):
         finally:
             for task in (sample, run):  # when one fails, the other stops too (an episode closes its fork)
                 task.cancel()
-        h_root = self.entropy(group, question.top_logprobs)  # docs/algorithms.md eq. 12
-        entropies = [self.entropy(group, turn.top_logprobs) for turn in episode.turns]
+        h_root = self.entropy(prompt, question.top_logprobs)  # docs/algorithms.md eq. 12
+        entropies = [self.entropy(prompt, turn.top_logprobs) for turn in episode.turns]
         # docs/algorithms.md eq. 15; H_root when the probe has no turn (the code's fallback)
         h_tool = math.fsum(entropies) / len(entropies) if entropies else h_root
-        group.notes.update(
+        prompt.notes.update(
             h_root_topk=h_root,
             h_tool_topk=h_tool,
             probe_status=episode.status,
             global_samples=global_samples(self.k, h_root, h_tool, self.beta),
         )
 
-    def rollouts(self, group: PromptTrees) -> int:
+    def rollouts(self, prompt: PromptTrees) -> int:
         return self.k
 
     @property
     def branches_per_prompt(self) -> int:
         return self.k
 
-    def initial_chains(self, group: PromptTrees) -> int:
-        return group.notes["global_samples"]
+    def initial_chains(self, prompt: PromptTrees) -> int:
+        return prompt.notes["global_samples"]
 
-    def probability(self, group: PromptTrees, branch: Branch, delta_h: float) -> float:
+    def probability(self, prompt: PromptTrees, branch: Branch, delta_h: float) -> float:
         if self.penalty_count == "path":
             consecutive = branch.notes.get("consecutive", 0)  # l kept per path (docs/algorithms.md eq. 18)
         else:
             # the code's l: branches and refills started in earlier steps
             # (docs/algorithms.md "Entropy-balanced branching")
-            consecutive = sum(1 for event in group.events if event.step < group.step)
+            consecutive = sum(1 for event in prompt.events if event.step < prompt.step)
         return penalized_branch_probability(
             delta_h, consecutive, self.base_probability, self.entropy_weight, self.penalty_slope
         )
 
-    def on_decision(self, group: PromptTrees, branch: Branch, copies: int) -> None:
+    def on_decision(self, prompt: PromptTrees, branch: Branch, copies: int) -> None:
         # l ← l + 1 if the decision made a copy, else l ← 0  (docs/algorithms.md eq. 18)
         branch.notes["consecutive"] = branch.notes.get("consecutive", 0) + 1 if copies else 0

@@ -133,45 +133,45 @@ class SegmentEntropyBranching(Strategy):
         return self.topk
 
     @abc.abstractmethod
-    def rollouts(self, group: PromptTrees) -> int:
+    def rollouts(self, prompt: PromptTrees) -> int:
         """Trajectories (leaves) per prompt: initial chains, branches and refills together."""
 
     @abc.abstractmethod
-    def initial_chains(self, group: PromptTrees) -> int:
+    def initial_chains(self, prompt: PromptTrees) -> int:
         """Chains started from the prompt at the beginning."""
 
     @abc.abstractmethod
-    def probability(self, group: PromptTrees, branch: Branch, delta_h: float) -> float:
+    def probability(self, prompt: PromptTrees, branch: Branch, delta_h: float) -> float:
         """The probability of each copy at a decision on ``branch`` with entropy change ``delta_h``."""
 
-    def on_decision(self, group: PromptTrees, branch: Branch, copies: int) -> None:
+    def on_decision(self, prompt: PromptTrees, branch: Branch, copies: int) -> None:
         """Called after each decision with the number of copies made; default: nothing."""
 
-    async def prepare(self, group: PromptTrees, probe: Probe) -> None:
+    async def prepare(self, prompt: PromptTrees, probe: Probe) -> None:
         vocab = self.vocab_size or probe.vocab_size
         if vocab is None:
             raise ValueError(
                 f"{type(self).__name__} normalises entropies by ln|V|: give vocab_size=, or use an "
                 "engine with a vocab_size attribute"
             )
-        group.notes["vocab_size"] = vocab
+        prompt.notes["vocab_size"] = vocab
 
-    def entropy(self, group: PromptTrees, top_logprobs: Sequence[Sequence[tuple[int, float]]] | None) -> float:
+    def entropy(self, prompt: PromptTrees, top_logprobs: Sequence[Sequence[tuple[int, float]]] | None) -> float:
         """:func:`segment_entropy` of one sample with this strategy's settings."""
         if top_logprobs is None:
             raise ValueError(
                 f"{type(self).__name__} needs the top-{self.topk} log-probs of every token; the engine "
                 "returned none (use an engine that supports SamplingParams.logprobs_topk)"
             )
-        return segment_entropy(top_logprobs, group.notes["vocab_size"], self.window, self.reduce)
+        return segment_entropy(top_logprobs, prompt.notes["vocab_size"], self.window, self.reduce)
 
-    def start(self, group: PromptTrees) -> list[BranchPoint]:
-        return [fresh_chain(group, 0) for _ in range(min(self.initial_chains(group), self.rollouts(group)))]
+    def start(self, prompt: PromptTrees) -> list[BranchPoint]:
+        return [fresh_chain(prompt, 0) for _ in range(min(self.initial_chains(prompt), self.rollouts(prompt)))]
 
     def after_turn(
-        self, group: PromptTrees, branch: Branch, node: Node, turn: TurnRecord, ended: bool
+        self, prompt: PromptTrees, branch: Branch, node: Node, turn: TurnRecord, ended: bool
     ) -> list[BranchPoint]:
-        h = self.entropy(group, turn.top_logprobs)
+        h = self.entropy(prompt, turn.top_logprobs)
         node.info[SEGMENT_ENTROPY] = h
         branch.notes.setdefault("h_initial", h)  # the path's first segment, this rollout only
         if self.measure == "segment_before":
@@ -188,29 +188,31 @@ class SegmentEntropyBranching(Strategy):
                 return resample(branch.tree, node, notes)
 
         # ΔH = H_t − H_initial  (docs/algorithms.md eq. 13)
-        return self.decide(group, branch, h - branch.notes["h_initial"], point)
+        return self.decide(prompt, branch, h - branch.notes["h_initial"], point)
 
     def decide(
-        self, group: PromptTrees, branch: Branch, delta_h: float, point: Callable[[dict[str, Any]], BranchPoint]
+        self, prompt: PromptTrees, branch: Branch, delta_h: float, point: Callable[[dict[str, Any]], BranchPoint]
     ) -> list[BranchPoint]:
         """Draw each of ``branch_width`` copies with :meth:`probability` while rollouts remain."""
-        probability = self.probability(group, branch, delta_h)
+        probability = self.probability(prompt, branch, delta_h)
         copies = 0
         for _ in range(self.branch_width):
-            if group.started + copies >= self.rollouts(group):
+            if prompt.started + copies >= self.rollouts(prompt):
                 break
-            if group.rng.random() < probability:  # each copy with probability p_branch (docs/algorithms.md eqs. 14, 17)
+            if (
+                prompt.rng.random() < probability
+            ):  # each copy with probability p_branch (docs/algorithms.md eqs. 14, 17)
                 copies += 1
-        self.on_decision(group, branch, copies)
+        self.on_decision(prompt, branch, copies)
         if branch.last is not None:
             branch.last.info["copies"] = copies
         return [point(dict(branch.notes)) for _ in range(copies)]
 
-    def next_round(self, group: PromptTrees) -> list[BranchPoint]:
-        left = self.rollouts(group) - group.started
+    def next_round(self, prompt: PromptTrees) -> list[BranchPoint]:
+        left = self.rollouts(prompt) - prompt.started
         if left <= 0:
             return []
-        return [fresh_chain(group, 0, kind="refill") for _ in range(1 if self.refill == "one" else left)]
+        return [fresh_chain(prompt, 0, kind="refill") for _ in range(1 if self.refill == "one" else left)]
 
 
 @dataclass(frozen=True)
@@ -233,17 +235,17 @@ class EntropyBranching(SegmentEntropyBranching):
         super().__post_init__()
         require_positive(self, "n", "N")
 
-    def rollouts(self, group: PromptTrees) -> int:
+    def rollouts(self, prompt: PromptTrees) -> int:
         return self.n
 
     @property
     def branches_per_prompt(self) -> int:
         return self.n
 
-    def initial_chains(self, group: PromptTrees) -> int:
+    def initial_chains(self, prompt: PromptTrees) -> int:
         return self.N
 
-    def probability(self, group: PromptTrees, branch: Branch, delta_h: float) -> float:
+    def probability(self, prompt: PromptTrees, branch: Branch, delta_h: float) -> float:
         return branch_probability(delta_h, self.base_probability, self.entropy_weight)
 
 

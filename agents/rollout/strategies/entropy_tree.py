@@ -55,17 +55,17 @@ class EntropyTree(Strategy):
     def branches_per_prompt(self) -> int:
         return self.M + self.L * self.K  # at most, without root_candidate
 
-    def start(self, group: PromptTrees) -> list[BranchPoint]:
-        return [fresh_chain(group, 0) for _ in range(self.M)]
+    def start(self, prompt: PromptTrees) -> list[BranchPoint]:
+        return [fresh_chain(prompt, 0) for _ in range(self.M)]
 
-    def next_round(self, group: PromptTrees) -> list[BranchPoint]:
-        done = group.notes.get("rounds", 0)
+    def next_round(self, prompt: PromptTrees) -> list[BranchPoint]:
+        done = prompt.notes.get("rounds", 0)
         if done >= self.L:
             return []
-        group.notes["rounds"] = done + 1
+        prompt.notes["rounds"] = done + 1
         return [
-            fresh_chain(group, 0, kind="branch", source=node) if node.is_root else resample(0, node)
-            for node in self.select(group.trees[0])
+            fresh_chain(prompt, 0, kind="branch", source=node) if node.is_root else resample(0, node)
+            for node in self.select(prompt.trees[0])
         ]
 
     def scores(self, tree: RolloutTree) -> list[tuple[Node, float]]:

@@ -45,27 +45,27 @@ class RandomTree(Strategy):
     def branches_per_prompt(self) -> int:
         return self.M * (1 + self.L * self.N)  # before finish() keeps K leaves of each tree
 
-    def start(self, group: PromptTrees) -> list[BranchPoint]:
-        return [fresh_chain(group, tree) for tree in range(self.M)]
+    def start(self, prompt: PromptTrees) -> list[BranchPoint]:
+        return [fresh_chain(prompt, tree) for tree in range(self.M)]
 
-    def next_round(self, group: PromptTrees) -> list[BranchPoint]:
-        done = group.notes.get("rounds", 0)
+    def next_round(self, prompt: PromptTrees) -> list[BranchPoint]:
+        done = prompt.notes.get("rounds", 0)
         if done >= self.L:
             return []
-        group.notes["rounds"] = done + 1
+        prompt.notes["rounds"] = done + 1
         points = []
-        for index, tree in enumerate(group.trees):
+        for index, tree in enumerate(prompt.trees):
             # C = {root} ∪ {n : n has children and did not end its episode}  (docs/algorithms.md eq. 7)
             candidates = [tree.root] + [node for node in tree.nodes() if not node.terminal and node.children]
             for _ in range(self.N):
                 # uniform draw from C, with replacement (docs/algorithms.md eq. 7)
-                points.append(expand(index, candidates[int(group.rng.integers(len(candidates)))]))
+                points.append(expand(index, candidates[int(prompt.rng.integers(len(candidates)))]))
         return points
 
-    def finish(self, group: PromptTrees) -> None:
-        for tree in group.trees:
+    def finish(self, prompt: PromptTrees) -> None:
+        for tree in prompt.trees:
             leaves = tree.leaves()
             if len(leaves) > self.K:
                 # K leaves drawn uniformly without replacement: min(K, 1 + L·N) per tree (docs/algorithms.md eq. 8)
-                kept = sorted(int(i) for i in group.rng.choice(len(leaves), size=self.K, replace=False))
+                kept = sorted(int(i) for i in prompt.rng.choice(len(leaves), size=self.K, replace=False))
                 tree.prune([leaves[i] for i in kept])
