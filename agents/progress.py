@@ -8,6 +8,10 @@ to a file or a pipe, each phase prints plain lines instead: one when it starts, 
     rollout step 3: 120/352 leaves after 00:29, 4.1 leaves/s, ETA 00:56
     rollout step 3: 352/352 leaves in 01:26, 4.1 leaves/s
 
+A transient phase (``leave=False``: a step's rollout, its update) prints nothing until it has run
+``interval`` seconds, then its lines as any other, so that a log holds one line a step (the step's
+own note) and a heartbeat while a phase runs long, not three lines for every second-long update.
+
 A phase without counts (loading a model) prints a line when it starts and one with its seconds
 when it ends, wherever it writes (:func:`phase`).
 
@@ -64,7 +68,8 @@ def progress_bar(
         total: How many units the phase has, or ``None``.
         unit: The units' name, plural (``"leaves"``).
         initial: Where the count starts (a resumed run's steps done).
-        leave: Keep the terminal bar on screen once closed (a line stream always keeps its lines).
+        leave: Keep the terminal bar on screen once closed; on a line stream, ``False`` makes the phase
+            transient: no line until it has run ``interval`` seconds (see the module docstring).
         show: ``False``: nothing; ``True`` or ``None``: a bar on a terminal, lines elsewhere.
         file: The stream (default ``sys.stderr`` at the call).
         interval: Seconds between lines on a stream that is no terminal (default :data:`LINE_INTERVAL`).
@@ -78,7 +83,7 @@ def progress_bar(
         return tqdm(disable=True)
     if interactive(file):
         return tqdm(total=total, desc=desc, unit=unit, initial=initial, leave=leave, file=file, dynamic_ncols=True)
-    return LogLines(desc, total, unit=unit, initial=initial, file=file, interval=interval)
+    return LogLines(desc, total, unit=unit, initial=initial, leave=leave, file=file, interval=interval)
 
 
 class LogLines:
@@ -88,7 +93,8 @@ class LogLines:
     cursor between nested bars, which a log file keeps as one line of escape codes. Between
     counts, the innermost phase open prints its line again every ``interval`` seconds (from a
     daemon thread), so that a log shows a long wait as one, not as silence: a batch of episodes
-    may take minutes before the first ends.
+    may take minutes before the first ends. With ``leave=False`` the phase is transient: its first
+    line waits until it has run ``interval`` seconds, and a phase that never printed prints no end.
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class LogLines:
         *,
         unit: str = "items",
         initial: int = 0,
+        leave: bool = True,
         file: TextIO | None = None,
         interval: float | None = None,
     ) -> None:
@@ -108,10 +115,13 @@ class LogLines:
         self.postfix: dict[str, Any] = {}
         self.closed = False
         self._stopped = threading.Event()
+        # Whether the phase has a line in the log: a transient one only once it has run `interval` seconds.
+        self.shown = leave or self.interval <= 0
         with _LOCK:
             _OPEN.append(self)
             self.start = self.printed = monotonic()
-            self._write(self._line(self.start, first=True))
+            if self.shown:
+                self._write(self._line(self.start, first=True))
         if self.interval > 0:
             threading.Thread(target=self._beat, name=f"progress: {desc}", daemon=True).start()
 
@@ -134,7 +144,8 @@ class LogLines:
             self.closed = True
             _OPEN.remove(self)
             self._stopped.set()
-            self._write(self._line(monotonic(), final=True))
+            if self.shown:
+                self._write(self._line(monotonic(), final=True))
 
     def _beat(self) -> None:
         while not self._stopped.wait(self.interval):
@@ -145,6 +156,7 @@ class LogLines:
     def _due(self, now: float) -> None:
         if now - self.printed >= self.interval:
             self.printed = now
+            self.shown = True
             self._write(self._line(now))
 
     def _line(self, now: float, first: bool = False, final: bool = False) -> str:

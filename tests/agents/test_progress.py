@@ -104,6 +104,45 @@ def test_the_innermost_phase_prints_its_line_again_while_its_count_stands_still(
     assert len(printed) - inner - 1 >= 2 and printed[-1].startswith("train: 0/2 steps in ")
 
 
+def test_a_transient_phase_shows_in_a_log_only_once_it_runs_past_the_interval(clock):
+    out = io.StringIO()
+    with progress_bar("update step 1", 2, unit="micro-batches", leave=False, file=out, interval=30) as bar:
+        clock.now += 10.0
+        bar.update(2)
+    assert lines(out) == []  # ten seconds: no line at all
+    with progress_bar("update step 2", 2, unit="micro-batches", leave=False, file=out, interval=30) as bar:
+        clock.now += 31.0
+        bar.update()
+        clock.now += 9.0
+        bar.update()
+    assert lines(out) == [
+        "update step 2: 1/2 micro-batches after 00:31, 31.0 s each, ETA 00:31",
+        "update step 2: 2/2 micro-batches in 00:40, 20.0 s each",
+    ]
+
+
+def test_forty_sft_steps_write_forty_lines_and_the_heartbeats_to_a_log(clock):
+    """The loop of agents.sft: the steps' bar, each step's update bar (transient), then the step's note."""
+    out = io.StringIO()
+    with progress_bar("train", 40, unit="steps", file=out, interval=30) as steps:
+        for step in range(1, 41):
+            with progress_bar(
+                f"update step {step}", 2, unit="micro-batches", leave=False, file=out, interval=30
+            ) as bar:
+                for _ in range(2):
+                    clock.now += 0.5
+                    bar.update()
+            print(f"step {step}/40: loss 1.0000", file=out)
+            steps.update()
+    printed = lines(out)
+    assert [line for line in printed if line.startswith("step ")] == [f"step {k}/40: loss 1.0000" for k in range(1, 41)]
+    assert [line for line in printed if not line.startswith("step ")] == [
+        "train: 0/40 steps",
+        "train: 30/40 steps after 00:30, 1.0 steps/s, ETA 00:10",  # the heartbeat, every 30 s
+        "train: 40/40 steps in 00:40, 1.0 steps/s",
+    ]
+
+
 def test_a_phase_of_unknown_size_counts_without_an_eta(clock):
     out = io.StringIO()
     with progress_bar("rollout step 1", None, unit="leaves", file=out, interval=0) as bar:
