@@ -3,7 +3,7 @@
 Each actor holds one :class:`~agents.training.trainer.Trainer` built with ``distributed=True``
 (rank r of N: gloo on CPU, NCCL on GPU); every rank receives the whole batch and trains its
 share of each mini-batch's micro-batches, and the summed gradients make every update the one
-process's (see :meth:`Trainer._rank_passes`). The driver holds a :class:`TrainerGroup`::
+process's (see :func:`agents.training.sharding.rank_passes`). The driver holds a :class:`TrainerGroup`::
 
     ensure_ray("local", processes=2)
     group = TrainerGroup("smollm2-135m", TrainerConfig(), ranks=2, out_dir="runs/a")

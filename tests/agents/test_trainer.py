@@ -14,8 +14,9 @@ import agents.progress
 from agents.models import tiny_llama
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
+from agents.training.forward import _decoder_and_head
 from agents.training.losses import aepo_loss
-from agents.training.trainer import Trainer, TrainerConfig, _decoder_and_head
+from agents.training.trainer import Trainer, TrainerConfig
 
 VOCAB = 50
 
@@ -281,6 +282,12 @@ async def test_lora_trains_only_the_adapter_weights_and_syncs_merged_weights():
     )
 
 
+def test_lora_merges_only_plain_linear_adapters_into_the_engine_weights():
+    trainer = Trainer(tiny_model(), config(lora_rank=4, lora_target_modules=["q_proj", "embed_tokens"]))
+    with pytest.raises(ValueError, match=r"model\.embed_tokens: a LoRA Embedding adapter, but only plain linear"):
+        trainer.engine_state_dict()
+
+
 async def test_lora_kl_reference_is_the_base_model_with_adapters_off():
     trainer = Trainer(tiny_model(), config(lr=1e-2, lora_rank=4, kl_coef=0.1))
     assert trainer.ref_model is None  # no copy: the adapters are switched off instead
@@ -469,12 +476,12 @@ async def test_a_registered_loss_is_chosen_by_name_in_the_trainer_the_learner_an
 def test_micro_batches_by_token_budget_hold_at_most_that_many_padded_tokens():
     trainer = Trainer(tiny_model(), config(micro_batch_size=4, micro_batch_tokens=40, packing="padded"))
     lengths = torch.tensor([18, 21, 13, 6, 30, 50, 5])
-    groups = [g.tolist() for g in trainer._micro_batches(torch.arange(7), lengths)]
+    groups = [g.tolist() for g in trainer.forward.micro_batches(torch.arange(7), lengths)]
     # 18+21 -> 2 x 21 = 42 > 40 splits; 21, 13 -> 42 again; 13, 6 -> 26; +30 -> 90; 50 alone; 5.
     assert groups == [[0], [1], [2, 3], [4], [5], [6]]
     assert [
         g.tolist()
-        for g in Trainer(tiny_model(), config(micro_batch_size=2, packing="padded"))._micro_batches(
+        for g in Trainer(tiny_model(), config(micro_batch_size=2, packing="padded")).forward.micro_batches(
             torch.arange(5), torch.ones(5, dtype=torch.long)
         )
     ] == [[0, 1], [2, 3], [4]]
@@ -490,7 +497,7 @@ async def test_token_budget_micro_batches_give_the_same_update_as_sequence_count
         trainer = Trainer(
             tiny_model(), config(loss=loss, old_logprobs="sampler", max_grad_norm=1e9, packing="padded", **split)
         )
-        assert len(trainer._micro_batches(torch.arange(4), collate(paths, 0).attention_mask.sum(-1))) == (
+        assert len(trainer.forward.micro_batches(torch.arange(4), collate(paths, 0).attention_mask.sum(-1))) == (
             1 if len(split) == 1 else 3
         )
         metrics = await trainer.step(paths)
@@ -539,7 +546,8 @@ async def test_action_only_chunked_scoring_gives_the_full_logits_update(packing)
             tiny_model(), config(packing=packing, score_chunk=chunk, max_grad_norm=1e9, entropy_coef=0.01)
         )
         assert (_decoder_and_head(trainer.model) is not None) is True
-        old = trainer._score(trainer.model, collate(paths, 0))
+        batch = collate(paths, 0)
+        old = trainer.forward.score(trainer.model, batch, trainer.forward.plan(batch))
         metrics = await trainer.step(paths)
         runs.append((old, metrics, gradients(trainer)))
     (old_full, metrics_full, grads_full), (old_chunked, metrics_chunked, grads_chunked) = runs

@@ -142,17 +142,21 @@ def test_long_rows_on_cuda_run_flex_attention():
 def test_flex_attentions_logprobs_equal_the_padded_paths(depth, branching, monkeypatch):
     """FlexAttention's block mask over the whole row (the GPU kernel; on CPU PyTorch runs it
     forward only, so this checks the old log-probs' pass) gives every leaf's log-probs."""
-    import agents.training.trainer as trainer_module
+    import agents.training.forward as forward_module
+    import agents.training.tree_attention as tree_attention_module
 
     trees = random_trees(10 * depth + branching, depth, branching)
     batch = collate([path for tree in trees for path in tree.paths()], 0)
     padded = Trainer(tiny_model(), config(packing="padded")).compute_logprobs(batch)
-    monkeypatch.setattr(trainer_module, "choose_kernel", lambda packed, device: "flex")
+    monkeypatch.setattr(forward_module, "choose_kernel", lambda packed, device: "flex")
+    flex_calls, flex = [], tree_attention_module._flex
+    monkeypatch.setattr(tree_attention_module, "_flex", lambda *args: (flex_calls.append(1), flex(*args))[1])
     trainer = Trainer(tiny_model(), config(packing="tree"))
     # 1e-5 plus float32 rounding of the value (|log-probs| ≈ 12 on random weights): FlexAttention
     # sums the softmax in another order than SDPA.
     torch.testing.assert_close(trainer.compute_logprobs(batch), padded, atol=1e-5, rtol=2e-6)
-    assert trainer._last_pass["flex_passes"] == 1
+    assert [micro.kernel for micro in trainer.forward.plan(batch).micro_batches] == ["flex"]  # one pass, by flex
+    assert len(flex_calls) == trainer.model.config.num_hidden_layers  # its every attention call
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass needs a GPU")
@@ -176,9 +180,9 @@ async def test_on_cuda_a_long_rows_flex_update_gives_the_padded_loss_and_gradien
 @pytest.mark.parametrize(("depth", "branching"), SHAPES)
 @pytest.mark.parametrize("kernel", ["per-path", "batched"])
 def test_every_leafs_logprobs_and_entropies_equal_the_padded_paths(depth, branching, kernel, monkeypatch):
-    import agents.training.trainer as trainer_module
+    import agents.training.forward as forward_module
 
-    monkeypatch.setattr(trainer_module, "choose_kernel", lambda packed, device: kernel)
+    monkeypatch.setattr(forward_module, "choose_kernel", lambda packed, device: kernel)
     trees = random_trees(10 * depth + branching, depth, branching)
     paths = [path for tree in trees for path in tree.paths()]
     batch = collate(paths, 0)
@@ -186,7 +190,8 @@ def test_every_leafs_logprobs_and_entropies_equal_the_padded_paths(depth, branch
     for packing in ("padded", "tree"):
         trainer = Trainer(tiny_model(), config(packing=packing))
         everything = trainer.compute_logprobs(batch)
-        actions, entropy = trainer._forward(trainer.model, batch.ids, batch.attention_mask, scored=batch.mask)
+        everyone = trainer.forward.micro_batch(batch, torch.arange(len(paths)))  # the whole batch in one pass
+        actions, entropy = trainer.forward(trainer.model, batch, everyone)
         scores[packing] = (everything, actions, entropy)
     for tree, padded in zip(scores["tree"], scores["padded"]):
         # float32 in another summation order: up to 1.3e-5 on entropies near 12 (1.1e-6 relative) on one CPU.
@@ -223,6 +228,34 @@ async def test_every_loss_aggregation_kl_and_entropy_bonus_gives_the_padded_loss
         torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-5 * scale, rtol=1e-4)
 
 
+async def test_a_step_packs_each_micro_batch_once_for_all_its_passes(monkeypatch):
+    # Recomputed old log-probs, a KL reference and two epochs over two mini-batches: four passes over
+    # every micro-batch, all on the one packing the step planned.
+    import agents.training.forward as forward_module
+
+    packed_rows = []
+
+    def counted_pack_paths(ids, attention_mask, **kwargs):
+        packed_rows.append(ids.shape[0])
+        return pack_paths(ids, attention_mask, **kwargs)
+
+    monkeypatch.setattr(forward_module, "pack_paths", counted_pack_paths)
+    paths = tree_paths(3, 4, 3, trees=3)
+    batch = collate(paths, 0)
+    settings = {"old_logprobs": "recompute", "kl_coef": 0.05, "epochs": 2, "mini_batches": 2, "micro_batch_size": 3}
+    trainer = Trainer(tiny_model(), config(packing="tree", **settings))
+    splits = [
+        trainer.forward.micro_batches(rows, batch.attention_mask.sum(-1), batch.ids)
+        for rows in torch.arange(len(paths)).tensor_split(2)
+    ]
+    metrics = await trainer.step(paths)
+    assert len(packed_rows) == sum(len(split) for split in splits) >= 4  # once per micro-batch
+    assert sum(packed_rows) == len(paths)  # every path packed once
+    packed_tokens = sum(pack_paths(batch.ids[rows], batch.attention_mask[rows]).tokens for s in splits for rows in s)
+    assert metrics["batch/tokens_forwarded"] == 2 * packed_tokens  # both epochs' update passes
+    assert metrics["policy/kl_ref"] > 0 and math.isfinite(metrics["policy/loss"])
+
+
 async def test_trees_split_over_micro_batches_by_packed_tokens_give_the_same_update():
     paths = tree_paths(3, 4, 3, trees=3)
     batch = collate(paths, 0)
@@ -230,7 +263,7 @@ async def test_trees_split_over_micro_batches_by_packed_tokens_give_the_same_upd
     results, splits = [], []
     for packing, budget in (("padded", None), ("tree", None), ("tree", 120)):
         trainer = Trainer(tiny_model(), config(packing=packing, micro_batch_size=4, micro_batch_tokens=budget))
-        splits.append(trainer._micro_batches(torch.arange(len(paths)), lengths, batch.ids))
+        splits.append(trainer.forward.micro_batches(torch.arange(len(paths)), lengths, batch.ids))
         metrics = await trainer.step(paths)
         results.append((metrics["policy/loss"], gradients(trainer)))
     padded_split, tree_split, budget_split = splits
