@@ -111,6 +111,25 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
     if not skip_gymnasium:
         gymnasium_check_env(env, skip_render_check=False)
     deterministic = not (env.spec is not None and env.spec.nondeterministic)
+    independent = deterministic and not _shared_tools(base, name)
+
+    env.reset(seed=SEED)
+    actions = list(actions) if actions is not None else _default_actions(base)
+    _expect(len(actions) >= 2, name, "needs at least two actions to check forks", f"got {actions!r}")
+    env.reset(seed=SEED)
+    reference = _reference_episode(base, name, actions)
+    forks = [
+        _check_a_fork_diverges(base, name, actions, reference, independent),
+        *_check_two_forks_agree(base, name, actions, reference, independent),
+    ]
+    forks.append(_check_a_fork_after_the_end(forks[1], name, actions, reference, deterministic))
+    forks.append(_check_async_agrees(base, name, actions, reference, deterministic))
+    for fork in forks:
+        fork.close()
+
+
+def _shared_tools(base: Env, name: str) -> list[str]:
+    """The tools whose forks share their state (a warning says their results go unchecked); a refusing tool fails."""
     policies = _fork_policies(base)
     refused = [t for t, policy in policies.items() if policy == "refuse"]
     _expect(
@@ -125,17 +144,14 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
         warnings.warn(
             f"{name}: fork_policy='share' is declared by {_tools(shared)} (forks share its state): "
             "fork results are not checked for independence",
-            stacklevel=2,
+            stacklevel=3,  # check_env's caller
         )
-    independent = deterministic and not shared
+    return shared
 
-    env.reset(seed=SEED)
-    actions = list(actions) if actions is not None else _default_actions(base)
-    _expect(len(actions) >= 2, name, "needs at least two actions to check forks", f"got {actions!r}")
+
+def _reference_episode(base: Env, name: str, actions: list[str]) -> list[Result]:
+    """One uninterrupted episode of ``actions`` (the env just reset), its first action not ending it."""
     first, rest = actions[0], actions[1:]
-
-    # Reference: one uninterrupted episode.
-    env.reset(seed=SEED)
     reference = _run(base, [first])
     _expect(
         not (reference[0][2] or reference[0][3]),
@@ -143,9 +159,12 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
         "the first check action must not end the episode",
         f"action {first!r} ended it; pass actions= whose first one does not",
     )
-    reference += _run(base, rest)
+    return reference + _run(base, rest)
 
-    # 1. A fork diverges without touching its parent.
+
+def _check_a_fork_diverges(base: Env, name: str, actions: list[str], reference: list[Result], independent: bool) -> Env:
+    """1. A fork diverges without touching its parent; returns the fork."""
+    first, rest = actions[0], actions[1:]
     base.reset(seed=SEED)
     _run(base, [first])
     before = _snapshot(base)
@@ -168,8 +187,14 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
             f"after the fork stepped {diverging!r}, the parent's next results differ from an untouched episode:"
             f"\n  got      {parent_rest!r}\n  expected {reference[1:]!r}",
         )
+    return child
 
-    # 2. The same actions on two forks give the same results.
+
+def _check_two_forks_agree(
+    base: Env, name: str, actions: list[str], reference: list[Result], independent: bool
+) -> tuple[Env, Env]:
+    """2. The same actions on two forks give the same results; returns the two (their episodes ended)."""
+    first, rest = actions[0], actions[1:]
     base.reset(seed=SEED)
     _run(base, [first])
     a, b = base.fork(), base.fork()
@@ -181,14 +206,19 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
             "the same actions on two forks must give the same results",
             f"fork A: {results_a!r}\n  fork B: {results_b!r}\n  uninterrupted: {reference[1:]!r}",
         )
+    return a, b
 
-    # 3. A fork after the end is usable and leaves the ended parent as it was.
-    ended = _snapshot(a)
-    late = a.fork()
+
+def _check_a_fork_after_the_end(
+    ended_env: Env, name: str, actions: list[str], reference: list[Result], deterministic: bool
+) -> Env:
+    """3. A fork made after the end is usable and leaves the ended parent as it was; returns the fork."""
+    ended = _snapshot(ended_env)
+    late = ended_env.fork()
     late.reset(seed=SEED)
     late_results = _run(late, actions)
     _expect(
-        _snapshot(a) == ended,
+        _snapshot(ended_env) == ended,
         name,
         "resetting a fork made after the end must not change its parent",
         "the ended parent's transcript changed",
@@ -200,8 +230,11 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
             "a fork made after the end must behave like a fresh environment",
             f"got {late_results!r}\n  expected {reference!r}",
         )
+    return late
 
-    # 4. The async pair agrees with the sync pair.
+
+def _check_async_agrees(base: Env, name: str, actions: list[str], reference: list[Result], deterministic: bool) -> Env:
+    """4. The async pair agrees with the sync pair; returns the fork it ran on."""
     fresh = base.fork()
     prompt_sync, _ = base.reset(seed=SEED)
     prompt_async, async_results = asyncio.run(_arun(fresh, actions))
@@ -212,5 +245,4 @@ def check_env(env: Env, *, actions: Sequence[str] | None = None, skip_gymnasium:
             "areset/astep must agree with reset/step",
             f"async: {async_results!r}\n  sync: {reference!r}",
         )
-    for e in (child, a, b, late, fresh):
-        e.close()
+    return fresh
