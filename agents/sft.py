@@ -34,7 +34,7 @@ The data (:func:`load_sft_data`) is a JSONL file, each line one of
   headers and the rest being context. A chat may carry a ``"reward"``; one without is kept by
   ``--min-reward``.
 
-The saved log-probs of a trajectory are kept as the paths' ``old_logprobs`` (0 for chats, which
+The saved log-probs of a trajectory are kept as the paths' ``sampler_logprobs`` (0 for chats, which
 have none). The trainer takes them as π_old (``old_logprobs="sampler"``: the loss ignores π_old, so
 recomputing it would cost a forward pass for nothing), which makes ``mismatch/*`` in the metrics
 the distance of the first batch's log-probs from the sampler that wrote the trajectories, and for

@@ -167,7 +167,8 @@ class TrainingPath:
         ids: prompt, then each turn's observation and action tokens.
         mask: 1 on action tokens, 0 on prompt and observation tokens.
         advantages: the advantage of the token's turn on action tokens, 0 elsewhere.
-        old_logprobs: the sampler's log-prob on action tokens, NaN elsewhere.
+        sampler_logprobs: the sampler's log-prob on action tokens, NaN elsewhere (π_old's own
+            under ``TrainerConfig.old_logprobs="sampler"``, else recomputed by the trainer).
         turn_ids: id of the node each token belongs to (the prompt belongs to the root, id 0).
         weights: on action tokens, 1 / (number of leaves whose path contains the token's turn),
             0 elsewhere. A turn shared by k leaves appears in k paths; multiplying the
@@ -180,7 +181,7 @@ class TrainingPath:
     ids: list[int]
     mask: list[int]
     advantages: list[float]
-    old_logprobs: list[float]
+    sampler_logprobs: list[float]
     turn_ids: list[int]
     weights: list[float]
     reward: float
@@ -315,7 +316,7 @@ class RolloutTree:
             if leaf.reward is None:
                 raise ValueError(f"leaf {leaf.id} has no reward; set it with node.finish(reward)")
             ids, mask, advantages = list(self.prompt_ids), [0] * len(self.prompt_ids), [0.0] * len(self.prompt_ids)
-            old_logprobs, weights = [math.nan] * len(ids), [0.0] * len(ids)
+            sampler_logprobs, weights = [math.nan] * len(ids), [0.0] * len(ids)
             turn_ids = [0] * len(ids)
             for node in leaf.lineage()[1:]:
                 source = node if advantage == "turn" else leaf
@@ -333,10 +334,12 @@ class RolloutTree:
                 ids += node.obs_ids + node.action_ids
                 mask += [0] * n_obs + [1] * n_act
                 advantages += [0.0] * n_obs + [float(value)] * n_act
-                old_logprobs += [math.nan] * n_obs + node.logprobs
+                sampler_logprobs += [math.nan] * n_obs + node.logprobs
                 weights += [0.0] * n_obs + [1.0 / leaves_below[node.id]] * n_act  # docs/algorithms.md eq. 35
                 turn_ids += [node.id] * (n_obs + n_act)
-            paths.append(TrainingPath(ids, mask, advantages, old_logprobs, turn_ids, weights, float(leaf.reward), leaf))
+            paths.append(
+                TrainingPath(ids, mask, advantages, sampler_logprobs, turn_ids, weights, float(leaf.reward), leaf)
+            )
         return paths
 
     def _leaves_below(self) -> dict[int, int]:

@@ -20,7 +20,7 @@ __all__ = ["PathBatch", "collate"]
 class PathBatch:
     """Training paths right-padded into ``[batch, tokens]`` tensors, all aligned with ``ids``.
 
-    ``old_logprobs[b, t]`` is the sampler's log-prob of token ``ids[b, t]`` given ``ids[b, :t]``;
+    ``sampler_logprobs[b, t]`` is the sampler's log-prob of token ``ids[b, t]`` given ``ids[b, :t]``;
     a trainer computing the same from logits shifts by one (logits at ``t-1`` score token ``t``).
 
     Attributes:
@@ -28,7 +28,7 @@ class PathBatch:
         attention_mask: 1 on real tokens, 0 on padding (int64).
         mask: 1.0 on action tokens, 0.0 elsewhere (float32); the loss mask.
         advantages: per-token advantages, 0 off the mask (float32).
-        old_logprobs: sampler log-probs, 0.0 off the mask (float32; never NaN, so that
+        sampler_logprobs: the sampler's log-probs, 0.0 off the mask (float32; never NaN, so that
             ``mask * x`` stays finite).
         turn_ids: the node each token belongs to, -1 on padding (int64).
         weights: de-duplication weights of shared turns, 0 off the mask (float32).
@@ -39,7 +39,7 @@ class PathBatch:
     attention_mask: torch.Tensor
     mask: torch.Tensor
     advantages: torch.Tensor
-    old_logprobs: torch.Tensor
+    sampler_logprobs: torch.Tensor
     turn_ids: torch.Tensor
     weights: torch.Tensor
     rewards: torch.Tensor
@@ -65,8 +65,8 @@ def collate(paths: Sequence[TrainingPath], pad_id: int) -> PathBatch:
         attention_mask=padded(([1] * len(path.ids) for path in paths), 0, torch.int64),
         mask=padded((path.mask for path in paths), 0, torch.float32),
         advantages=padded((path.advantages for path in paths), 0.0, torch.float32),
-        old_logprobs=padded(
-            ([lp if m else 0.0 for lp, m in zip(path.old_logprobs, path.mask)] for path in paths), 0.0, torch.float32
+        sampler_logprobs=padded(
+            ([lp if m else 0.0 for lp, m in zip(p.sampler_logprobs, p.mask)] for p in paths), 0.0, torch.float32
         ),
         turn_ids=padded((path.turn_ids for path in paths), -1, torch.int64),
         weights=padded((path.weights for path in paths), 0.0, torch.float32),

@@ -356,10 +356,10 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """π_old's log-probs of ``batch`` (recomputed, or the sampler's) and the reference's (KL on), timed into ``work``."""
         start = time.perf_counter()
-        old_logprobs = batch.old_logprobs
+        old_logprobs = batch.sampler_logprobs
         if self.config.old_logprobs == "recompute":
             old_logprobs = self.forward.score(self.model, batch, plan)
-            work.mismatch.add(old_logprobs, batch.old_logprobs, batch.mask.bool())
+            work.mismatch.add(old_logprobs, batch.sampler_logprobs, batch.mask.bool())
         ref_logprobs = None
         if self._uses_reference:
             with self._reference_policy() as reference:
@@ -394,7 +394,7 @@ class Trainer:
         logprobs, entropy = self.forward(self.model, batch, micro, entropy_grad=cfg.entropy_coef > 0)
         assert entropy is not None  # the forward pass computes the entropy unless asked not to (entropy=False)
         if cfg.old_logprobs == "sampler" and first and real:
-            work.mismatch.add(logprobs.detach(), batch.old_logprobs[cut], mask)
+            work.mismatch.add(logprobs.detach(), batch.sampler_logprobs[cut], mask)
         loss, metrics = self.loss(
             logprobs,
             old_logprobs,
@@ -404,7 +404,7 @@ class Trainer:
             turn_ids=batch.turn_ids[cut],
             ref_logprobs=ref_logprobs,
             # π_behav of the decoupled objective: the sampler's (docs/algorithms.md eq. 75)
-            behaviour_logprobs=batch.old_logprobs[cut] if cfg.decoupled else None,
+            behaviour_logprobs=batch.sampler_logprobs[cut] if cfg.decoupled else None,
         )
         if not real:  # gradient exactly 0
             (loss * 0.0).backward()

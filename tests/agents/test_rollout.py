@@ -366,7 +366,7 @@ async def test_a_trajectory_becomes_a_chain_of_a_rollout_tree_with_the_same_trai
     leaf.advantage = 0.5
     (path,) = tree.paths(advantage="leaf")
     assert path.ids == trajectory.ids and path.mask == trajectory.mask
-    assert [lp for lp, m in zip(path.old_logprobs, path.mask) if m] == [
+    assert [lp for lp, m in zip(path.sampler_logprobs, path.mask) if m] == [
         lp for lp in trajectory.logprobs if lp is not None
     ]
 

@@ -85,7 +85,7 @@ def test_a_trajectory_keeps_its_exact_ids_turns_and_logprobs():
     path = training_path(example)
     assert path.ids == [5, 6, 7, 8, 9, 10, 11]
     assert path.mask == [0, 0, 0, 1, 1, 0, 1]
-    assert [lp for lp, m in zip(path.old_logprobs, path.mask) if m] == [-0.5, -0.25, -0.125]
+    assert [lp for lp, m in zip(path.sampler_logprobs, path.mask) if m] == [-0.5, -0.25, -0.125]
     assert path.advantages == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0] and path.reward == 1.0
     assert path.turn_ids == [0, 0, 0, 1, 1, 2, 2]
 

@@ -64,7 +64,7 @@ def direct_scores(model, path: TrainingPath) -> tuple[torch.Tensor, torch.Tensor
 
 
 def with_sampler_logprobs(paths, model, shift=lambda index: 0.0) -> list[TrainingPath]:
-    """The paths with old_logprobs set to the model's own log-probs plus ``shift(action token index)``."""
+    """The paths with sampler_logprobs set to the model's own log-probs plus ``shift(action token index)``."""
     out, index = [], 0
     for path in paths:
         exact, _ = direct_scores(model, path)
@@ -231,7 +231,7 @@ async def test_dedup_shared_turns_scales_advantages_by_the_path_weights():
             p.ids,
             p.mask,
             [a * w for a, w in zip(p.advantages, p.weights)],
-            p.old_logprobs,
+            p.sampler_logprobs,
             p.turn_ids,
             p.weights,
             p.reward,
@@ -668,7 +668,7 @@ async def test_decoupled_objective_hands_the_loss_the_samplers_logprobs():
         return (logprobs * mask).sum() * 0.0, {}
 
     await Trainer(tiny_model(), config(loss=loss_fn, decoupled=True, micro_batch_size=4, packing="padded")).step(paths)
-    sampler = [lp for path in paths for lp, m in zip(path.old_logprobs, path.mask) if m]
+    sampler = [lp for path in paths for lp, m in zip(path.sampler_logprobs, path.mask) if m]
     assert seen[0] == pytest.approx(sampler, abs=1e-6)  # float32 of the sampler's values
 
 

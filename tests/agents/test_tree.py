@@ -77,8 +77,8 @@ def test_paths_turn_advantages_masks_weights_and_logprobs():
     assert p.advantages == [0, 0, 0, -0.1, -0.1, 0, 0, -1.0, -1.0, -1.0]
     assert p.turn_ids == [0, 0, 0, 1, 1, 4, 4, 4, 4, 4]
     assert p.weights == [0, 0, 0, 0.5, 0.5, 0, 0, 1, 1, 1]  # turn a is on two leaf paths
-    assert [x for x, m in zip(p.old_logprobs, p.mask) if m] == [-0.1, -0.5, -0.3, -0.6, -0.9]
-    assert all(math.isnan(x) for x, m in zip(p.old_logprobs, p.mask) if not m)
+    assert [x for x, m in zip(p.sampler_logprobs, p.mask) if m] == [-0.1, -0.5, -0.3, -0.6, -0.9]
+    assert all(math.isnan(x) for x, m in zip(p.sampler_logprobs, p.mask) if not m)
     assert p.reward == -1.0 and p.leaf is tree.node(4)
     assert paths[2].ids == [1, 2, 3, 9] and paths[2].weights == [0, 0, 0, 1.0]
     # the de-duplication weights of a shared turn sum to one over the paths
@@ -265,12 +265,13 @@ def test_collate_right_pads_aligned_tensors():
     assert batch.attention_mask.tolist()[2] == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]
     assert batch.mask.tolist()[0] == [0, 0, 0, 1, 1, 0, 1, 0, 0, 0]
     assert batch.advantages.tolist()[1] == [0, 0, 0, -0.5, -0.5, 0, 0, -0.5, -0.5, -0.5]
-    assert torch.allclose(batch.old_logprobs[1], torch.tensor([0, 0, 0, -0.1, -0.5, 0, 0, -0.3, -0.6, -0.9]))
-    assert not batch.old_logprobs.isnan().any()
+    assert torch.allclose(batch.sampler_logprobs[1], torch.tensor([0, 0, 0, -0.1, -0.5, 0, 0, -0.3, -0.6, -0.9]))
+    assert not batch.sampler_logprobs.isnan().any()
     assert batch.turn_ids.tolist()[0] == [0, 0, 0, 1, 1, 3, 3, -1, -1, -1]
     assert batch.weights.tolist()[0] == [0, 0, 0, 0.5, 0.5, 0, 1, 0, 0, 0]
     assert batch.rewards.tolist() == [1.0, -1.0, 0.0]
-    assert (batch.ids.dtype, batch.mask.dtype, batch.old_logprobs.dtype) == (torch.int64, torch.float32, torch.float32)
+    dtypes = (batch.ids.dtype, batch.mask.dtype, batch.sampler_logprobs.dtype)
+    assert dtypes == (torch.int64, torch.float32, torch.float32)
     assert batch.to("cpu").ids.equal(batch.ids)
     with pytest.raises(ValueError, match="at least one training path"):
         collate([], pad_id=0)
