@@ -162,11 +162,7 @@ DEFERRED = {
     "agentenv": "0.5 s of environments, parsers and datasets, which the parsers and the run config do not need",
 }
 #: Function-level imports of project modules that defer none of DEFERRED, each with why it waits.
-LAZY_IMPORTS = {
-    ("agents.cluster.trainer_ranks", "agents.cluster.weight_sync"): (
-        "none known: to move to the top once trainer_ranks.py, being split now, is committed"
-    ),
-}
+LAZY_IMPORTS: dict[tuple[str, str], str] = {}
 #: Scripts whose parts each import what they measure when they run (and vLLM's spawned workers
 #: re-import the main module): the circle rule holds for them, the rule on lazy imports does not.
 SCRIPTS = ("benchmarks.",)

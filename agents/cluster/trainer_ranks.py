@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from agents.cluster.runtime import cpu_share, import_ray, require_resources
+from agents.cluster.weight_sync import put_buckets
 from agents.models import load_model, load_tokenizer
 from agents.training.trainer import Trainer
 from agents.training.trainer_config import TrainerConfig
@@ -105,8 +106,6 @@ class _Rank:
         self._trainer().open_steps_bar()
 
     def weight_refs(self, bucket_bytes: int) -> tuple[list[Any], int] | None:
-        from agents.cluster.weight_sync import put_buckets
-
         state = self._trainer().engine_state_dict()  # every rank takes part in the gather
         return put_buckets(state, bucket_bytes) if self.rank == 0 else None
 
