@@ -479,6 +479,48 @@ async def evaluate(
     from agents.progress import progress_bar
 
     rollout = dataclasses.replace(rollout or RolloutConfig(sampling=SamplingParams(temperature=0)), keep_states=False)
+    _check_request(env_ids, limit, samples, rollout, judge)
+    episodes = [
+        e
+        for env_id in env_ids
+        for e in build_episodes(env_id, tokenizer, limit=limit, samples=samples, env_kwargs=env_kwargs)
+    ]
+    collected = _Collected(_task_lists(episodes, judge), judge, on_trajectory)
+    judge_before = judge.stats.as_dict() if judge is not None else {}  # a judge may serve several evaluations
+    start = time.perf_counter()
+    try:
+        with progress_bar("eval", len(episodes), unit="episodes", show=progress) as bar:
+            async for trajectory in stream_episodes(engine, episodes, rollout):
+                episodes[trajectory.index].env.close()  # its fork may hold tools with processes (sandboxes)
+                collected.add(trajectory)
+                bar.update(1)
+                bar.set_postfix(
+                    EM=f"{100 * collected.correct / len(collected.trajectories):.1f}%",
+                    errors=collected.failed,
+                    refresh=False,
+                )
+        await asyncio.gather(*collected.judging)
+    finally:
+        for pending in collected.judging:
+            pending.cancel()  # only those still running: an interrupted evaluation leaves no call behind
+    judge_record = None
+    if judge is not None:
+        judge_record = {"model": judge.model, **{k: v - judge_before[k] for k, v in judge.stats.as_dict().items()}}
+    return EvalReport(
+        collected.results(env_ids, samples),
+        samples,
+        rollout.sampling,
+        sorted(collected.trajectories, key=lambda t: t.index),
+        seconds=time.perf_counter() - start,
+        grader=collected.grader,
+        judge=judge_record,
+    )
+
+
+def _check_request(
+    env_ids: Sequence[str], limit: int | None, samples: int, rollout: RolloutConfig, judge: Judge | None
+) -> None:
+    """Refuse an evaluation that cannot run or would measure nothing, saying why."""
     if not env_ids:
         raise ValueError("evaluate needs at least one environment id")
     if samples < 1:
@@ -495,11 +537,9 @@ async def evaluate(
     if judge is not None and not isinstance(judge, Judge):
         raise TypeError(f"judge must be an agentenv.judge.Judge (see agents.judge.engine_judge), got {judge!r}")
 
-    episodes = [
-        e
-        for env_id in env_ids
-        for e in build_episodes(env_id, tokenizer, limit=limit, samples=samples, env_kwargs=env_kwargs)
-    ]
+
+def _task_lists(episodes: Sequence[Episode], judge: Judge | None) -> dict[str, Sequence[Example] | None]:
+    """Each environment's task list (``None``: it has none, which a judge refuses)."""
     tasks: dict[str, Sequence[Example] | None] = {}
     for episode in episodes:
         env_id = episode.key[0]
@@ -510,83 +550,84 @@ async def evaluate(
                     f"the judge compares answers with gold answers, and {env_id!r} has no task list of questions "
                     "and answers; judge a QA environment (e.g. multihop-qa, web-research) or grade by EM"
                 )
-    grader: Grader = "judge" if judge is not None else "em"
-    judge_before = judge.stats.as_dict() if judge is not None else {}  # a judge may serve several evaluations
-    questions: dict[tuple[str, int], QuestionResult] = {}
-    slots: dict[tuple[str, int], dict[int, Sample]] = {}  # the samples of each question by sample number
-    trajectories: list[Trajectory] = []
-    judging: list[asyncio.Task[None]] = []
-    start = time.perf_counter()
-    correct = failed = 0
+    return tasks
 
-    async def judged(trajectory: Trajectory, task: Example) -> None:
-        """Judge one answer, then record the verdict with the sample and the trajectory."""
-        assert judge is not None
+
+class _Collected:
+    """The questions, samples and trajectories of an evaluation, added as the episodes end.
+
+    With a judge, each answerable question's answer is judged in a task of ``judging`` while the
+    other episodes run; ``on_trajectory`` gets a trajectory once it is final (judged, if it is to be).
+    """
+
+    def __init__(
+        self,
+        tasks: Mapping[str, Sequence[Example] | None],
+        judge: Judge | None,
+        on_trajectory: Callable[[Trajectory], None] | None,
+    ) -> None:
+        self.tasks, self.judge, self.on_trajectory = tasks, judge, on_trajectory
+        self.grader: Grader = "judge" if judge is not None else "em"
+        self.questions: dict[tuple[str, int], QuestionResult] = {}
+        self.slots: dict[tuple[str, int], dict[int, Sample]] = {}  # each question's samples by sample number
+        self.trajectories: list[Trajectory] = []
+        self.judging: list[asyncio.Task[None]] = []
+        self.correct = self.failed = 0
+
+    def add(self, trajectory: Trajectory) -> None:
+        """Record one ended episode: its question, its sample, and its answer to judge."""
         env_id, index, number = trajectory.key
-        sample = slots[env_id, index][number]
-        verdict: Judgement = await judge.judge(task.question, task.answers, sample.answer)
-        slots[env_id, index][number] = dataclasses.replace(sample, judge=verdict.verdict, judge_detail=verdict.detail)
-        trajectory.info["judge"] = verdict.as_dict()
-        if on_trajectory is not None:
-            on_trajectory(trajectory)
-
-    try:
-        with progress_bar("eval", len(episodes), unit="episodes", show=progress) as bar:
-            async for trajectory in stream_episodes(engine, episodes, rollout):
-                env_id, index, number = trajectory.key
-                sample = Sample.of(trajectory)
-                env_tasks = tasks[env_id]
-                task = env_tasks[index] if env_tasks is not None else None
-                answerable = task.meta.get("answerable") if task is not None else None
-                questions.setdefault(
-                    (env_id, index),
-                    QuestionResult(
-                        env_id,
-                        index,
-                        trajectory.info.get("id"),
-                        trajectory.info.get("question"),
-                        list(trajectory.info.get("answers") or []),
-                        answerable=answerable if isinstance(answerable, bool) else None,
-                        grader=grader,
-                    ),
-                )
-                slots.setdefault((env_id, index), {})[number] = sample
-                trajectories.append(trajectory)
-                episodes[trajectory.index].env.close()  # its fork may hold tools with processes (sandboxes)
-                # The judge scores answerable questions only (the others count in MuSiQue's answerability).
-                if judge is not None and task is not None and answerable is not False:
-                    judging.append(asyncio.ensure_future(judged(trajectory, task)))
-                elif on_trajectory is not None:
-                    on_trajectory(trajectory)
-                correct += sample.em == 1.0
-                failed += not trajectory.ok
-                bar.update(1)
-                bar.set_postfix(EM=f"{100 * correct / len(trajectories):.1f}%", errors=failed, refresh=False)
-        await asyncio.gather(*judging)
-    finally:
-        for pending in judging:
-            pending.cancel()  # only those still running: an interrupted evaluation leaves no call behind
-    for key, question in questions.items():
-        question.samples = [slots[key][number] for number in sorted(slots[key])]
-    trajectories.sort(key=lambda t: t.index)
-    envs = {
-        env_id: EnvResult(
-            env_id, sorted((q for (e, _), q in questions.items() if e == env_id), key=lambda q: q.index), samples
+        sample = Sample.of(trajectory)
+        env_tasks = self.tasks[env_id]
+        task = env_tasks[index] if env_tasks is not None else None
+        answerable = task.meta.get("answerable") if task is not None else None
+        self.questions.setdefault(
+            (env_id, index),
+            QuestionResult(
+                env_id,
+                index,
+                trajectory.info.get("id"),
+                trajectory.info.get("question"),
+                list(trajectory.info.get("answers") or []),
+                answerable=answerable if isinstance(answerable, bool) else None,
+                grader=self.grader,
+            ),
         )
-        for env_id in env_ids
-    }
-    judge_record = None
-    if judge is not None:
-        judge_record = {"model": judge.model, **{k: v - judge_before[k] for k, v in judge.stats.as_dict().items()}}
-    return EvalReport(
-        envs,
-        samples,
-        rollout.sampling,
-        trajectories,
-        seconds=time.perf_counter() - start,
-        grader=grader,
-        judge=judge_record,
-    )
+        self.slots.setdefault((env_id, index), {})[number] = sample
+        self.trajectories.append(trajectory)
+        # The judge scores answerable questions only (the others count in MuSiQue's answerability).
+        if self.judge is not None and task is not None and answerable is not False:
+            self.judging.append(asyncio.ensure_future(self._judged(trajectory, task)))
+        elif self.on_trajectory is not None:
+            self.on_trajectory(trajectory)
+        self.correct += sample.em == 1.0
+        self.failed += not trajectory.ok
+
+    async def _judged(self, trajectory: Trajectory, task: Example) -> None:
+        """Judge one answer, then record the verdict with the sample and the trajectory."""
+        assert self.judge is not None
+        env_id, index, number = trajectory.key
+        sample = self.slots[env_id, index][number]
+        verdict: Judgement = await self.judge.judge(task.question, task.answers, sample.answer)
+        self.slots[env_id, index][number] = dataclasses.replace(
+            sample, judge=verdict.verdict, judge_detail=verdict.detail
+        )
+        trajectory.info["judge"] = verdict.as_dict()
+        if self.on_trajectory is not None:
+            self.on_trajectory(trajectory)
+
+    def results(self, env_ids: Sequence[str], samples: int) -> dict[str, EnvResult]:
+        """Each environment's questions in task order, each with its samples in sample order."""
+        for key, question in self.questions.items():
+            question.samples = [self.slots[key][number] for number in sorted(self.slots[key])]
+        return {
+            env_id: EnvResult(
+                env_id,
+                sorted((q for (e, _), q in self.questions.items() if e == env_id), key=lambda q: q.index),
+                samples,
+            )
+            for env_id in env_ids
+        }
 
 
 def transcript(trajectory: Trajectory, tokenizer: Any) -> str:

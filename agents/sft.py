@@ -732,7 +732,36 @@ async def sft(
     paths = [training_path(example) for example in dataset.examples]
     per_epoch = -(-len(paths) // config.batch_size)
     steps = config.epochs * per_epoch
+    trainer = _sft_trainer(model, tokenizer, out, config, steps, progress)
+    cleanup = contextlib.AsyncExitStack()  # the held-out engine and log, closed before the trainer
+    try:
+        _check_vocabulary(dataset, trainer.base_model)
+        name = model if isinstance(model, str) else type(model).__name__
+        _write_run_record(out, dataset, name, config)
+        title = f"sft · {dataset.path.name} · {name} ({out})"
+        log(
+            f"training on {len(paths)} examples: {config.epochs} epochs of {per_epoch} steps of up to "
+            f"{config.batch_size} examples, lr {config.lr:g}"
+        )
+        evaluation = None
+        if heldout is not None and heldout.eval_questions:
+            evaluation = _heldout_evaluation(heldout, trainer, out, config, progress, log, title, cleanup)
+            await evaluation.run(0)
+        checkpoint = await _train_epochs(trainer, paths, steps, config, log, title)
+        if evaluation is not None:
+            await evaluation.run(trainer.step_count)
+        history = list(trainer.metrics.history) if trainer.metrics is not None else []
+        results = list(evaluation.log.results) if evaluation is not None else []
+        return SFTResult(out, dataset, trainer.step_count, checkpoint, history, results)
+    finally:
+        await cleanup.aclose()
+        trainer.close()
 
+
+def _sft_trainer(
+    model: Any, tokenizer: Any, out: Path, config: SFTConfig, steps: int, progress: bool | None
+) -> Trainer:
+    """The trainer of ``agents train`` with the ``sft`` loss: one AdamW update a step, no KL, no entropy bonus."""
     from agents.training.trainer import Trainer, TrainerConfig
 
     trainer_config = TrainerConfig(
@@ -748,51 +777,40 @@ async def sft(
         device=config.device,
         progress=progress,
     )
-    trainer = Trainer(model, trainer_config, tokenizer=tokenizer, out_dir=out)
-    cleanup = contextlib.AsyncExitStack()  # the held-out engine and log, closed before the trainer
-    try:
-        _check_vocabulary(dataset, trainer.base_model)
-        name = model if isinstance(model, str) else type(model).__name__
-        out.mkdir(parents=True, exist_ok=True)  # only now: bad data or a missing model leave no folder behind
-        (out / SFT_FILE).write_text(
-            json.dumps(
-                {"data": str(dataset.path), "model": name, "config": config.to_dict(), "records": dataset.counts()},
-                indent=2,
-            )
-            + "\n",
-            encoding="utf-8",
-        )
-        title = f"sft · {dataset.path.name} · {name} ({out})"
-        log(
-            f"training on {len(paths)} examples: {config.epochs} epochs of {per_epoch} steps of up to "
-            f"{config.batch_size} examples, lr {config.lr:g}"
-        )
-        evaluation = None
-        if heldout is not None and heldout.eval_questions:
-            evaluation = _heldout_evaluation(heldout, trainer, out, config, progress, log, title, cleanup)
-            await evaluation.run(0)
-        trainer.open_steps_bar()
-        checkpoint: Path | None = None
-        for epoch in range(config.epochs):
-            order = epoch_order(len(paths), config.seed, epoch)
-            for start in range(0, len(order), config.batch_size):
-                batch = [paths[i] for i in order[start : start + config.batch_size]]
-                record = await trainer.step(batch, {"sft/epoch": float(epoch + 1)})
-                step = trainer.step_count
-                log(_step_note(step, steps, epoch + 1, config.epochs, record))
-                if step == steps or (config.checkpoint_every and step % config.checkpoint_every == 0):
-                    position = {"epoch": epoch, "offset": start + len(batch)}
-                    checkpoint = trainer.save_checkpoint(data_position=position, plot_title=title)
-                    log(f"step {step}: checkpoint {checkpoint}")
-        assert checkpoint is not None  # the last step always writes one
-        if evaluation is not None:
-            await evaluation.run(trainer.step_count)
-        history = list(trainer.metrics.history) if trainer.metrics is not None else []
-        results = list(evaluation.log.results) if evaluation is not None else []
-        return SFTResult(out, dataset, trainer.step_count, checkpoint, history, results)
-    finally:
-        await cleanup.aclose()
-        trainer.close()
+    return Trainer(model, trainer_config, tokenizer=tokenizer, out_dir=out)
+
+
+def _write_run_record(out: Path, dataset: SFTData, model_name: str, config: SFTConfig) -> None:
+    """The run folder, with its :data:`SFT_FILE`: the data, the model, the settings and the records' counts."""
+    out.mkdir(parents=True, exist_ok=True)  # only now: bad data or a missing model leave no folder behind
+    record = {"data": str(dataset.path), "model": model_name, "config": config.to_dict(), "records": dataset.counts()}
+    (out / SFT_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+async def _train_epochs(
+    trainer: Trainer,
+    paths: Sequence[TrainingPath],
+    steps: int,
+    config: SFTConfig,
+    log: Callable[[str], None],
+    title: str,
+) -> Path:
+    """The ``steps`` steps of every epoch (see the module docstring), a note a step; returns the last checkpoint."""
+    trainer.open_steps_bar()
+    checkpoint: Path | None = None
+    for epoch in range(config.epochs):
+        order = epoch_order(len(paths), config.seed, epoch)
+        for start in range(0, len(order), config.batch_size):
+            batch = [paths[i] for i in order[start : start + config.batch_size]]
+            record = await trainer.step(batch, {"sft/epoch": float(epoch + 1)})
+            step = trainer.step_count
+            log(_step_note(step, steps, epoch + 1, config.epochs, record))
+            if step == steps or (config.checkpoint_every and step % config.checkpoint_every == 0):
+                position = {"epoch": epoch, "offset": start + len(batch)}
+                checkpoint = trainer.save_checkpoint(data_position=position, plot_title=title)
+                log(f"step {step}: checkpoint {checkpoint}")
+    assert checkpoint is not None  # the last step always writes one
+    return checkpoint
 
 
 def _heldout_evaluation(
