@@ -66,10 +66,10 @@ def imports_of(name: str, modules: dict[str, Path] = MODULES) -> tuple[set[str],
     return loaded, deferred - loaded - {name}
 
 
-def third_party_loaded(name: str) -> set[str]:
+def third_party_loaded(name: str, modules: dict[str, Path] = MODULES) -> set[str]:
     """The top-level names of the packages outside the project that ``name`` imports when it loads."""
     found = set()
-    for node, in_function in _run_time_imports(ast.parse(MODULES[name].read_text()).body):
+    for node, in_function in _run_time_imports(ast.parse(modules[name].read_text()).body):
         if in_function or (isinstance(node, ast.ImportFrom) and node.level):
             continue
         names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -168,41 +168,54 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {}
 SCRIPTS = ("benchmarks.",)
 
 
-def _loaded_with(name: str) -> set[str]:
-    """``name`` and the project modules that load with it (their parent packages included)."""
-    seen, todo = set(), [name]
-    while todo:
-        module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        parts = module.split(".")
-        todo += [m for m in LOADS[module] if m not in seen]
-        todo += [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in MODULES]
-    return seen
-
-
-def _deferred_packages(name: str) -> set[str]:
-    """The packages of DEFERRED that loading ``name`` loads."""
-    loaded = _loaded_with(name)
-    packages = {module.split(".")[0] for module in loaded} | {p for module in loaded for p in THIRD_PARTY[module]}
-    return packages & DEFERRED.keys()
-
-
-def _lazy_imports() -> dict[tuple[str, str], set[str]]:
+def lazy_imports(
+    imports: dict[str, tuple[set[str], set[str]]], third_party: dict[str, set[str]]
+) -> dict[tuple[str, str], set[str]]:
     """Each function-level import of a project module outside :data:`SCRIPTS`, with the DEFERRED packages it
-    keeps from loading with the importing module."""
-    packages = {name: _deferred_packages(name) for name in MODULES}
+    keeps from loading with the importing module (``imports``: :func:`imports_of` of every module;
+    ``third_party``: :func:`third_party_loaded` of every module)."""
+
+    def loaded_with(name: str) -> set[str]:  # name and what loads with it, parent packages included
+        seen, todo = set(), [name]
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                parts = module.split(".")
+                todo += imports[module][0]
+                todo += [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in imports]
+        return seen
+
+    def deferred_packages(name: str) -> set[str]:
+        loaded = loaded_with(name)
+        packages = {module.split(".")[0] for module in loaded} | {p for m in loaded for p in third_party[m]}
+        return packages & DEFERRED.keys()
+
+    packages = {name: deferred_packages(name) for name in imports}
     return {
         (name, target): packages[target] - packages[name]
-        for name, (_, deferred) in IMPORTS.items()
+        for name, (_, deferred) in imports.items()
         if not name.startswith(SCRIPTS)
         for target in deferred
     }
 
 
+def test_the_lazy_import_check_tells_a_deferred_package_from_none(tmp_path):
+    package = tmp_path / "planted"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "light.py").write_text("import json\ndef later():\n    from planted import other, heavy\n")
+    (package / "other.py").write_text("import json\n")
+    (package / "heavy.py").write_text("import torch\nfrom planted import other\n")
+    modules = {"planted": package / "__init__.py"} | {f"planted.{p.stem}": p for p in package.glob("[!_]*.py")}
+    imports = {name: imports_of(name, modules) for name in modules}
+    third_party = {name: third_party_loaded(name, modules) for name in modules}
+    lazy = lazy_imports(imports, third_party)
+    assert lazy == {("planted.light", "planted.other"): set(), ("planted.light", "planted.heavy"): {"torch"}}
+
+
 def test_an_import_inside_a_function_defers_a_heavy_or_optional_package_or_says_why_it_waits():
-    lazy = _lazy_imports()
+    lazy = lazy_imports(IMPORTS, THIRD_PARTY)
     unexplained = sorted(pair for pair, packages in lazy.items() if not packages and pair not in LAZY_IMPORTS)
     assert unexplained == [], (
         "imported inside a function though loading it at the top would load none of "
