@@ -214,13 +214,44 @@ def run_trl(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         return json.loads(result_path.read_text())
 
 
+def trl_grpo_config(job: dict[str, Any], output_dir: str) -> Any:
+    """The job's ``GRPOConfig``: our run's batch, sampling and optimiser settings, on the CPU, nothing saved."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        max_steps=job["steps"],
+        per_device_train_batch_size=job["per_device_train_batch_size"],
+        gradient_accumulation_steps=job["gradient_accumulation_steps"],
+        num_generations=job["num_generations"],
+        max_completion_length=job["max_completion_length"],
+        temperature=job["temperature"],
+        learning_rate=job["learning_rate"],
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        beta=job["beta"],
+        epsilon=job["epsilon"],
+        loss_type="grpo",
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=job["seed"],
+        shuffle_dataset=False,
+        include_num_input_tokens_seen="all",
+        disable_tqdm=True,
+    )
+
+
 def trl_worker(job_path: str, result_path: str) -> None:
     """In the subprocess: ``GRPOTrainer`` for the job's steps, timing generation, scoring and update."""
     import pyarrow
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from agentenv.graders import grade
     from agentenv.parsers import get_parser
@@ -283,31 +314,7 @@ def trl_worker(job_path: str, result_path: str) -> None:
     # A fixed fingerprint: datasets would hash the Arrow table with dill, which fails on pyarrow 26's types.
     dataset = Dataset(pyarrow.Table.from_pylist(rows), fingerprint="benchmarks.learning")
     with tempfile.TemporaryDirectory(prefix="trl-out-") as out:
-        args = GRPOConfig(
-            output_dir=out,
-            max_steps=job["steps"],
-            per_device_train_batch_size=job["per_device_train_batch_size"],
-            gradient_accumulation_steps=job["gradient_accumulation_steps"],
-            num_generations=job["num_generations"],
-            max_completion_length=job["max_completion_length"],
-            temperature=job["temperature"],
-            learning_rate=job["learning_rate"],
-            lr_scheduler_type="constant",
-            weight_decay=0.01,
-            max_grad_norm=1.0,
-            beta=job["beta"],
-            epsilon=job["epsilon"],
-            loss_type="grpo",
-            use_cpu=True,
-            bf16=False,
-            report_to="none",
-            logging_steps=1,
-            save_strategy="no",
-            seed=job["seed"],
-            shuffle_dataset=False,
-            include_num_input_tokens_seen="all",
-            disable_tqdm=True,
-        )
+        args = trl_grpo_config(job, out)
         trainer = TimedGRPOTrainer(
             model=model,
             processing_class=tokenizer,
@@ -410,7 +417,8 @@ async def learn(
     return before, results
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.learning``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--algos", default=",".join(ALGOS), help=f"learners, comma-separated (default {','.join(ALGOS)})"
@@ -451,18 +459,37 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder for the runs and the plot (default: a temporary folder)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--trl-worker", nargs=2, metavar=("JOB", "RESULT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def measure_trl(args: argparse.Namespace, run: dict[str, Any]) -> tuple[dict[str, float] | None, str]:
+    """TRL GRPOTrainer's seconds per step on the same setup (``None`` when skipped or failed), and a note why."""
+    if args.no_trl:
+        return None, "skipped (--no-trl)"
+    try:
+        job = trl_job(learning_config("grpo", args.steps, args.eval_questions, **run), args.trl_steps)
+        trl_result = run_trl(job, timeout_s=3600)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        return None, f"not measured: {error}"
+    return trl_split(
+        trl_result
+    ), f"TRL {trl_result['versions']['trl']}, {len(trl_result['steps'])} steps, first left out"
+
+
+def main() -> None:
+    command = parser()
+    args = command.parse_args()
     if args.trl_worker:
         trl_worker(*args.trl_worker)
         return
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     if min(args.steps, args.eval_questions, args.trl_steps) < 1:
-        parser.error("--steps, --eval-questions and --trl-steps must be >= 1")
+        command.error("--steps, --eval-questions and --trl-steps must be >= 1")
     out = args.out or Path(tempfile.mkdtemp(prefix="learning-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     for algo in algos:
         if (out / algo).exists():
-            parser.error(f"{out / algo} exists; give an empty --out")
+            command.error(f"{out / algo} exists; give an empty --out")
 
     start = time.perf_counter()
     run = {"model": args.model, "assignments": args.assignments}
@@ -483,18 +510,7 @@ def main() -> None:
     print(text_table(["learner", *(f"step {s}" for s in range(1, args.steps + 1))], rows))
 
     splits = {algo: step_split(result) for algo, result in results.items()}
-    trl, trl_note = None, None
-    if args.no_trl:
-        trl_note = "skipped (--no-trl)"
-    else:
-        try:
-            trl_result = run_trl(
-                trl_job(learning_config("grpo", args.steps, args.eval_questions, **run), args.trl_steps), timeout_s=3600
-            )
-            trl = trl_split(trl_result)
-            trl_note = f"TRL {trl_result['versions']['trl']}, {len(trl_result['steps'])} steps, first left out"
-        except (RuntimeError, subprocess.TimeoutExpired) as error:
-            trl_note = f"not measured: {error}"
+    trl, trl_note = measure_trl(args, run)
     print(f"\n=== seconds per training step (mean over steps) and update tokens/s; TRL: {trl_note}")
     print(throughput_table(splits, trl))
     sizes = {
