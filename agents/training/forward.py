@@ -1,7 +1,7 @@
 """The policy's forward pass: a collated batch's token ids in, per-token log-probs and entropies out.
 
 The contract. :meth:`PolicyForward.plan` splits a :class:`~agents.training.batch.PathBatch` once
-per step into mini-batches of :class:`MicroBatch` es, each its paths trimmed to the longest and,
+per step into mini-batches of micro-batches (:class:`MicroBatch`), each its paths trimmed to the longest and,
 under ``packing="flat"`` or ``"tree"``, packed into one row (:func:`agents.training.packing.pack_paths`)
 with its tree-attention kernel chosen (:func:`agents.training.tree_attention.choose_kernel`).
 Every pass of the step (the recomputed old log-probs, the reference's, every epoch's updates)

@@ -4,7 +4,7 @@
 metrics of every micro-batch (:class:`LossMetrics`), the sampler/trainer mismatch
 (:class:`Mismatch`), the optimiser's numbers, timings, and the batch's sizes;
 :meth:`StepWork.result` is the trainer's record and :func:`merge_rollout_metrics` adds the
-caller's. The names are those of :mod:`agents.training.metrics`, which logs and draws them
+caller's; :class:`StepLog` writes the records and shows the ``train`` bar. The names are those of :mod:`agents.training.metrics`, which logs and draws them
 (and loads without torch; this module is the trainer's side).
 """
 
@@ -13,14 +13,17 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import distributed as dist
 
+from agents.progress import progress_bar
 from agents.training.batch import PathBatch
-from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME
+from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME, MetricsLog
 from agents.training.sharding import sum_over_ranks
+from agents.training.trainer_config import TrainerConfig
 
 if TYPE_CHECKING:
     from agents.training.forward import MicroBatch
@@ -31,6 +34,7 @@ __all__ = [
     "TRAINER_METRICS",
     "LossMetrics",
     "Mismatch",
+    "StepLog",
     "StepWork",
     "checked_rollout_metrics",
     "merge_rollout_metrics",
@@ -207,3 +211,57 @@ class StepWork:
             "time/update_s": self.time_update,
             "throughput/update_tokens_per_s": self.trained_tokens * epochs / self.time_update,
         }
+
+
+class StepLog:
+    """Where a trainer's step records go: the metrics log (``metrics.jsonl`` and the reporters of
+    ``report_to``, in ``out_dir``; in memory without one) and the ``train`` progress bar.
+
+    Args:
+        config: ``report_to``, ``wandb_project`` and ``total_steps`` are read; W&B gets the whole of it
+            unless the run folder holds the run's own ``config.json``.
+        out_dir: the run folder (``None`` on ranks other than 0, which keep their records in memory).
+        show: whether to show the bar (:func:`agents.progress.progress_bar` says what ``None`` shows).
+    """
+
+    def __init__(self, config: TrainerConfig, out_dir: Path | None, *, show: bool | None) -> None:
+        self.config, self.out_dir, self.show = config, out_dir, show
+        self.metrics: MetricsLog | None = None  # opened by the first step, or by a resume
+        self._bar: Any = None
+
+    def open(self, resume_step: int | None = None) -> MetricsLog:
+        """(Re)open the metrics log; from a checkpoint's ``resume_step``, its later records are dropped."""
+        if self.metrics is not None:
+            self.metrics.close()
+        self.metrics = MetricsLog(
+            self.out_dir,
+            report_to=self.config.report_to,
+            resume_step=resume_step,
+            wandb_project=self.config.wandb_project,
+            wandb_config={"trainer": self.config.to_dict()},
+        )
+        return self.metrics
+
+    def open_bar(self, steps_done: int) -> None:
+        """Show the ``train`` bar (``total_steps``, from ``steps_done``) unless it is open."""
+        if self._bar is None:
+            self._bar = progress_bar("train", self.config.total_steps, unit="steps", initial=steps_done, show=self.show)
+
+    def log(self, step: int, record: Mapping[str, float]) -> None:
+        """Write step ``step``'s record and advance the bar."""
+        metrics = self.metrics if self.metrics is not None else self.open()
+        metrics.log(step, record)
+        self.open_bar(step - 1)
+        self._bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['policy/loss']:.4f}", refresh=False)
+        self._bar.update()
+
+    def close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        """Close the metric writers and the bar."""
+        if self.metrics is not None:
+            self.metrics.close()
+        self.close_bar()

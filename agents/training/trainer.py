@@ -60,7 +60,7 @@ from agents.training.metrics import MetricsLog, plot_curves
 from agents.training.optimizer import adamw_and_schedule, clipped_step, trainable_parameters
 from agents.training.reporting import import_wandb
 from agents.training.sharding import gathered_state_dict, place_in_group, shard
-from agents.training.step_metrics import StepWork, checked_rollout_metrics, merge_rollout_metrics
+from agents.training.step_metrics import StepLog, StepWork, checked_rollout_metrics, merge_rollout_metrics
 from agents.training.trainer_config import TrainerConfig
 from agents.training.trainer_loss import TrainerLoss
 from agents.training.tree_attention import check_tree_attention
@@ -156,9 +156,14 @@ class Trainer:
         self.out_dir = None if out_dir is None else Path(out_dir)
         #: Steps (rollout batches) trained so far; checkpoints and metrics are numbered by it.
         self.step_count = 0
-        self.metrics: MetricsLog | None = None  # opened by the first step, or by resume()
-        self._steps_bar: Any = None  # the ``train`` bar (progress_bar), opened by open_steps_bar
+        # metrics.jsonl, the reporters and the train bar; out_dir from rank 0 only, the others keep theirs in memory
+        self._log = StepLog(cfg, self.out_dir if self.rank == 0 else None, show=self._shows_progress)
         self._accumulated: StepWork | None = None  # the next step's passes so far (accumulate)
+
+    @property
+    def metrics(self) -> MetricsLog | None:
+        """The step records' log (``metrics.history``): opened by the first step, or by :meth:`resume`."""
+        return self._log.metrics
 
     @property
     def engine(self) -> Any:
@@ -217,8 +222,8 @@ class Trainer:
         batch = None if not _size(paths) else paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
         if batch is None and self._accumulated is None:
             raise ValueError("Trainer.step got no paths and none were accumulated: there is nothing to train on")
-        if self.metrics is None:  # before the update, so that a folder holding another run fails first
-            self.metrics = self._open_metrics(resume_step=None)
+        if self._log.metrics is None:  # before the update, so that a folder holding another run fails first
+            self._log.open()
         sleeps = self.config.sleep_engine and bool(getattr(self.engine, "supports_sleep", False))
         start = time.perf_counter()
         if sleeps:
@@ -244,8 +249,7 @@ class Trainer:
             shared = [record]
             dist.broadcast_object_list(shared, src=0)
             record = shared[0]
-        self.metrics.log(self.step_count, record)
-        self._advance_steps_bar(record)
+        self._log.log(self.step_count, record)
         return record
 
     async def accumulate(self, paths: Sequence[TrainingPath] | PathBatch) -> None:
@@ -525,17 +529,13 @@ class Trainer:
         with self._weights_changing():
             checkpoint = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         self.step_count = checkpoint.step
-        self._close_steps_bar()  # the next one counts from the checkpoint's step
-        if self.metrics is not None:
-            self.metrics.close()
-        self.metrics = self._open_metrics(resume_step=checkpoint.step)
+        self._log.close_bar()  # the next one counts from the checkpoint's step
+        self._log.open(resume_step=checkpoint.step)
         return checkpoint.data_position
 
     def close(self) -> None:
         """Close the metric writers and progress bars."""
-        if self.metrics is not None:
-            self.metrics.close()
-        self._close_steps_bar()
+        self._log.close()
 
     def _weights_changing(self) -> contextlib.AbstractContextManager:
         """Held while weights change in place: a sharing engine must not read them half-written."""
@@ -544,49 +544,18 @@ class Trainer:
 
     # ---- progress ------------------------------------------------------------------------
 
-    @property
-    def _metrics_dir(self) -> Path | None:
-        """Where metrics go: ``out_dir`` on rank 0; the other ranks keep theirs in memory."""
-        return self.out_dir if self.rank == 0 else None
-
-    def _open_metrics(self, resume_step: int | None) -> MetricsLog:
-        """The step metrics' log, with the reporters of ``report_to`` (W&B gets the trainer's configuration
-        unless the run folder holds the run's own ``config.json``)."""
-        return MetricsLog(
-            self._metrics_dir,
-            report_to=self.config.report_to,
-            resume_step=resume_step,
-            wandb_project=self.config.wandb_project,
-            wandb_config={"trainer": self.config.to_dict()},
-        )
-
     def open_steps_bar(self) -> None:
         """Show the ``train`` bar (``total_steps``, from ``step_count``) now; :meth:`step` opens it otherwise.
 
         A run opens it before its first rollout, so that the bar (a line, in a log file) is there
         from the start; :meth:`resume` closes it, and the next one counts from the checkpoint's step.
         """
-        if self._steps_bar is None:
-            self._steps_bar = progress_bar(
-                "train", self.config.total_steps, unit="steps", initial=self.step_count, show=self._shows_progress
-            )
-
-    def _close_steps_bar(self) -> None:
-        if self._steps_bar is not None:
-            self._steps_bar.close()
-            self._steps_bar = None
+        self._log.open_bar(self.step_count)
 
     @property
     def _shows_progress(self) -> bool | None:
         """``config.progress`` on rank 0; the other ranks show none (agents.progress says what None shows)."""
         return self.config.progress if self.rank == 0 else False
-
-    def _advance_steps_bar(self, record: Mapping[str, float]) -> None:
-        self.open_steps_bar()
-        self._steps_bar.set_postfix(
-            reward=f"{record['reward/mean']:.3f}", loss=f"{record['policy/loss']:.4f}", refresh=False
-        )
-        self._steps_bar.update()
 
 
 def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
