@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import agentenv
+import agents.progress
 from agents import steps as steps_module
 from agents import train as train_module
 from agents.cluster.rollout_workers import REQUEST_PRIORITY, RolloutWorker, VersionGate, WorkerSpec
@@ -350,7 +351,9 @@ class FakePool:
         return {}
 
 
-async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_eta_versions(capsys):
+async def test_the_pipeline_sends_eta_steps_ahead_and_drops_a_tree_older_than_eta_versions(capsys, monkeypatch):
+    # The rollout bars are transient (shown on a log stream only past LINE_INTERVAL): show each one's end line.
+    monkeypatch.setattr(agents.progress, "LINE_INTERVAL", 0.0)
     config = TrainConfig(algo="grpo", steps=3, prompts_per_step=2, holdout=0, eval_questions=0, max_staleness=1)
     config.cluster = {"rollout_workers": 1}
     parts = build(config)
