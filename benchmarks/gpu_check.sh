@@ -93,8 +93,8 @@ rm -rf "$OUT/workers"
 test -d "$OUT/workers/checkpoints/step_000002/model"
 
 echo "== 4. the suite's engine, trainer and cluster tests on this machine"
-"$PY" -m pytest -q -p no:cacheprovider tests/agents/test_engine_suite.py tests/agents/test_trainer.py \
-  tests/agents/test_memory_plan.py tests/agents/test_tree_packing.py tests/cluster 2>&1 | tee "$OUT/tests.log"
+"$PY" -m pytest -q -p no:cacheprovider tests/agents/engines/test_engine_suite.py tests/agents/training/test_trainer.py \
+  tests/agents/test_memory_plan.py tests/agents/training/test_tree_packing.py tests/agents/cluster 2>&1 | tee "$OUT/tests.log"
 
 "$PY" - "$OUT" <<'SUMMARY' | tee "$OUT/summary.txt"
 import json, sys

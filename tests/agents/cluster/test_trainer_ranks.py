@@ -1,6 +1,6 @@
 """Trainer ranks (FSDP2 over a gloo group of Ray actors) give the one process's updates, checkpoints and resumes.
 
-The tiny random Llama of tests/agents/test_trainer.py (tied embeddings, like SmolLM2) goes to
+The tiny random Llama of tests/agents/training/test_trainer.py (tied embeddings, like SmolLM2) goes to
 the ranks as a saved folder. Micro-batches of one sequence over mini-batches of 3 and 2 make the
 ranks' counts unequal in the first (rank 1 runs a pass that contributes nothing) and equal in the
 second.

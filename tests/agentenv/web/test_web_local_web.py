@@ -16,7 +16,7 @@ from agentenv.datasets import Paragraph
 from agentenv.serve.hosting import BackgroundServer
 from agentenv.serve.web import LOCAL_WEB_URL, LocalWeb, LocalWebSearch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CORPUS = [
     Paragraph(
         "Kiss and Tell (1945 film)",

@@ -21,7 +21,7 @@ from agentenv.serve.__main__ import main as serve_main
 from agentenv.serve.retrieval import RetrievalService, read_corpus
 from agentenv.web_search import RemoteSearch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WIKI_STYLE = [  # Search-R1's wiki-18 rows: an id, and contents whose first line is the quoted title
     {"id": "w0", "contents": '"Paris"\nParis is the capital and largest city of France.'},
     {"id": "w1", "contents": '"Berlin"\nBerlin is the capital of Germany.'},
