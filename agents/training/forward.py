@@ -43,7 +43,15 @@ from agents.training.packing import PackedPaths, new_tokens, pack_paths
 from agents.training.scoring import score_logits, score_positions, score_states, score_tokens
 from agents.training.sharding import rank_passes
 from agents.training.trainer_config import TrainerConfig
-from agents.training.tree_attention import Kernel, choose_kernel, enable_tree_attention, tree_attention_calls
+from agents.training.tree_attention import (
+    AttentionShape,
+    Kernel,
+    choose_kernel,
+    enable_tree_attention,
+    kernel_unavailable,
+    tree_attention_calls,
+    warm_up_flex,
+)
 
 __all__ = ["MicroBatch", "MiniBatch", "PolicyForward", "StepPlan"]
 
@@ -107,13 +115,25 @@ class PolicyForward:
             ``temperature`` and ``gradient_checkpointing`` are read.
         device, compute_dtype: where and in what the passes run (autocast below float32).
         rank, world_size: this rank's place in the trainer's group (1 process: 0 of 1).
+        attention: the policy's attention heads (:func:`agents.training.tree_attention.attention_shape`),
+            which the tree kernels' choice reads; under ``packing="tree"`` a forced
+            ``tree_kernel`` is checked against them and FlexAttention is compiled here if a
+            pass may run it (:func:`agents.training.tree_attention.warm_up_flex`).
     """
 
     def __init__(
-        self, config: TrainerConfig, device: torch.device, compute_dtype: torch.dtype, rank: int, world_size: int
+        self,
+        config: TrainerConfig,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        rank: int,
+        world_size: int,
+        attention: AttentionShape | None = None,
     ) -> None:
         self.config, self.device, self.compute_dtype = config, device, compute_dtype
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.attention = rank, world_size, attention
+        if config.packing == "tree":
+            self._prepare_tree_kernel()
         #: The FSDP roots of sharded models, by ``id`` of the model (none in one process).
         self.roots: Mapping[int, torch.nn.Module] = {}
         self._checkpointed: list[torch.nn.Module] = []
@@ -129,6 +149,21 @@ class PolicyForward:
         # Non-reentrant checkpointing: gradients reach LoRA adapters without inputs that require grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
         self._checkpointed = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+    def _prepare_tree_kernel(self) -> None:
+        """Refuse a forced kernel that cannot run here; compile FlexAttention before the first step if it may run."""
+        kernel = self.config.tree_kernel
+        if kernel != "auto":
+            why = kernel_unavailable(kernel, self.device, self.attention, self.compute_dtype)
+            if why is not None:
+                raise ValueError(f"TrainerConfig.tree_kernel={kernel!r} cannot run here: {why}; set tree_kernel='auto'")
+        flex_may_run = kernel == "flex" or (
+            kernel == "auto"
+            and kernel_unavailable("varlen", self.device, self.attention, self.compute_dtype) is not None
+            and kernel_unavailable("flex", self.device, self.attention, self.compute_dtype) is None
+        )
+        if flex_may_run and self.attention is not None:
+            warm_up_flex(self.attention, self.device, self.compute_dtype)
 
     # ---- the plan ------------------------------------------------------------------------
 
@@ -158,7 +193,12 @@ class PolicyForward:
         if packing == "padded":
             return MicroBatch(rows, width)
         packed = pack_paths(batch.ids[rows, :width], batch.attention_mask[rows, :width], share=packing == "tree")
-        return MicroBatch(rows, width, packed, choose_kernel(packed, self.device) if packing == "tree" else None)
+        if packing == "flat":
+            return MicroBatch(rows, width, packed)
+        kernel = self.config.tree_kernel
+        if kernel == "auto":
+            kernel = choose_kernel(packed, self.device, shape=self.attention, compute_dtype=self.compute_dtype)
+        return MicroBatch(rows, width, packed, kernel)
 
     def micro_batches(
         self, rows: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor | None = None

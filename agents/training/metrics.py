@@ -15,9 +15,9 @@ A record is a flat ``{name: float}`` dict. Names are ``group/quantity``; the tra
   ``optim/skipped_updates`` (non-finite gradients);
 - ``tokens/trained``, ``tokens/action``, ``batch/sequences``; ``batch/tokens_forwarded`` (the
   update passes' tokens: padding included, each shared prefix once under ``packing="tree"``)
-  and, under tree packing, ``batch/tree_batched_passes`` and ``batch/tree_flex_passes`` (the
-  fractions of passes whose tree attention ran as one batched SDPA call, or as one FlexAttention
-  call on a GPU, rather than per path);
+  and, under tree packing, ``batch/tree_batched_passes``, ``batch/tree_flex_passes`` and
+  ``batch/tree_varlen_passes`` (the fractions of passes whose tree attention ran as one batched
+  SDPA call, one FlexAttention call, or one varlen flash call a layer on a GPU, rather than per path);
 - ``time/old_logprobs_s``, ``time/update_s``, ``time/sync_s``, ``time/step_s``;
 - ``throughput/update_tokens_per_s`` and, from the caller's numbers,
   ``throughput/rollout_tokens_per_s``.

@@ -203,7 +203,10 @@ class StepWork:
             # What the update's forward passes ran on: padding included, each shared prefix once under tree packing.
             "batch/tokens_forwarded": float(self.tokens_forwarded),
             **(
-                {f"batch/tree_{kernel}_passes": self.kernels[kernel] / tree_passes for kernel in ("batched", "flex")}
+                {
+                    f"batch/tree_{kernel}_passes": self.kernels[kernel] / tree_passes
+                    for kernel in ("batched", "flex", "varlen")
+                }
                 if tree_passes
                 else {}
             ),

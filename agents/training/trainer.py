@@ -63,7 +63,7 @@ from agents.training.sharding import gathered_state_dict, place_in_group, shard
 from agents.training.step_metrics import StepLog, StepWork, checked_rollout_metrics, merge_rollout_metrics
 from agents.training.trainer_config import TrainerConfig
 from agents.training.trainer_loss import TrainerLoss
-from agents.training.tree_attention import check_tree_attention
+from agents.training.tree_attention import attention_shape, check_tree_attention
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -133,7 +133,8 @@ class Trainer:
         self.base_model: PreTrainedModel = model
         self.model: PreTrainedModel | PeftModel = with_lora(model, cfg) if cfg.lora_rank else model
         self.trainable_parameters = trainable_parameters(self.model)
-        self.forward = PolicyForward(cfg, self.device, self.compute_dtype, self.rank, self.world_size)
+        attention = attention_shape(model) if cfg.packing == "tree" else None
+        self.forward = PolicyForward(cfg, self.device, self.compute_dtype, self.rank, self.world_size, attention)
         if cfg.gradient_checkpointing:
             self.forward.enable_checkpointing(model)
         self.ref_model = ref_model

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from agents.training.losses import LOSSES, LossFn
 from agents.training.reporting import check_report_to
+from agents.training.tree_attention import KERNELS
 
 __all__ = ["TrainerConfig"]
 
@@ -64,6 +65,10 @@ class TrainerConfig:
     # the default: 0.48x the padded update time on real cpu-demo AT2PO trees, 0.80x on the AT2PO
     # paper shape and 0.93x on the GRPO one (benchmarks/results/train_bench.json).
     packing: Literal["tree", "flat", "padded"] = "tree"
+    # The tree-attention kernel of packing="tree" (agents/training/tree_attention.py): "auto" picks
+    # one per micro-batch (on CUDA varlen where it runs, else flex for long rows; on CPU per-path or
+    # batched by their cost), or name one of KERNELS to force it (checked at trainer start).
+    tree_kernel: Literal["auto", "per-path", "batched", "flex", "varlen"] = "auto"
 
     # Loss: a name in LOSSES or a callable with the agents.training.losses signature, and its
     # hyper-parameters (each loss documents its own defaults and their sources).
@@ -160,6 +165,9 @@ class TrainerConfig:
             self.packing = "flat" if self.packing else "padded"
         if self.packing not in ("tree", "flat", "padded"):
             raise ValueError(f"TrainerConfig.packing must be 'tree', 'flat' or 'padded', got {self.packing!r}")
+        if self.tree_kernel != "auto" and self.tree_kernel not in KERNELS:
+            names = ", ".join(repr(k) for k in ("auto", *KERNELS))
+            raise ValueError(f"TrainerConfig.tree_kernel must be one of {names}, got {self.tree_kernel!r}")
         if self.old_logprobs not in ("recompute", "sampler"):
             raise ValueError(f"TrainerConfig.old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}")
         if self.decoupled and self.old_logprobs != "recompute":

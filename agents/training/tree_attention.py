@@ -11,41 +11,69 @@ queries; its keys and values are those of its whole path (the places ``where[b]`
 depth ``d`` sees the keys at depths up to ``d``. The shared prefix's queries, keys and values
 come from the path that owns it, so everything outside attention (the projections and MLPs,
 most of a forward pass) runs once per packed token, attention once per own token against its
-path, and nothing is of the row's length squared. Two ways run it, both exact:
+path, and nothing is of the row's length squared. Four kernels run it, all exact:
 
 - ``per-path``: one ``scaled_dot_product_attention`` call per path: plain causal for a path that
   owns all its tokens (the first of each tree: a slice of the row), else its own queries against
-  its gathered keys under a ``[own, length]`` mask;
+  its gathered keys under bottom-right-aligned causal attention (``causal_lower_right``: the
+  query at depth ``start + i`` sees the first ``start + i + 1`` keys), which the flash and
+  memory-efficient kernels run on a GPU without a mask;
 - ``batched``: one call for all paths, own queries and keys right-padded to the longest: fewer
   calls, more padded work;
-- ``flex``: on a GPU, one FlexAttention call over the whole row under a block mask (a token sees
-  the places of its own path at depths up to its own), which skips the row's fully masked
-  blocks: no gather, no padding. Compiled with ``torch.compile``; FlexAttention has been slower
-  than SDPA below about 1K tokens, so rows shorter than :data:`FLEX_MIN_TOKENS` keep SDPA.
+- ``varlen``: on a GPU, one variable-length flash call (``torch.nn.attention.varlen``) a layer:
+  the row's own tokens as queries, each path's gathered keys, bottom-right causal; exactly the
+  pairs needed, no mask, no padding, no compile. Needs a 16-bit compute dtype;
+- ``flex``: one FlexAttention call over the whole row under a block mask, skipping the row's
+  fully masked blocks. A place ``k`` is visible from ``q`` exactly when it is ``q``'s ancestor
+  in the row's token tree (or ``q`` itself): with each place numbered in depth-first preorder
+  (``enter``) and ``exit`` the end of its subtree's numbers, ``enter[k] <= enter[q] < exit[k]``.
+  The mask reads two ``[P]`` tensors, so its captured sizes are the row's length only (no
+  ``[paths, P]`` table whose size could collide with another under dynamo's duck sizing).
+  ``create_block_mask`` and ``flex_attention`` are compiled once per process with dynamic
+  shapes (:func:`warm_up_flex` compiles them for the gradient and no-gradient passes before the
+  first step), rows are padded to a multiple of the 128-token block, and q/k/v run in the
+  compute dtype (fp32 q/k from norms or rotary tables under autocast would run flex in fp32).
+  A row shorter than two blocks is padded to two (dynamo specialises a size of 1).
+  Inductor's flex kernel needs a head dimension of at least 16 (:data:`FLEX_MIN_HEAD_DIM`).
 
-:func:`choose_kernel` picks one per micro-batch: ``flex`` on CUDA for long rows, else the
-cheaper of the other two by the count of query-key pairs computed plus a fixed cost per call;
-the trainer's metrics record the choice. Masks are built once per packed row and reused by every
-layer. (On CPU, PyTorch's FlexAttention runs forward only, which is how the tests check it.)
+:func:`choose_kernel` picks one per micro-batch: on CUDA, ``varlen`` where it runs (a 16-bit
+compute dtype and a torch that has it), else ``flex`` for long rows where the head dimension
+allows; otherwise the cheaper of ``per-path`` and ``batched`` by the count of query-key pairs
+computed plus a fixed cost per call. The CUDA rule is provisional: it is what the kernels'
+designs imply, not yet a measurement (``benchmarks/gpu_bench.py`` times every kernel against
+padded on one GPU). ``TrainerConfig.tree_kernel`` forces one; the trainer's metrics record the
+choice. Masks are built once per packed row and reused by every layer. (On CPU, PyTorch's
+FlexAttention runs forward only, which is how the tests check it; varlen runs on CUDA only.)
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from agents.training.packing import PackedPaths
 
 __all__ = [
     "ATTENTION_NAME",
+    "KERNELS",
+    "AttentionShape",
+    "attention_shape",
     "check_tree_attention",
     "choose_kernel",
     "enable_tree_attention",
+    "kernel_unavailable",
     "tree_attention_calls",
     "tree_attention_forward",
+    "warm_up_flex",
 ]
 
 ATTENTION_NAME = "agents_tree"
@@ -53,17 +81,66 @@ ATTENTION_NAME = "agents_tree"
 # besides them: 1,200 to 2,100 in runs of benchmarks.train_bench ("call_cost_pairs": 2 CPU cores,
 # SmolLM2-135M's 9 heads of 64, forward and backward).
 CALL_COST_PAIRS = 1600
-#: Rows at least this long run FlexAttention on a GPU (below it FlexAttention has been slower than SDPA).
+#: Rows at least this long run FlexAttention on a GPU without varlen (below it FlexAttention has been slower than SDPA).
 FLEX_MIN_TOKENS = 1024
+#: Inductor's FlexAttention kernel fails to compile below this head dimension (the H200 run, head dim 8).
+FLEX_MIN_HEAD_DIM = 16
+#: FlexAttention's block: a row is padded to a multiple of it.
+FLEX_BLOCK = 128
 
-Kernel = Literal["per-path", "batched", "flex"]
+Kernel = Literal["per-path", "batched", "flex", "varlen"]
+KERNELS: tuple[Kernel, ...] = ("per-path", "batched", "flex", "varlen")
 
 
-def choose_kernel(packed: PackedPaths, device: torch.device | str = "cpu") -> Kernel:
-    """``flex`` for a long row on CUDA, else ``per-path`` or ``batched``, whichever computes fewer
-    query-key pairs plus calls (module docstring)."""
-    if torch.device(device).type == "cuda" and packed.tokens >= FLEX_MIN_TOKENS:
-        return "flex"
+@dataclass(frozen=True)
+class AttentionShape:
+    """A model's attention heads: what the kernels' choice and the flex warm-up depend on."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_shape(model: torch.nn.Module) -> AttentionShape:
+    """The query heads, key-value heads and head dimension of ``model``'s attention (from its config)."""
+    config = _text_config(model)
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return AttentionShape(heads, int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim))
+
+
+def kernel_unavailable(
+    kernel: Kernel, device: torch.device | str, shape: AttentionShape | None, compute_dtype: torch.dtype
+) -> str | None:
+    """Why ``kernel`` cannot run on ``device`` for a model of ``shape`` in ``compute_dtype``; ``None`` if it can."""
+    device = torch.device(device)
+    if kernel == "varlen":
+        if device.type != "cuda":
+            return f"varlen runs on CUDA only (flash attention), not on {device.type}"
+        if compute_dtype not in (torch.float16, torch.bfloat16):
+            return f"varlen runs flash attention, which needs a 16-bit compute dtype, not {compute_dtype}"
+        if _varlen_attention() is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen (it came in 2.10)"
+    if kernel == "flex" and device.type == "cuda" and shape is not None and shape.head_dim < FLEX_MIN_HEAD_DIM:
+        return f"FlexAttention's compiled kernel needs a head dimension >= {FLEX_MIN_HEAD_DIM}; the model's is {shape.head_dim}"
+    return None
+
+
+def choose_kernel(
+    packed: PackedPaths,
+    device: torch.device | str = "cpu",
+    *,
+    shape: AttentionShape | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> Kernel:
+    """On CUDA ``varlen`` where it runs, else ``flex`` for a long row where the head dimension allows;
+    otherwise ``per-path`` or ``batched``, whichever computes fewer query-key pairs plus calls
+    (module docstring)."""
+    if torch.device(device).type == "cuda":
+        if kernel_unavailable("varlen", device, shape, compute_dtype) is None:
+            return "varlen"
+        if packed.tokens >= FLEX_MIN_TOKENS and kernel_unavailable("flex", device, shape, compute_dtype) is None:
+            return "flex"
     paths = [(s, n) for s, n in zip(packed.starts, packed.lengths) if n > s]
     # A causal call skips the masked half; a masked one computes every pair.
     per_path = sum(n * (n + 1) // 2 if s == 0 else (n - s) * n for s, n in paths) + len(paths) * CALL_COST_PAIRS
@@ -94,7 +171,7 @@ def tree_attention_forward(
             )
     if dropout:
         raise ValueError("tree attention has no dropout (the trainer runs the policy in eval mode)")
-    run = {"batched": _batched, "flex": _flex}.get(kernel, _per_path)
+    run = {"batched": _batched, "flex": _flex, "varlen": _varlen}.get(kernel, _per_path)
     out = run(packed, query, key, value, scaling, query.shape[1] != key.shape[1])  # grouped-query attention
     return out.transpose(1, 2).contiguous(), None
 
@@ -107,7 +184,6 @@ def _per_path(
     scaling: float | None,
     gqa: bool,
 ) -> torch.Tensor:
-    masks = _own_masks(packed, query.device)
     outs = []
     for row, (start, length, offset) in enumerate(zip(packed.starts, packed.lengths, packed.offsets)):
         if start == length:
@@ -115,26 +191,14 @@ def _per_path(
         queries = query[:, :, offset : offset + length - start]
         # A path that owns all its tokens (in order): plain causal attention on a slice of the row.
         keys = slice(offset, offset + length) if start == 0 else packed.where[row, :length]
-        mask = None if start == 0 else masks[row]
+        # Else its own queries (depths start..length-1) against all its keys, causal aligned to the last key.
+        mask = None if start == 0 else causal_lower_right(length - start, length)
         outs.append(
             F.scaled_dot_product_attention(
                 queries, key[:, :, keys], value[:, :, keys], mask, is_causal=start == 0, scale=scaling, enable_gqa=gqa
             )
         )
     return torch.cat(outs, dim=2)
-
-
-def _own_masks(packed: PackedPaths, device: torch.device) -> dict[int, torch.Tensor]:
-    """Per path that shares a prefix, ``[own, length]``: the query at depth ``start + i`` sees depths up to its own."""
-    masks = packed.cache.get("own_masks")
-    if masks is None:
-        masks = {
-            row: torch.arange(length, device=device)[None, :] <= torch.arange(start, length, device=device)[:, None]
-            for row, (start, length) in enumerate(zip(packed.starts, packed.lengths))
-            if 0 < start < length
-        }
-        packed.cache["own_masks"] = masks
-    return masks
 
 
 def _batched(
@@ -172,6 +236,61 @@ def _batched_layout(packed: PackedPaths, device: torch.device) -> tuple[torch.Te
     return layout
 
 
+def _varlen(
+    packed: PackedPaths,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    varlen = _varlen_attention()
+    assert varlen is not None, "choose_kernel and TrainerConfig checks offer varlen only where torch has it"
+    attend, options, takes_gqa = varlen
+    cu_queries, cu_keys, longest_own, longest, key_places = _varlen_layout(packed, query.device)
+    dtype = value.dtype  # a projection's output: the compute dtype under autocast
+    q = query[0].transpose(0, 1).to(dtype)  # [P, heads, dim]: every place is some path's own query, in row order
+    k, v = (t[0].transpose(0, 1)[key_places].to(dtype) for t in (key, value))  # [Σ lengths, kv heads, dim]
+    if gqa and not takes_gqa:  # a torch whose varlen has no enable_gqa: each key-value head to its query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    elif gqa:
+        options = {**options, "enable_gqa": True}
+    out = attend(q, k, v, cu_queries, cu_keys, longest_own, longest, scale=scaling, **options)
+    return cast(torch.Tensor, out).transpose(0, 1).unsqueeze(0)
+
+
+def _varlen_layout(packed: PackedPaths, device: torch.device) -> tuple[Any, ...]:
+    """The varlen call's cumulative query and key lengths, their maxima, and each path's key places (once per row)."""
+    layout = packed.cache.get("varlen")
+    if layout is None:
+        rows = [row for row, (s, n) in enumerate(zip(packed.starts, packed.lengths)) if n > s]
+        own = [packed.lengths[r] - packed.starts[r] for r in rows]
+        lengths = [packed.lengths[r] for r in rows]
+
+        def cumulative(values: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *itertools.accumulate(values)], dtype=torch.int32, device=device)
+
+        key_places = torch.cat([packed.where[r, : packed.lengths[r]] for r in rows]).to(device)
+        layout = (cumulative(own), cumulative(lengths), max(own), max(lengths), key_places)
+        packed.cache["varlen"] = layout
+    return layout
+
+
+@functools.cache
+def _varlen_attention() -> tuple[Callable[..., Any], dict[str, Any], bool] | None:
+    """torch's varlen attention, the keyword that makes it bottom-right causal in this torch, and
+    whether it takes ``enable_gqa``; ``None`` before torch 2.10."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    # torch 2.10 has is_causal; later ones a (left, right) window, (-1, 0) being causal. Flash
+    # aligns both to the bottom right when a sequence has fewer queries than keys.
+    causal: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in parameters
+
+
 def _flex(
     packed: PackedPaths,
     query: torch.Tensor,
@@ -180,47 +299,107 @@ def _flex(
     scaling: float | None,
     gqa: bool,
 ) -> torch.Tensor:
-    out = _flex_attention(query.device)(
-        query, key, value, block_mask=_flex_block_mask(packed, query.device), scale=scaling, enable_gqa=gqa
-    )
-    return cast(torch.Tensor, out)  # every place of the row is some path's own token, in row order
+    block_mask = _flex_block_mask(packed, query.device)
+    pad = block_mask.seq_lengths[0] - packed.tokens  # up to a whole block; the padding sees only itself
+    dtype = value.dtype  # a projection's output: the compute dtype under autocast
+    q, k, v = (F.pad(t.to(dtype), (0, 0, 0, pad)) for t in (query, key, value))
+    out = _compiled(flex_attention, query.device)(q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
+    return cast(torch.Tensor, out)[:, :, : packed.tokens]  # every place is some path's own token, in row order
 
 
-def _flex_block_mask(packed: PackedPaths, device: torch.device) -> Any:
-    """The row's block mask (built once per row): the query at place q sees the place k when k is on
-    q's own path at a depth up to q's."""
+def _flex_block_mask(packed: PackedPaths, device: torch.device) -> BlockMask:
+    """The row's block mask (built once per row): the query at place q sees the place k when k is
+    q's ancestor in the row's token tree or q itself (module docstring)."""
     block_mask = packed.cache.get("flex")
     if block_mask is None:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        own = torch.tensor([n - s for s, n in zip(packed.starts, packed.lengths)], device=device)
-        owner = torch.repeat_interleave(torch.arange(len(own), device=device), own)  # [P] the path owning each place
-        on_path = torch.zeros(len(own), packed.tokens, dtype=torch.bool, device=device)  # [paths, P]
-        for row, length in enumerate(packed.lengths):
-            on_path[row, packed.where[row, :length]] = True
-        depth = packed.positions[0]
-
-        def sees(batch: torch.Tensor, head: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-            return on_path[owner[q], k] & (depth[k] <= depth[q])
-
-        places = packed.tokens
-        block_mask = create_block_mask(sees, None, None, places, places, device=device, _compile=device.type == "cuda")
+        enter, exit = _preorder(packed.previous.tolist())
+        # Whole blocks, at least 2: dynamo specialises a size of 1, so one block would compile again.
+        padding = range(len(enter), max(2, -(-len(enter) // FLEX_BLOCK)) * FLEX_BLOCK)
+        enter_places = torch.tensor([*enter, *padding], device=device)
+        exit_places = torch.tensor([*exit, *(place + 1 for place in padding)], device=device)
+        with torch.no_grad():
+            block_mask = _compiled(_tree_block_mask, device)(enter_places, exit_places)
         packed.cache["flex"] = block_mask
     return block_mask
 
 
-_COMPILED_FLEX: dict[str, Callable[..., Any]] = {}
+def _preorder(previous: list[int]) -> tuple[list[int], list[int]]:
+    """Each place's number in a depth-first preorder of the row's token tree (``previous`` gives a
+    place's parent, -1 at a root), and the end of its subtree's numbers."""
+    children: list[list[int]] = [[] for _ in previous]
+    roots: list[int] = []
+    for place, parent in enumerate(previous):
+        (roots if parent < 0 else children[parent]).append(place)
+    enter, exit = [0] * len(previous), [0] * len(previous)
+    count = 0
+    stack = [(root, False) for root in reversed(roots)]
+    while stack:  # iterative: a path may be thousands of tokens deep
+        place, done = stack.pop()
+        if done:
+            exit[place] = count
+            continue
+        enter[place], count = count, count + 1
+        stack.append((place, True))
+        stack.extend((child, False) for child in reversed(children[place]))
+    return enter, exit
 
 
-def _flex_attention(device: torch.device) -> Callable[..., Any]:
-    """FlexAttention, compiled on a GPU (uncompiled it materialises every score); eager on CPU."""
-    from torch.nn.attention.flex_attention import flex_attention
+def _tree_block_mask(enter: torch.Tensor, exit: torch.Tensor) -> BlockMask:
+    """The block mask of a row whose places have the preorder intervals ``[enter, exit)``."""
 
-    if device.type == "cpu":
-        return flex_attention
-    if device.type not in _COMPILED_FLEX:  # rows differ in length every micro-batch: dynamic shapes
-        _COMPILED_FLEX[device.type] = torch.compile(flex_attention, dynamic=True)
-    return _COMPILED_FLEX[device.type]
+    def sees(batch: torch.Tensor, head: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (enter[k] <= enter[q]) & (enter[q] < exit[k])
+
+    places = enter.shape[0]
+    return create_block_mask(sees, None, None, places, places, device=enter.device)
+
+
+#: How FlexAttention's functions are compiled, by device type; eager elsewhere (CPU: forward only).
+COMPILE_BACKENDS: dict[str, Any] = {"cuda": "inductor"}
+_COMPILED: dict[tuple[Callable[..., Any], str], Callable[..., Any]] = {}
+
+
+def _compiled(function: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """``function`` compiled once per process and device type, with dynamic shapes: rows differ in
+    length every micro-batch, and uncompiled FlexAttention materialises every score."""
+    backend = COMPILE_BACKENDS.get(device.type)
+    if backend is None:
+        return function
+    key = (function, device.type)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(function, dynamic=True, backend=backend)
+    return _COMPILED[key]
+
+
+def warm_up_flex(shape: AttentionShape, device: torch.device, compute_dtype: torch.dtype) -> None:
+    """Compile FlexAttention for ``shape`` before the first step: the block mask, the no-gradient
+    pass and (on CUDA, where flex has a backward pass) the gradient pass with its backward.
+
+    The warm-up row's block count differs from every head count and the head dimension, so
+    dynamo's duck sizing gives each its own symbol and no later row's sizes recompile it.
+    """
+    if device.type not in COMPILE_BACKENDS:
+        return
+    taken = {shape.heads, shape.kv_heads, shape.head_dim}
+    blocks = next(n for n in range(2, 1 << 16) if n not in taken and n * FLEX_BLOCK not in taken)
+    places = blocks * FLEX_BLOCK
+    row = PackedPaths(
+        ids=torch.zeros(1, places, dtype=torch.long, device=device),
+        positions=torch.arange(places, device=device)[None],
+        where=torch.arange(places, device=device)[None],
+        previous=torch.arange(-1, places - 1, device=device),
+        starts=[0],
+        lengths=[places],
+        offsets=[0],
+    )
+    with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+        for grad in (False, True) if device.type == "cuda" else (False,):
+            heads = (shape.heads, shape.kv_heads, shape.kv_heads)
+            q, k, v = (torch.randn(1, n, places, shape.head_dim, device=device, requires_grad=grad) for n in heads)
+            with torch.set_grad_enabled(grad):  # as in a pass: q/k/v from projections, the value in the compute dtype
+                out = _flex(row, q, k, v.to(compute_dtype), shape.head_dim**-0.5, shape.heads != shape.kv_heads)
+            if grad:
+                out.float().sum().backward()
 
 
 class _Dispatch:

@@ -16,25 +16,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import LlamaForCausalLM
 
+import agents.training.tree_attention as tree_attention_module
 from agents.models import tiny_llama
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
 from agents.training.losses import AGGREGATIONS, LOSSES
 from agents.training.packing import new_tokens, pack_paths
 from agents.training.trainer import Trainer, TrainerConfig
-from agents.training.tree_attention import choose_kernel
+from agents.training.tree_attention import AttentionShape, attention_shape, choose_kernel, kernel_unavailable
 
 VOCAB = 50
 # (depth, branching): one leaf, chains sharing the prompt, one long single-child chain, deep, wide.
 SHAPES = [(1, 1), (1, 6), (6, 1), (3, 3), (6, 2), (2, 6)]
 
 
-def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
     # Larger weights than the default 0.02 give peaked, varied next-token distributions: AEPO
     # standardises the entropies (eq. 36), which amplifies float rounding when they are all ≈ log V.
-    return tiny_llama(seed, vocab_size=VOCAB, max_position_embeddings=1024, initializer_range=0.5)
+    values = {"vocab_size": VOCAB, "max_position_embeddings": 1024, "initializer_range": 0.5, **overrides}
+    return tiny_llama(seed, **values)
 
 
 def random_tree(rng: random.Random, depth: int, branching: int, vocab: int = VOCAB) -> RolloutTree:
@@ -128,30 +132,100 @@ def test_the_kernel_is_per_path_for_paths_of_very_different_lengths_and_batched_
     assert choose_kernel(pack_paths(alike, torch.ones_like(alike))) == "batched"
 
 
-def test_long_rows_on_cuda_run_flex_attention():
+def long_rows() -> tuple:
     long = torch.ones(2, 600, dtype=torch.long)
     long[1, 300:] = 2  # the rows share 300 tokens: 900 packed
     short = pack_paths(long, torch.ones_like(long))
     longer = pack_paths(torch.cat([long, long + 2]), torch.ones(4, 600, dtype=torch.long))
     assert (short.tokens, longer.tokens) == (900, 1800)
-    assert choose_kernel(short, "cuda") != "flex" and choose_kernel(longer, "cuda") == "flex"
-    assert choose_kernel(longer, "cpu") != "flex" and choose_kernel(longer) != "flex"
+    return short, longer
+
+
+def test_on_cuda_rows_run_varlen_in_16_bits_else_flex_when_long_and_heads_allow():
+    short, longer = long_rows()
+    wide, narrow = AttentionShape(9, 3, 64), AttentionShape(4, 2, 8)
+    for row in (short, longer):  # varlen (flash) needs 16-bit inputs; torch here has it
+        assert choose_kernel(row, "cuda", shape=wide, compute_dtype=torch.bfloat16) == "varlen"
+    assert choose_kernel(short, "cuda", shape=wide) != "flex" and choose_kernel(longer, "cuda", shape=wide) == "flex"
+    # Inductor's flex kernel cannot compile a head dimension of 8 (the H200 run's failure).
+    assert choose_kernel(longer, "cuda", shape=narrow) == choose_kernel(longer, "cpu") != "flex"
+    for device in ("cpu", "cuda"):
+        assert choose_kernel(longer, device, shape=narrow, compute_dtype=torch.bfloat16) != "flex"
+    assert choose_kernel(longer, "cpu", shape=wide, compute_dtype=torch.bfloat16) != "varlen"
+    assert choose_kernel(longer) != "flex"
+
+
+def test_a_forced_kernel_that_cannot_run_here_is_refused_at_trainer_start():
+    with pytest.raises(ValueError, match=r"tree_kernel='varlen' cannot run here: varlen runs on CUDA only"):
+        Trainer(tiny_model(), config(packing="tree", tree_kernel="varlen"))
+    assert kernel_unavailable("varlen", "cuda", None, torch.float32) == (
+        "varlen runs flash attention, which needs a 16-bit compute dtype, not torch.float32"
+    )
+    assert kernel_unavailable("flex", "cuda", AttentionShape(4, 2, 8), torch.bfloat16) == (
+        "FlexAttention's compiled kernel needs a head dimension >= 16; the model's is 8"
+    )
+    assert kernel_unavailable("flex", "cpu", AttentionShape(4, 2, 8), torch.float32) is None  # eager on CPU
+    with pytest.raises(ValueError, match=r"tree_kernel must be one of 'auto', 'per-path', .*got 'fast'"):
+        config(tree_kernel="fast")
+    assert attention_shape(tiny_model()) == AttentionShape(4, 2, 8)
+
+
+def test_the_flex_mask_lets_each_place_see_exactly_its_path_up_to_itself():
+    """The preorder intervals give the same visibility as "on my path, at a depth up to mine"."""
+    for seed in range(5):
+        batch = collate(tree_paths(seed, 4, 3, trees=3), 0)
+        packed = pack_paths(batch.ids, batch.attention_mask)
+        enter, exit = (torch.tensor(v) for v in tree_attention_module._preorder(packed.previous.tolist()))
+        sees = (enter[None, :] <= enter[:, None]) & (enter[:, None] < exit[None, :])  # [q, k]
+        on_path = torch.zeros(len(packed.lengths), packed.tokens, dtype=torch.bool)
+        for row, length in enumerate(packed.lengths):
+            on_path[row, packed.where[row, :length]] = True
+        owner = torch.repeat_interleave(torch.tensor([n - s for s, n in zip(packed.starts, packed.lengths)]))
+        depth = packed.positions[0]
+        expected = on_path[owner][:, :] & (depth[None, :] <= depth[:, None])
+        assert torch.equal(sees, expected)
+        assert sorted(enter.tolist()) == list(range(packed.tokens))
+
+
+def test_flex_attention_compiles_once_for_rows_of_any_length_and_path_count(monkeypatch):
+    """Dynamo's own count: after the warm-up, 12 rows of 3 to 40 paths and 200 to 3,000 places
+    (padded to 2 to 24 blocks) compile nothing more. On CPU the eager backend stands in for
+    inductor (FlexAttention's backward pass needs a GPU: the no-gradient pass is counted)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    monkeypatch.setattr(tree_attention_module, "COMPILE_BACKENDS", {"cpu": counter})
+    monkeypatch.setattr(tree_attention_module, "_COMPILED", {})
+    torch._dynamo.reset()
+    shape = AttentionShape(4, 2, 16)
+    tree_attention_module.warm_up_flex(shape, torch.device("cpu"), torch.float32)
+    warm = counter.frame_count
+    assert warm == 2  # the block mask and the attention
+    rng = random.Random(0)
+    sizes = set()
+    for i in range(12):
+        paths = tree_paths(100 + i, rng.randint(1, 6), rng.randint(1, 6), trees=rng.randint(1, 4))
+        batch = collate(paths, 0)
+        packed = pack_paths(batch.ids, batch.attention_mask)
+        q = torch.randn(1, shape.heads, packed.tokens, shape.head_dim)
+        k, v = (torch.randn(1, shape.kv_heads, packed.tokens, shape.head_dim) for _ in "kv")
+        with torch.no_grad():
+            out = tree_attention_module._flex(packed, q, k, v, shape.head_dim**-0.5, True)
+        assert out.shape == q.shape
+        sizes.add((len(paths), packed.tokens))
+    assert len(sizes) == 12 and counter.frame_count == warm  # no recompiles
 
 
 @pytest.mark.parametrize(("depth", "branching"), [(1, 6), (6, 1), (3, 3), (2, 6)])
 def test_flex_attentions_logprobs_equal_the_padded_paths(depth, branching, monkeypatch):
     """FlexAttention's block mask over the whole row (the GPU kernel; on CPU PyTorch runs it
     forward only, so this checks the old log-probs' pass) gives every leaf's log-probs."""
-    import agents.training.forward as forward_module
-    import agents.training.tree_attention as tree_attention_module
-
     trees = random_trees(10 * depth + branching, depth, branching)
     batch = collate([path for tree in trees for path in tree.paths()], 0)
     padded = Trainer(tiny_model(), config(packing="padded")).compute_logprobs(batch)
-    monkeypatch.setattr(forward_module, "choose_kernel", lambda packed, device: "flex")
     flex_calls, flex = [], tree_attention_module._flex
     monkeypatch.setattr(tree_attention_module, "_flex", lambda *args: (flex_calls.append(1), flex(*args))[1])
-    trainer = Trainer(tiny_model(), config(packing="tree"))
+    trainer = Trainer(tiny_model(), config(packing="tree", tree_kernel="flex"))
     # 1e-5 plus float32 rounding of the value (|log-probs| ≈ 12 on random weights): FlexAttention
     # sums the softmax in another order than SDPA.
     torch.testing.assert_close(trainer.compute_logprobs(batch), padded, atol=1e-5, rtol=2e-6)
@@ -159,19 +233,52 @@ def test_flex_attentions_logprobs_equal_the_padded_paths(depth, branching, monke
     assert len(flex_calls) == trainer.model.config.num_hidden_layers  # its every attention call
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass needs a GPU")
-async def test_on_cuda_a_long_rows_flex_update_gives_the_padded_loss_and_gradients():
+def test_varlens_layout_gives_per_path_attention(monkeypatch):
+    """varlen runs flash attention on CUDA only; here a reference of its contract (each sequence's
+    queries against its keys, causal aligned to the last key) checks what the kernel hands it."""
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, **options):
+        assert options == {"window_size": (-1, 0), "enable_gqa": True} and q.dtype == k.dtype == v.dtype
+        assert (max_q, max_k) == (int(cu_q.diff().max()), int(cu_k.diff().max())) and cu_q.dtype == torch.int32
+        outs = []
+        for i in range(len(cu_q) - 1):
+            qs, ks, vs = (
+                t[a:b].transpose(0, 1)
+                for t, (a, b) in ((q, cu_q[i : i + 2]), (k, cu_k[i : i + 2]), (v, cu_k[i : i + 2]))
+            )
+            bias = causal_lower_right(qs.shape[1], ks.shape[1])
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, bias, scale=scale, enable_gqa=True).transpose(0, 1))
+        return torch.cat(outs)
+
+    monkeypatch.setattr(tree_attention_module, "_varlen_attention", lambda: (reference, {"window_size": (-1, 0)}, True))
+    batch = collate(tree_paths(5, 3, 3), 0)
+    packed = pack_paths(batch.ids, batch.attention_mask)
+    q = torch.randn(1, 4, packed.tokens, 16)
+    k, v = (torch.randn(1, 2, packed.tokens, 16) for _ in "kv")
+    want = tree_attention_module._per_path(packed, q, k, v, 0.25, True)
+    torch.testing.assert_close(tree_attention_module._varlen(packed, q, k, v, 0.25, True), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass and varlen need a GPU")
+@pytest.mark.parametrize("kernel", ["flex", "varlen", "per-path"])
+async def test_on_cuda_a_long_rows_update_gives_the_padded_loss_and_gradients(kernel):
     paths = tree_paths(4, 6, 3, trees=6)  # more than FLEX_MIN_TOKENS packed
+    # Head dimension 16, the least inductor's flex kernel compiles; bfloat16 compute for varlen (flash).
+    dtype = "bfloat16" if kernel == "varlen" else "float32"
     results = {}
     for packing in ("padded", "tree"):
-        trainer = Trainer(tiny_model().cuda(), config(packing=packing, loss="atpo"))
+        model = tiny_model(hidden_size=64).cuda()
+        trainer = Trainer(model, config(packing=packing, tree_kernel=kernel, loss="atpo", compute_dtype=dtype))
         metrics = await trainer.step(paths)
         results[packing] = (metrics, {k: v.cpu() for k, v in gradients(trainer).items()})
     (tree_metrics, tree_grads), (padded_metrics, padded_grads) = results["tree"], results["padded"]
-    assert tree_metrics["batch/tree_flex_passes"] == 1.0
-    assert tree_metrics["policy/loss"] == pytest.approx(padded_metrics["policy/loss"], rel=1e-5)
+    if kernel != "per-path":
+        assert tree_metrics[f"batch/tree_{kernel}_passes"] == 1.0
+    # bfloat16 keeps 8 bits of mantissa: 2^-8 relative, summed over the row; float32 as on CPU.
+    rel, atol = (1e-2, 1e-2) if dtype == "bfloat16" else (1e-5, 1e-4)
+    assert tree_metrics["policy/loss"] == pytest.approx(padded_metrics["policy/loss"], rel=rel, abs=atol)
     for name in padded_grads:
-        torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=atol, rtol=10 * rel)
 
 
 # -- exactness on the tiny model ----------------------------------------------------------------
@@ -179,16 +286,13 @@ async def test_on_cuda_a_long_rows_flex_update_gives_the_padded_loss_and_gradien
 
 @pytest.mark.parametrize(("depth", "branching"), SHAPES)
 @pytest.mark.parametrize("kernel", ["per-path", "batched"])
-def test_every_leafs_logprobs_and_entropies_equal_the_padded_paths(depth, branching, kernel, monkeypatch):
-    import agents.training.forward as forward_module
-
-    monkeypatch.setattr(forward_module, "choose_kernel", lambda packed, device: kernel)
+def test_every_leafs_logprobs_and_entropies_equal_the_padded_paths(depth, branching, kernel):
     trees = random_trees(10 * depth + branching, depth, branching)
     paths = [path for tree in trees for path in tree.paths()]
     batch = collate(paths, 0)
     scores = {}
     for packing in ("padded", "tree"):
-        trainer = Trainer(tiny_model(), config(packing=packing))
+        trainer = Trainer(tiny_model(), config(packing=packing, tree_kernel=kernel))
         everything = trainer.compute_logprobs(batch)
         everyone = trainer.forward.micro_batch(batch, torch.arange(len(paths)))  # the whole batch in one pass
         actions, entropy = trainer.forward(trainer.model, batch, everyone)
