@@ -1049,6 +1049,9 @@ def main() -> None:
     print(text_table(["section", "status", "s", "result"], rows))
     if args.json:
         print(f"wrote {args.json}")
+    failed = [name for name, data in results["sections"].items() if not data["status"].startswith(("ok", "skipped"))]
+    if failed:
+        sys.exit(f"not ok: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
