@@ -53,7 +53,6 @@ export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 STARTED=$SECONDS
 
 imports() { "$PY" -c "import $1" >/dev/null 2>&1; }
-[ "$SMOKE" = 1 ] && [ "$MODE" = auto ] && MODE=bare
 if [ "$MODE" = auto ]; then
   MODE=full
   for name in vllm ray; do imports "$name" || { echo "$name does not import with $PY: bare mode"; MODE=bare; }; done
@@ -178,7 +177,7 @@ SUMMARY
   exit 0
 fi
 
-[ "$SMOKE" = 0 ] || { echo "--smoke is for the bare mode (--bare)"; exit 2; }
+[ "$SMOKE" = 0 ] || { echo "--smoke is for the bare mode: add --bare (vllm and ray import here)"; exit 2; }
 command -v nvidia-smi >/dev/null || { echo "no nvidia-smi: this script needs a machine with an NVIDIA GPU"; exit 2; }
 test -x "$PY" || { echo "no Python at $PY: run make GPU=1 venv, or set PYTHON=/path/to/python"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
