@@ -72,7 +72,8 @@ SECTIONS: dict[str, tuple[str, str, float]] = {
     "train": ("d", "agents train on the device: 2 steps, then --resume to 3", 0.18),
     "nccl": ("e", "a one-rank NCCL trainer step", 0.08),
 }
-KERNELS = ("per-path", "batched", "flex", "varlen")
+#: The tree kernels (TrainerConfig.tree_kernel), FlexAttention last: it compiles, and may run out of time.
+KERNELS = ("per-path", "batched", "varlen", "flex")
 #: Dense bfloat16 peak of an H100 or H200 SXM (datasheet); ~790 measured for a bf16 matmul on such machines.
 PEAK_TFLOPS = 989.0
 #: SmolLM2-135M's shape, for when no folder holds its config.json (its published config).
@@ -240,6 +241,14 @@ def _kernels_of(trainer: Any, paths: list[Any]) -> str:
     return ", ".join(f"{kernel} {count}" for kernel, count in sorted(counts.items())) or "-"
 
 
+def _cannot_run(error: Exception) -> str | None:
+    """Why the trainer refused a forced tree kernel on this machine (its ValueError says), else ``None``."""
+    text = str(error)
+    if not isinstance(error, ValueError) or "cannot run here: " not in text:
+        return None
+    return text.split("cannot run here: ")[-1].split("; set tree_kernel")[0]
+
+
 # ---- (a) the kernels against padded ----------------------------------------------------------------
 
 
@@ -322,24 +331,27 @@ def section_kernels(ctx: Context, out: Record) -> None:
         ("SmolLM2-135M" + (" (2 layers)" if ctx.smoke else ""), lambda: _build(_smollm2_config(ctx), device)),
     ]
     out.data.update({"scale": scale, "dtypes": dtypes, "rows": [], "failures": []})
+
+    def config(packing: str, dtype: str, **kernel: str) -> Any:
+        return AT2PO().trainer_config(
+            lr=1e-6,
+            progress=False,
+            report_to=("none",),
+            old_logprobs="sampler",
+            max_grad_norm=1e9,  # no clipping: the gradients compared are the loss's own
+            micro_batch_size=64,
+            packing=packing,
+            compute_dtype=dtype,
+            **kernel,
+        )
+
+    # Each shape's model, batch and padded references first; then kernel by kernel over the shapes,
+    # FlexAttention last (it compiles per shape and dtype: if time runs out, it is what is left out).
+    cases: dict[str, dict[str, Any]] = {}
     for shape, make in shapes:
         model = make()
         paths = _paper_paths(scale, model.config.vocab_size)
         _say("kernels", f"{shape}: {len(paths)} paths, {sum(len(p.ids) for p in paths)} tokens, {device}")
-
-        def config(packing: str, dtype: str, **kernel: str) -> Any:
-            return AT2PO().trainer_config(
-                lr=1e-6,
-                progress=False,
-                report_to=("none",),
-                old_logprobs="sampler",
-                max_grad_norm=1e9,  # no clipping: the gradients compared are the loss's own
-                micro_batch_size=64,
-                packing=packing,
-                compute_dtype=dtype,
-                **kernel,
-            )
-
         reference = _step_result(model, config("padded", "float32"), paths, backward=True)
         padded16_errors = None
         if cuda:
@@ -347,24 +359,35 @@ def section_kernels(ctx: Context, out: Record) -> None:
             padded16_errors = _errors(padded16, reference)
             del padded16
             out.data["rows"].append({"shape": shape, "layout": "padded", "dtype": "bfloat16", **padded16_errors})
-        for kernel in KERNELS:
+        cases[shape] = {"model": model, "paths": paths, "reference": reference, "padded16": padded16_errors}
+        _free()
+    out.save()
+    for kernel in KERNELS:
+        for shape, case in cases.items():
             for dtype in dtypes:
                 row: dict[str, Any] = {"shape": shape, "layout": f"tree/{kernel}", "dtype": dtype}
+                out.data["rows"].append(row)
+                if kernel == "flex" and ctx.left() < 30:
+                    row["verdict"] = f"skipped: {ctx.left():.0f} s left of the section's {ctx.budget_s:.0f} s"
+                    _say("kernels", f"{shape} {kernel} {dtype}: {row['verdict']}")
+                    continue
+                row["verdict"] = "started (the section was stopped before it ended)"
+                out.save()
                 # PyTorch runs FlexAttention forward only on a CPU: the log-probs are checked, not the step.
                 backward = not (kernel == "flex" and not cuda)
                 try:
-                    result = _step_result(model, config("tree", dtype, tree_kernel=kernel), paths, backward)
-                except ValueError as error:  # a kernel that cannot run here (the trainer says why)
-                    why = str(error).split("cannot run here: ")[-1].split("; set tree_kernel")[0]
-                    row["verdict"] = f"skipped: {why}"
+                    trainer_config = config("tree", dtype, tree_kernel=kernel)
+                    result = _step_result(case["model"], trainer_config, case["paths"], backward)
                 except Exception as error:
-                    row["verdict"] = f"ERROR: {type(error).__name__}: {error}"
-                    traceback.print_exc()
+                    why = _cannot_run(error)
+                    row["verdict"] = f"skipped: {why}" if why else f"ERROR: {type(error).__name__}: {error}"
+                    if not why:
+                        traceback.print_exc()
                 else:
-                    row.update(_errors(result, reference))
+                    row.update(_errors(result, case["reference"]))
                     row.update(kernels=result["kernels"], build_s=result["build_s"], step_s=result.get("step_s"))
                     row["verdict"] = _verdict(
-                        {k: row[k] for k in ("logprob_max_abs", "loss_rel", "grad_rel")}, dtype, padded16_errors
+                        {k: row[k] for k in ("logprob_max_abs", "loss_rel", "grad_rel")}, dtype, case["padded16"]
                     )
                     if not backward:
                         row["verdict"] += " (log-probs only: FlexAttention runs forward only on a CPU)"
@@ -372,11 +395,8 @@ def section_kernels(ctx: Context, out: Record) -> None:
                 _free()
                 if row["verdict"].startswith(("FAILED", "ERROR")):
                     out.data["failures"].append(f"{shape} {row['layout']} {dtype}: {row['verdict']}")
-                out.data["rows"].append(row)
                 out.save()
                 _say("kernels", f"{shape} {kernel} {dtype}: {row['verdict']}")
-        del model, reference
-        _free()
     if out.data["failures"]:
         out.data["status"] = f"failed: {len(out.data['failures'])} kernel checks"
 
@@ -468,6 +488,8 @@ def section_qwen3_4b(ctx: Context, out: Record) -> None:
             row["status"] = "skipped: FlexAttention runs forward only on a CPU"
             _say("qwen3_4b", f"{name}: {row['status']}")
             continue
+        row["status"] = "started (the section was stopped before it ended)"
+        out.save()
         start = time.perf_counter()
         trainer = None
         try:
@@ -517,14 +539,13 @@ def section_qwen3_4b(ctx: Context, out: Record) -> None:
             if device.type == "cuda":
                 row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
             row["status"] = "ok"
-        except ValueError as error:  # a kernel that cannot run here (the trainer says why)
-            if "cannot run here" not in str(error):
-                raise
-            row["status"] = "skipped: " + str(error).split("cannot run here: ")[-1].split("; set tree_kernel")[0]
-            _say("qwen3_4b", f"{name}: {row['status']}")
         except Exception as error:
-            row["status"] = f"error: {type(error).__name__}: {str(error)[:300]}"
-            traceback.print_exc()
+            why = _cannot_run(error)
+            row["status"] = f"skipped: {why}" if why else f"error: {type(error).__name__}: {str(error)[:300]}"
+            if why:
+                _say("qwen3_4b", f"{name}: {row['status']}")
+            else:
+                traceback.print_exc()
         finally:
             del trainer
             _free()
@@ -973,6 +994,17 @@ def _headline(name: str, data: dict[str, Any]) -> str:
     return ""
 
 
+def _device_name(cuda: bool) -> str:
+    """The GPU's name from nvidia-smi: torch would open a CUDA context (~0.5 GiB) in the driver for the whole run."""
+    if not cuda:
+        return "cpu (no CUDA)"
+    try:
+        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader", "--id=0"]
+        return subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "cuda"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -1002,10 +1034,9 @@ def main() -> None:
     import torch
     import transformers
 
-    cuda = torch.cuda.is_available()
     results: dict[str, Any] = {
         "command": "python -m benchmarks.gpu_bench " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name() if cuda else "cpu (no CUDA)",
+        "device": _device_name(torch.cuda.is_available()),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": sys.version.split()[0],
