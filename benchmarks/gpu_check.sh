@@ -149,8 +149,16 @@ PREFLIGHT
     echo "skipped: $LEFT s left of GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-570}" | tee "$OUT/tests.log"
   else
     echo "(the engine suite, memory plan and cluster tests need the embedded model, vLLM or Ray: not run here)"
+    set +e
     timeout "$LEFT" "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/agents/training/test_trainer.py \
-      tests/agents/training/test_tree_packing.py 2>&1 | tee "$OUT/tests.log" || FAILED+=("tests")
+      tests/agents/training/test_tree_packing.py 2>&1 | tee "$OUT/tests.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    if [ "$rc" = 124 ]; then  # out of time is not a failure of the tests: say so, and go on
+      echo "stopped at the time limit: $LEFT s left of GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-570}" | tee -a "$OUT/tests.log"
+    elif [ "$rc" != 0 ]; then
+      FAILED+=("tests")
+    fi
   fi
 
   "$PY" - "$OUT" <<'SUMMARY' | tee "$OUT/summary.txt"
