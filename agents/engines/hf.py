@@ -29,9 +29,19 @@ grouped-query attention instead of copying them per query head (identical result
 :func:`_sdpa_cpu_gqa`), and its forward passes compute linear layers on inputs of 2 to 32 rows
 (decode steps) as weight times input (see :class:`WeightFirstLinear`). The trainer's forward passes, which need gradients, are unchanged.
 
+On a GPU a model whose dtype is not ``compute_dtype`` (the trainer's float32 one) generates from a
+:class:`ComputeCopy` of its weights in ``compute_dtype`` (bfloat16), copied again before the first
+forward pass after any change of the weights; autocast would cast every weight again at every step
+(issue 37's H200 profile counted 579 casts among the ~2,300 operations of a SmolLM2 decode step). A decode step waits for the GPU once: the
+rows' sampling parameters live on it (:class:`~agents.engines.sampling.RowSampler`, built when rows
+join or leave), the sampled ids, log-probs and entropies come back in one transfer, the KV cache
+keeps its lengths on the host too, and the attention mask is passed whole (transformers would read
+a padding mask back to see whether it masks anything). Stop strings are looked for in the text of
+the last tokens only (:func:`completion_stop`), with the same answer as a search of the whole text.
+
 ``HFEngine(model=trainer_model, tokenizer=tokenizer)`` generates with the trainer's own model
-object: weights are never copied. Hold :attr:`HFEngine.forward_lock` while changing the weights
-in place (an optimiser step) if generations may be in flight.
+object: on a CPU weights are never copied. Hold :attr:`HFEngine.forward_lock` while changing the
+weights in place (an optimiser step) if generations may be in flight.
 
 Supported models: decoder-only models with full attention in every layer (Llama, Qwen2/3,
 SmolLM2, Mistral without sliding windows); batching sequences of different lengths in one cache
@@ -44,6 +54,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import copy
 import queue
 import threading
 import time
@@ -58,13 +69,13 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from agents.engines.base import Completion, Engine, FinishReason, SamplingParams, find_stop
 from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear
 from agents.engines.kv_cache import PrefixCache, SlotCache
-from agents.engines.sampling import sample_next_tokens
+from agents.engines.sampling import RowSampler, to_device
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
-__all__ = ["SHARED_PREFIX_TOKENS", "BatchStats", "HFEngine", "shared_prefix_order"]
+__all__ = ["SHARED_PREFIX_TOKENS", "BatchStats", "ComputeCopy", "HFEngine", "completion_stop", "shared_prefix_order"]
 
 
 @dataclass
@@ -103,6 +114,7 @@ class _Batch:
     requests: list[_Request]  # row r's request; its cached positions are cache.lengths[r]
     cache: SlotCache
     logits: torch.Tensor  # [rows, vocab] float32 logits of each row's next token
+    sampler: RowSampler  # the rows' sampling parameters, in row order
 
 
 _CLOSE = object()
@@ -134,6 +146,83 @@ def shared_prefix_order(
     return first, then
 
 
+class ComputeCopy:
+    """A copy of ``model`` with its floating-point parameters in ``dtype``, to generate from.
+
+    :meth:`refresh` copies the model's weights into it again if they changed since (an optimiser
+    step on a shared model, a load); it sees that from the parameters' version counters, which every
+    in-place change bumps. The copy is made without a full-precision copy of the weights on the way;
+    buffers (the rotary frequencies) keep their dtype, as a model loaded in ``dtype`` keeps them.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        self._sources = list(model.parameters())
+        # deepcopy takes what the memo holds for an object instead of copying it: the cast parameters.
+        memo: dict[int, object] = {
+            id(p): torch.nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach().clone(), False)
+            for p in self._sources
+        }
+        self.model = copy.deepcopy(model, memo).eval()
+        self._targets = list(self.model.parameters())
+        self.version = _weights_version(self._sources)
+
+    def refresh(self) -> bool:
+        """Copy the model's weights again if they changed; whether they had."""
+        version = _weights_version(self._sources)
+        if version == self.version:
+            return False
+        with torch.no_grad():
+            for source, target in zip(self._sources, self._targets):
+                target.copy_(source)
+        self.version = version
+        return True
+
+
+def _weights_version(parameters) -> int:
+    return sum(p._version for p in parameters)  # bumped by every in-place change
+
+
+#: Tokens at the start of a stop-string window whose text may decode differently there than in the
+#: whole completion (a character split over up to 4 byte tokens, a first token's dropped leading
+#: space), and last tokens whose text a new token may change (the bytes of a character it completes).
+_EDGE_TOKENS = 4
+
+
+def completion_stop(
+    tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int], stops: Sequence[str]
+) -> tuple[str, str] | None:
+    """The stop string that occurs first in the text of ``token_ids``, and the text past it; ``None`` if none does.
+
+    The answer of :func:`~agents.engines.base.find_stop` on the whole decoded text, for a text that
+    held no stop string before its last token (a decode step checks every token): a stop string
+    the last token completes ends in the text of the last ``_EDGE_TOKENS`` tokens, so only a
+    window of the last tokens is decoded, long enough that, past its first ``_EDGE_TOKENS``
+    tokens, it holds the longest stop string before those last ones. Only when the window holds a
+    stop string is the whole text decoded, for the exact match and the text past it.
+    """
+    longest = max(len(stop) for stop in stops)
+    end = len(token_ids)
+    start = max(0, end - longest - 4 * _EDGE_TOKENS)
+    # Between the window's edge tokens and the last ones, the characters a stop string may reach back over
+    # (with room for a split character's replacement marks, which a decode of that span alone may count).
+    while (
+        start > 0
+        and len(_decode(tokenizer, token_ids[start + _EDGE_TOKENS : end - _EDGE_TOKENS])) < longest + _EDGE_TOKENS
+    ):
+        start = max(0, 2 * start - end)  # twice the window
+    if find_stop(_decode(tokenizer, token_ids[start:]), stops) is None:
+        return None
+    text = _decode(tokenizer, token_ids)
+    match = find_stop(text, stops)
+    return None if match is None else (match[0], text[match[1] :])
+
+
+def _decode(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    assert isinstance(text, str)  # one sequence decodes to one string (a batch to a list)
+    return text
+
+
 class HFEngine(Engine):
     """A transformers causal LM behind the :class:`Engine` interface (CPU or GPU).
 
@@ -144,8 +233,10 @@ class HFEngine(Engine):
     before starting a batch; ``seed`` seeds the generator of requests without their own seed;
     ``prefix_cache_tokens`` bounds the tokens whose KV the prefix cache keeps (0 turns it off;
     the default holds 32 SmolLM2 episodes of 1,000 tokens in 1.5 GB). ``compute_dtype`` is what the
-    forward passes and the KV cache use (autocast over the model's weights): by default bfloat16 on
-    a GPU and the model's own dtype on a CPU.
+    forward passes and the KV cache use: by default bfloat16 on a GPU and the model's own dtype on
+    a CPU. On a GPU a model in another dtype generates from a :class:`ComputeCopy` in it (memory
+    for one more copy of the weights in ``compute_dtype``); on a CPU from its own weights under
+    autocast.
     """
 
     supports_entropy = True
@@ -185,7 +276,10 @@ class HFEngine(Engine):
         if compute_dtype is None:
             compute_dtype = torch.bfloat16 if model.device.type == "cuda" else model.dtype
         self.compute_dtype: torch.dtype = compute_dtype
-        autocast = compute_dtype != model.dtype
+        on_gpu = model.device.type == "cuda"
+        #: The copy in compute_dtype that the forward passes run on a GPU (None: they run the model itself).
+        self.compute_copy = ComputeCopy(model, compute_dtype) if on_gpu and compute_dtype != model.dtype else None
+        autocast = compute_dtype != model.dtype and self.compute_copy is None
         linear = WeightFirstLinear if model.device.type == "cpu" and not autocast else contextlib.nullcontext
 
         def forward_mode() -> contextlib.ExitStack:
@@ -196,6 +290,9 @@ class HFEngine(Engine):
             return stack
 
         self._forward_mode = forward_mode
+        # A whole [rows, 1, 1, columns] mask for sdpa on a GPU: from a padding mask transformers would build it
+        # after reading whether it masks anything, a wait for the GPU. On a CPU no wait; the padding mask as ever.
+        self._whole_mask = on_gpu and model.config._attn_implementation == "sdpa"
         self.model: PreTrainedModel | PeftModel = model
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.max_batch_size = max_batch_size
@@ -343,13 +440,27 @@ class HFEngine(Engine):
             requests, sequences, logits = requests + then, sequences + more, torch.cat([logits, more_logits])
         if batch is None:
             cache = SlotCache(len(sequences[0]), self.max_batch_size, device=logits.device, dtype=self.compute_dtype)
-            batch = _Batch([], cache, logits[:0])
+            batch = _Batch([], cache, logits[:0], RowSampler(logits.device))
         batch.cache.add_rows(sequences)
         for request in requests:
             request.next_version, request.loads_at_prefill = self._inflight_version, self._inflight_loads
         batch.requests += requests
         batch.logits = torch.cat([batch.logits, logits])
+        self._set_sampler_rows(batch)
         return batch
+
+    def _set_sampler_rows(self, batch: _Batch) -> None:
+        """Give the batch's sampler its rows' parameters and generators (after rows joined or left)."""
+        batch.sampler.set_rows(
+            [r.params for r in batch.requests], [r.generator or self._generator for r in batch.requests]
+        )
+
+    def _forward_model(self) -> torch.nn.Module:
+        """What a forward pass runs: the model, or on a GPU its copy in compute_dtype, brought up to date first."""
+        if self.compute_copy is None:
+            return self.model
+        self.compute_copy.refresh()
+        return self.compute_copy.model
 
     def _prefill(self, requests: list[_Request]) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]:
         """One forward pass over the prompts' tokens that the prefix cache does not hold.
@@ -358,7 +469,7 @@ class HFEngine(Engine):
         its next token. Row layout of the pass: [left padding | cached prefix | padding | new
         tokens], so that the new tokens of every row end at the right edge.
         """
-        version = sum(p._version for p in self.model.parameters())  # bumped by every in-place change
+        version = _weights_version(self.model.parameters())
         if version != self._weights_version:
             self.prefix_cache.clear()
             self._weights_version = version
@@ -391,7 +502,7 @@ class HFEngine(Engine):
             self.stats.prompt_tokens += len(request.prompt)
             self.stats.prefix_cache_hit_tokens += n
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, cached:]
-        output = self.model(
+        output = self._forward_model()(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -413,22 +524,20 @@ class HFEngine(Engine):
 
     def _step(self, batch: _Batch) -> _Batch | None:
         """Sample one token for every row, settle finished rows, and run the next decode pass."""
-        params = [r.params for r in batch.requests]
-        generators = [r.generator or self._generator for r in batch.requests]
-        sampled = sample_next_tokens(batch.logits, params, generators)
+        sampled = batch.sampler.sample(batch.logits).to_host()  # the step's one wait for the device
         self.stats.generated_tokens += len(batch.requests)  # before settling: a woken caller may read it
         leaving = []
         for row, request in enumerate(batch.requests):
-            token = int(sampled.token_ids[row])
+            token = sampled.token_ids[row]
             request.token_ids.append(token)
-            request.logprobs.append(float(sampled.logprobs[row]))
+            request.logprobs.append(sampled.logprobs[row])
             request.versions.append(request.next_version)
             if request.params.logprobs_topk:
                 request.top_logprobs.append(sampled.top_logprobs[row][: request.params.logprobs_topk])
             if request.params.return_entropy:
                 assert sampled.entropies is not None  # computed when any row asks for them
-                request.entropies.append(float(sampled.entropies[row]))
-            completion = self._finish(request, token, int(batch.cache.lengths[row]) + 1)
+                request.entropies.append(sampled.entropies[row])
+            completion = self._finish(request, token, batch.cache.host_lengths[row] + 1)
             if completion is not None and request.loads_at_prefill == self._inflight_loads:
                 # The cache holds the prompt and every sampled token but this last one.
                 self.prefix_cache.add(request.prompt + request.token_ids[:-1], batch.cache.row(row))
@@ -442,10 +551,14 @@ class HFEngine(Engine):
             batch.requests.pop()
         if not batch.requests:
             return None
+        if leaving:
+            self._set_sampler_rows(batch)
         start = time.perf_counter()
-        next_tokens = torch.tensor([[r.token_ids[-1]] for r in batch.requests], device=self.model.device)
+        next_tokens = to_device([[r.token_ids[-1]] for r in batch.requests], torch.long, self.model.device)
         attention_mask, position_ids = batch.cache.decode_inputs()
-        output = self.model(
+        if self._whole_mask:
+            attention_mask = attention_mask.bool()[:, None, None, :]
+        output = self._forward_model()(
             input_ids=next_tokens,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -472,11 +585,9 @@ class HFEngine(Engine):
         elif token in self.eos_token_ids:
             reason = "eos"
         elif params.stop:
-            text = self.tokenizer.decode(request.token_ids, skip_special_tokens=True)
-            assert isinstance(text, str)  # one sequence decodes to one string (a batch to a list)
-            match = find_stop(text, params.stop)
+            match = completion_stop(self.tokenizer, request.token_ids, params.stop)
             if match is not None:
-                reason, stop_reason, overshoot = "stop", match[0], text[match[1] :]
+                reason, (stop_reason, overshoot) = "stop", match
         if reason is None and (
             len(request.token_ids) >= params.max_new_tokens
             or (self.max_positions is not None and used_positions >= self.max_positions)

@@ -56,7 +56,8 @@ class SlotCache(Cache):
     copied into free room, a leaving row is overwritten by the last row, and a decode step writes
     each row's new key and value at its own column (its position id, too). Attention reads columns
     [0, width] (``width`` is the longest row) under a padding mask. Room is added ``GROWTH``
-    columns at a time, rows doubling up to ``max_rows``.
+    columns at a time, rows doubling up to ``max_rows``. The lengths are kept on the host too
+    (``host_lengths``), so that a decode step never reads them from the device.
     """
 
     def __init__(
@@ -67,11 +68,15 @@ class SlotCache(Cache):
         super().__init__(layers=list(self.slot_layers))
         self.max_rows = max_rows
         self.dtype = dtype  # of the rooms; None: that of the first keys stored
-        self._set_lengths(torch.zeros(0, dtype=torch.long, device=device))
+        self.lengths: torch.Tensor  # [rows] positions each row holds
+        self.host_lengths: list[int]  # the same, on the host
+        self.width: int  # the longest row's
+        self.rows_index: torch.Tensor  # [rows] 0, 1, ...
+        self._set_lengths(torch.zeros(0, dtype=torch.long, device=device), [])
 
     @property
     def num_rows(self) -> int:
-        return len(self.lengths)
+        return len(self.host_lengths)
 
     def add_rows(self, sequences: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Append sequences, each given per layer as (keys, values) of [kv heads, length, head dim]."""
@@ -83,22 +88,24 @@ class SlotCache(Cache):
                 room_keys, room_values = layer.kv()
                 room_keys[row, :, :length] = keys
                 room_values[row, :, :length] = values
-        self._set_lengths(torch.cat([self.lengths, self.lengths.new_tensor(lengths)]))
+        self._set_lengths(torch.cat([self.lengths, self.lengths.new_tensor(lengths)]), self.host_lengths + lengths)
 
     def remove_row(self, row: int) -> None:
         """Drop ``row``: the last row moves into its place."""
         last = self.num_rows - 1
+        host_lengths = self.host_lengths[:last]
         if row != last:
-            length = int(self.lengths[last])
+            length = self.host_lengths[last]
             for layer in self.slot_layers:
                 for room in layer.kv():
                     room[row, :, :length] = room[last, :, :length]
             self.lengths[row] = self.lengths[last]
-        self._set_lengths(self.lengths[:last])
+            host_lengths[row] = length
+        self._set_lengths(self.lengths[:last], host_lengths)
 
     def row(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of ``row``'s keys and values per layer, [kv heads, length, head dim] each."""
-        length = int(self.lengths[row])
+        length = self.host_lengths[row]
         return [
             (keys[row, :, :length].clone(), values[row, :, :length].clone())
             for keys, values in (layer.kv() for layer in self.slot_layers)
@@ -112,12 +119,16 @@ class SlotCache(Cache):
 
     def advance(self) -> None:
         """After a decode step: every row holds one more position."""
-        self._set_lengths(self.lengths + 1)
+        self.lengths = self.lengths + 1
+        self.host_lengths = [length + 1 for length in self.host_lengths]
+        self.width = max(self.host_lengths, default=0)
 
-    def _set_lengths(self, lengths: torch.Tensor) -> None:
-        self.lengths = lengths  # [rows] positions each row holds
-        self.width = int(lengths.max()) if len(lengths) else 0
-        self.rows_index = torch.arange(len(lengths), device=lengths.device)
+    def _set_lengths(self, lengths: torch.Tensor, host_lengths: list[int]) -> None:
+        """A new set of rows: their lengths on the device and the host (the same numbers)."""
+        self.lengths = lengths
+        self.host_lengths = host_lengths
+        self.width = max(host_lengths, default=0)
+        self.rows_index = torch.arange(len(host_lengths), device=lengths.device)
 
     def _reserve(self, rows: int, columns: int, example: torch.Tensor | None = None) -> None:
         """Grow every layer's room to at least ``rows`` x ``columns``, keeping what it holds."""
