@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import inspect
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,7 +261,8 @@ class TrainConfig:
 #:   lr 1e-6, prompt 2000 and response 6192 tokens, 6 tool calls, top-3 passages) with AT²PO's
 #:   reward (−1 bad format, 0 wrong, 1 exact match), and the trainer's memory settings its memory
 #:   plan needs (gradient checkpointing, micro-batches of at most 8192 tokens). For the search-QA
-#:   environments on a GPU (``--engine vllm``).
+#:   environments on a GPU, where it generates with vLLM when that is installed and no layer names
+#:   an engine (see :func:`resolve`).
 #: - ``cpu-demo``: what two CPU cores train in minutes with the embedded 135M model on
 #:   ``multihop-qa``: 2 prompts per step, 6 leaves per prompt for every learner (one rollout
 #:   budget for all), 2 tool calls, one short search result, turns of at most 48 tokens, 256
@@ -488,6 +491,8 @@ def resolve(
     Args:
         base: A config as a mapping (a resumed run's ``config.json``); default: the defaults.
         preset_name: A preset of :data:`PRESETS`, for the algorithm the later layers (or ``base``) name.
+            ``paper`` on a GPU also chooses the engine when no layer (nor ``base``) names one: ``vllm``
+            if vLLM is installed, else ``hf`` with a warning on stderr of what that costs.
         file: A YAML or JSON config file.
         values: Top-level values (the command line's flags).
         assignments: ``KEY=VALUE`` strings (``--set``), see :func:`parse_overrides`.
@@ -514,7 +519,29 @@ def resolve(
         merged = merge(merged, preset(preset_name, algo))
     for layer in layers:
         merged = merge(merged, layer)
+    if preset_name == "paper" and not any("engine" in layer for layer in (*layers, base or {})):
+        merged["engine"] = _paper_engine(merged.get("device"))
     return TrainConfig.from_dict(merged)
+
+
+# What `--preset paper` on a GPU without vLLM prints. ~10x is issue 37's estimate from its H200 run, where
+# HFEngine decoded 61 tokens/s for one request and 410 for 16 (SmolLM2-135M's shape, bfloat16; vLLM was not there).
+_PAPER_WITHOUT_VLLM = "warning: HFEngine generates ~10x slower than vLLM on a GPU; install vllm for --preset paper"
+
+
+def _paper_engine(device: str | None) -> str:
+    """The engine of ``--preset paper`` when no layer names one: vLLM on a GPU where it is installed, else HFEngine
+    (on a GPU with a warning on stderr of what that costs)."""
+    if device is not None and not str(device).startswith("cuda"):
+        return "hf"
+    import torch  # only here: the parser of `agents train` reads this module and must not load torch
+
+    if not torch.cuda.is_available():
+        return "hf"
+    if importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    print(_PAPER_WITHOUT_VLLM, file=sys.stderr)
+    return "hf"
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
