@@ -9,7 +9,8 @@ run fits; a run on a GPU warns at start when it does not. The estimate counts, p
 - the activations of the largest micro-batch kept for the backward pass: per token and decoder
   layer the tensors a Llama-style layer saves (norm inputs in the weights' dtype; norm outputs,
   q/k/v, the attention output and the MLP's four intermediates in the compute dtype); with
-  gradient checkpointing only each layer's input plus one layer's tensors while it is recomputed;
+  gradient checkpointing only each recomputed layer's input plus one layer's tensors while it is
+  recomputed (``checkpoint_layers``: the fraction of layers recomputed; the others keep theirs);
 - the scoring of action tokens: ``score_chunk`` positions of float32 logits, five
   (logits, logits / T, softmax, its product with the logits, their gradients), or the whole
   micro-batch's without chunking;
@@ -27,6 +28,7 @@ free is called tight.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,10 +182,10 @@ def memory_plan(
     tokens = max(tokens, max_tokens)  # a path longer than the budget goes alone
     qkv = s.head_dim * (2 * s.heads + 2 * s.kv_heads)
     per_token_layer = 8.0 * s.hidden + compute * (2 * s.hidden + qkv + 4 * s.intermediate)
-    if trainer.gradient_checkpointing:
-        activations = tokens * (s.layers * 4.0 * s.hidden + per_token_layer)
-    else:
-        activations = tokens * s.layers * per_token_layer
+    # Checkpointed layers keep their float32 input; the others all their tensors; one is recomputed at a time.
+    recomputed = math.ceil(trainer.checkpoint_layers * s.layers) if trainer.gradient_checkpointing else 0
+    kept = s.layers - recomputed
+    activations = tokens * (recomputed * 4.0 * s.hidden + kept * per_token_layer + (recomputed > 0) * per_token_layer)
     parts["activations (largest micro-batch)"] = activations
     scored = trainer.score_chunk or tokens
     # float32 [positions, vocab] tensors alive at once: the logits, logits / T, the entropy's softmax and

@@ -30,6 +30,7 @@ How a pass runs:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -112,7 +113,7 @@ class PolicyForward:
 
     Args:
         config: ``packing``, ``micro_batch_size``, ``micro_batch_tokens``, ``score_chunk``,
-            ``temperature`` and ``gradient_checkpointing`` are read.
+            ``temperature``, ``gradient_checkpointing`` and ``checkpoint_layers`` are read.
         device, compute_dtype: where and in what the passes run (autocast below float32).
         rank, world_size: this rank's place in the trainer's group (1 process: 0 of 1).
         attention: the policy's attention heads (:func:`agents.training.tree_attention.attention_shape`),
@@ -140,7 +141,8 @@ class PolicyForward:
         self._cached: PackedPaths | None = None  # the packed row whose attention masks are kept
 
     def enable_checkpointing(self, model: torch.nn.Module) -> None:
-        """Recompute ``model``'s decoder layers in the backward pass of every pass that needs gradients."""
+        """Recompute ``model``'s decoder layers (the first ``checkpoint_layers`` of them) in the
+        backward pass of every pass that needs gradients."""
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ValueError(
                 f"{type(model).__name__} does not support gradient checkpointing; "
@@ -148,7 +150,8 @@ class PolicyForward:
             )
         # Non-reentrant checkpointing: gradients reach LoRA adapters without inputs that require grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
-        self._checkpointed = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        layers: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        self._checkpointed = layers[: math.ceil(self.config.checkpoint_layers * len(layers))]
 
     def _prepare_tree_kernel(self) -> None:
         """Refuse a forced kernel that cannot run here; compile FlexAttention before the first step if it may run."""

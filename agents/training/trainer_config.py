@@ -50,6 +50,12 @@ class TrainerConfig:
     # (transformers' gradient checkpointing): one layer's activations held instead of all of
     # them, for about one more forward pass of compute. The same gradients.
     gradient_checkpointing: bool = False
+    # The fraction of decoder layers recomputed under gradient_checkpointing (the first
+    # ceil(fraction × layers); 1.0: every layer, transformers' own). A layer left out keeps its
+    # activations and is not run twice: where memory allows (agents train --plan counts it),
+    # fewer recomputed layers make the update faster, as torchtitan's selective checkpointing of
+    # every n-th layer does. The same gradients.
+    checkpoint_layers: float = 1.0
     # The trainer scores action tokens only: the output layer runs on their positions, this many
     # at a time, each chunk recomputed in the backward pass, so one chunk's float32 logits exist
     # instead of the micro-batch's [sequences, tokens, vocab] (~20 GB for 4 x 8k tokens of a 150k
@@ -163,6 +169,10 @@ class TrainerConfig:
         self.report_to = check_report_to(self.report_to, "TrainerConfig.report_to")
         if isinstance(self.packing, bool):  # configs written when packing was on or off
             self.packing = "flat" if self.packing else "padded"
+        if isinstance(self.checkpoint_layers, bool) or not 0 < self.checkpoint_layers <= 1:
+            raise ValueError(
+                f"TrainerConfig.checkpoint_layers must be a fraction in (0, 1], got {self.checkpoint_layers!r}"
+            )
         if self.packing not in ("tree", "flat", "padded"):
             raise ValueError(f"TrainerConfig.packing must be 'tree', 'flat' or 'padded', got {self.packing!r}")
         if self.tree_kernel != "auto" and self.tree_kernel not in KERNELS:

@@ -10,7 +10,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from agents.config import build, resolve
-from agents.memory_plan import GIB, KNOWN_SHAPES, ModelShape, memory_plan, run_plan
+from agents.memory_plan import GIB, KNOWN_SHAPES, ModelShape, memory_plan, model_shape, run_plan
 from agents.training.trainer_config import TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,3 +153,21 @@ def test_the_estimate_is_within_a_quarter_of_the_measured_peak_on_cpu(model, che
         f"{model} checkpointing={checkpointing}: estimated {estimated / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
     )
     assert abs(estimated - measured) <= 0.25 * measured
+
+
+def test_layers_left_out_of_checkpointing_keep_their_activations_in_the_plan():
+    shape = model_shape("smollm2-135m")  # 30 layers
+
+    def activations(**trainer) -> float:
+        config = TrainerConfig(micro_batch_size=1, **trainer)
+        plan = memory_plan(
+            shape, trainer=config, engine="hf", engine_kwargs={}, concurrency=1, max_tokens=1000, on_gpu=False
+        )
+        return plan.parts["activations (largest micro-batch)"]
+
+    none, every = activations(), activations(gradient_checkpointing=True)
+    tenth = activations(gradient_checkpointing=True, checkpoint_layers=0.1)  # 3 layers recomputed, 27 kept
+    per_layer = none / 30  # a layer's tensors for 1,000 tokens
+    assert every == pytest.approx(1000 * 30 * 4 * 576 + per_layer)
+    assert tenth == pytest.approx(1000 * 3 * 4 * 576 + 27 * per_layer + per_layer)
+    assert every < tenth < none

@@ -514,25 +514,31 @@ async def test_token_budget_micro_batches_give_the_same_update_as_sequence_count
 async def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_gradients(lora):
     paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
     grads, calls = [], []
-    for checkpointing in (False, True):
+    # None: no checkpointing; 1.0: every layer recomputed; 0.5: the first of the two layers only.
+    for fraction in (None, 1.0, 0.5):
         extra = {"lora_rank": 4} if lora else {}
-        trainer = Trainer(
-            tiny_model(),
-            config(old_logprobs="sampler", max_grad_norm=1e9, gradient_checkpointing=checkpointing, **extra),
-        )
-        mlp = trainer.base_model.model.layers[0].mlp  # (module hooks do not fire on the replay; a wrapped forward does)
-        count, forward = [], mlp.forward
-        mlp.forward = lambda *args, forward=forward, count=count, **kwargs: (count.append(1), forward(*args, **kwargs))[
-            1
-        ]
+        checkpointing = {"gradient_checkpointing": fraction is not None, "checkpoint_layers": fraction or 1.0}
+        trainer = Trainer(tiny_model(), config(old_logprobs="sampler", max_grad_norm=1e9, **checkpointing, **extra))
+        counts = []
+        for layer in trainer.base_model.model.layers:  # module hooks do not fire on the replay; a wrapped forward does
+            mlp, count = layer.mlp, []
+            mlp.forward = lambda *args, forward=mlp.forward, count=count, **kwargs: (
+                count.append(1),
+                forward(*args, **kwargs),
+            )[1]
+            counts.append(count)
         await trainer.step(paths)
         grads.append(gradients(trainer))
-        calls.append(len(count))
+        calls.append([len(count) for count in counts])
         assert not any(m.training for m in trainer.model.modules())  # eval mode again after the update
-    assert calls == [1, 2]  # one micro-batch: a forward pass, plus its recomputation in the backward pass
-    assert grads[0].keys() == grads[1].keys() and grads[0]
+    # One micro-batch: a forward pass of each layer, plus the recomputation of the checkpointed ones.
+    assert calls == [[1, 1], [2, 2], [2, 1]]
+    assert grads[0].keys() == grads[1].keys() == grads[2].keys() and grads[0]
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=0)
+        torch.testing.assert_close(grads[2][name], grad, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"checkpoint_layers must be a fraction in \(0, 1\], got 0"):
+        config(checkpoint_layers=0)
 
 
 @pytest.mark.parametrize("packing", ["padded", "flat", "tree"])
