@@ -414,6 +414,8 @@ _TRAIN_FLAGS = (
     "checkpoint_every",
     "keep_checkpoints",
     "max_staleness",
+    "dynamic_sampling",
+    "max_sampled_prompts",
 )
 # The names of agents.learners.LEARNERS, written out because importing that module loads torch, which
 # `agents train --help` must not wait for. --algo takes any name of LEARNERS (agents.config.build checks
@@ -491,6 +493,19 @@ def _add_train_schedule(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--steps", type=int, help=f"rollout batches to train on ({default('steps')})")
     p.add_argument("--prompts-per-step", type=int, help=f"prompts per rollout batch ({default('prompts_per_step')})")
+    p.add_argument(
+        "--dynamic-sampling",
+        action="store_const",
+        const=True,
+        help="replace each prompt whose leaves all score the same (advantage 0) by the next task, until the "
+        "step has --prompts-per-step with signal (DAPO; default off)",
+    )
+    p.add_argument(
+        "--max-sampled-prompts",
+        type=int,
+        metavar="N",
+        help="the most prompts a step rolls out under --dynamic-sampling (default 3 × --prompts-per-step)",
+    )
     p.add_argument("--seed", type=int, help=f"seed of the task order and the rollouts (default {TrainConfig.seed})")
     p.add_argument("--holdout", type=int, help=f"the env's first N tasks are never trained on ({default('holdout')})")
     p.add_argument(

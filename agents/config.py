@@ -157,6 +157,15 @@ class TrainConfig:
             sooner. Off: the update starts when the whole step is back. Not used at η = 0 (the
             synchronous run stays bit for bit), nor with more updates a step (each one after the
             first would need every tree's π_old under the step's weights first).
+        dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025, §3.2; verl's
+            ``algorithm.filter_groups``): a prompt whose leaves all get the same reward, whose every
+            advantage is therefore 0, is dropped and replaced by the next task, until the step holds
+            ``prompts_per_step`` prompts with signal or ``max_sampled_prompts`` have been rolled out
+            (:func:`agents.steps.sample_with_signal`; ``sampling/*`` in the metrics count the cost).
+            Off by default, as in the papers of every learner here; it needs ``max_staleness`` 0.
+        max_sampled_prompts: The most prompts one step rolls out under ``dynamic_sampling``; ``None``:
+            3 × ``prompts_per_step``, the over-sampling of verl's DAPO recipe (``gen_prompt_bsz`` =
+            3 × ``train_prompt_bsz``).
         strategy, credit, loss, trainer, sampling, rollout, env_kwargs, engine_kwargs, cluster:
             hyper-parameter overrides (see the module docstring).
     """
@@ -180,6 +189,8 @@ class TrainConfig:
     budget_reward: float | None = None
     max_staleness: int = 0
     stream_update: bool = True
+    dynamic_sampling: bool = False
+    max_sampled_prompts: int | None = None
     strategy: dict[str, Any] = field(default_factory=dict)
     credit: dict[str, Any] = field(default_factory=dict)
     loss: dict[str, Any] = field(default_factory=dict)
@@ -208,9 +219,10 @@ class TrainConfig:
                 f"keep_checkpoints must be an int >= 1 (the newest checkpoint always stays), or None to keep "
                 f"every checkpoint; got {keep!r}"
             )
-        for name in ("eval_before", "stream_update"):
+        for name in ("eval_before", "stream_update", "dynamic_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        self._check_dynamic_sampling()
         if self.budget_reward is not None and not isinstance(self.budget_reward, (int, float)):
             raise ValueError(f"budget_reward must be a number or None, got {self.budget_reward!r}")
         if self.eval_questions > self.holdout:
@@ -230,6 +242,25 @@ class TrainConfig:
                     "device is top-level, seeds follow 'seed', the trainer's temperature is "
                     "sampling.temperature)"
                 )
+
+    def _check_dynamic_sampling(self) -> None:
+        most = self.max_sampled_prompts
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.prompts_per_step):
+            raise ValueError(
+                f"max_sampled_prompts must be an int >= prompts_per_step ({self.prompts_per_step}): a step rolls out "
+                f"at least its own prompts; got {most!r} (None: 3 × prompts_per_step)"
+            )
+        if self.dynamic_sampling and self.max_staleness:
+            raise ValueError(
+                f"dynamic_sampling replaces a step's prompts after its rollout, but max_staleness="
+                f"{self.max_staleness} has later steps take their tasks before that; set max_staleness=0 "
+                "or dynamic_sampling=false"
+            )
+
+    @property
+    def sampled_prompts(self) -> int:
+        """The most prompts a step rolls out under ``dynamic_sampling`` (``max_sampled_prompts`` or its default)."""
+        return self.max_sampled_prompts if self.max_sampled_prompts is not None else 3 * self.prompts_per_step
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -35,12 +36,40 @@ if TYPE_CHECKING:
     from agents.train import TaskOrder
     from agents.training.trainer import Trainer
 
-__all__ = ["PipelinedSteps", "SynchronousSteps", "rollout_seed", "rollout_step", "streamed_update"]
+__all__ = [
+    "PipelinedSteps",
+    "Refill",
+    "SynchronousSteps",
+    "has_signal",
+    "rollout_seed",
+    "rollout_step",
+    "round_seed",
+    "sample_with_signal",
+    "streamed_update",
+]
+
+#: A step's rounds of rollouts: ``roll(tasks, round)`` gives the trees of ``tasks`` under round ``round``'s seed.
+Roll = Callable[[list[int], int], Awaitable[list[PromptTrees]]]
 
 
 def rollout_seed(seed: int, step: int) -> int:
     """The rollout seed of ``step`` (1-based) in a run seeded with ``seed``."""
     return int(np.random.SeedSequence(seed, spawn_key=(step,)).generate_state(1)[0])
+
+
+def round_seed(seed: int, round: int) -> int:
+    """The seed of a step's dynamic-sampling round ``round`` (:func:`sample_with_signal`) under the step's
+    rollout ``seed``: ``seed`` itself for the first, a fresh one for each later round's new prompts."""
+    return seed if round == 0 else int(np.random.SeedSequence(seed, spawn_key=(round,)).generate_state(1)[0])
+
+
+@dataclass(frozen=True)
+class Refill:
+    """Dynamic sampling's side of a step (``TrainConfig.dynamic_sampling``): ``take(n)`` gives the next
+    ``n`` tasks of the run's order; at most ``most`` prompts are rolled out for the step."""
+
+    take: Callable[[int], list[int]]
+    most: int
 
 
 async def rollout_step(
@@ -50,21 +79,88 @@ async def rollout_step(
     seed: int,
     budget_reward: float | None,
     on_branches: Callable[[int], None],
+    refill: Refill | None = None,
 ) -> tuple[list[TrainingPath], dict[str, float]]:
     """Steps 2-3 of :mod:`agents.train`: the trees of ``tasks`` (``on_branches`` counts the ended
-    branches, see :func:`~agents.rollout.tree_loop.rollout_trees`), credit, and the rollout's metrics."""
+    branches, see :func:`~agents.rollout.tree_loop.rollout_trees`), with ``refill`` those without
+    signal replaced (:func:`sample_with_signal`), credit, and the rollout's metrics."""
+
+    async def roll(batch: list[int], round: int) -> list[PromptTrees]:
+        return await rollout.rollout(batch, round_seed(seed, round), on_branches)
+
     start = time.perf_counter()
-    prompts = await rollout.rollout(tasks, seed, on_branches)
+    prompts, sampling = await _sample(roll, list(tasks), refill, budget_reward)
     seconds = time.perf_counter() - start
     paths = _credit(parts, prompts, budget_reward)
-    return paths, _rollout_record(rollout, tasks, prompts, seconds, len(paths))
+    metrics = _rollout_record(rollout, tasks, prompts, seconds, len(paths))
+    return paths, {**metrics, **sampling}
+
+
+async def _sample(
+    roll: Roll, tasks: list[int], refill: Refill | None, budget_reward: float | None
+) -> tuple[list[PromptTrees], dict[str, float]]:
+    """The step's prompts: those of ``tasks``, or with ``refill`` the dynamic sampling's; and ``sampling/*``."""
+    if refill is None:
+        prompts = await roll(tasks, 0)
+        return prompts, {"sampling/prompts": float(len(prompts)), "sampling/tokens": float(_tokens(prompts))}
+    return await sample_with_signal(roll, tasks, refill.take, most=refill.most, budget_reward=budget_reward)
+
+
+def _tokens(prompts: list[PromptTrees]) -> int:
+    return sum(prompt.tokens for prompt in prompts)
+
+
+def has_signal(prompt: PromptTrees) -> bool:
+    """Whether the rewards of ``prompt``'s leaves differ: a prompt whose leaves all score the same gets
+    advantage 0 on every path from every learner's credit (docs/algorithms.md eq. 81)."""
+    return len({leaf.reward for leaf in prompt.leaves}) > 1
+
+
+async def sample_with_signal(
+    roll: Roll, tasks: list[int], take: Callable[[int], list[int]], *, most: int, budget_reward: float | None
+) -> tuple[list[PromptTrees], dict[str, float]]:
+    """DAPO's dynamic sampling (Yu et al. 2025, §3.2): the trees of ``tasks``, each prompt without
+    signal (:func:`has_signal`) dropped and replaced by further tasks from ``take(n)`` until
+    ``len(tasks)`` prompts have signal or ``most`` prompts have been rolled out.
+
+    A round rolls out as many new tasks as the step lacks, scaled by the share of this step's prompts
+    that had signal so far (all at once: on one engine a batch of prompts costs little more than one).
+    Prompts with signal beyond ``len(tasks)`` are dropped too, so every step trains on the same number
+    of prompts. When none has signal after ``most``, the step keeps its first ``len(tasks)`` prompts
+    (its loss is 0; the step's log line says so). The metrics count what it cost, in ``sampling/*``.
+    """
+    want = len(tasks)
+    sampled = _score_budget_cut(await roll(tasks, 0), budget_reward)
+    rounds = 1
+    while (missing := want - sum(map(has_signal, sampled))) > 0 and len(sampled) < most:
+        with_signal = sum(map(has_signal, sampled))
+        more = min(most - len(sampled), math.ceil(missing * len(sampled) / max(with_signal, 1)))  # eq. 82
+        sampled += _score_budget_cut(await roll(take(more), rounds), budget_reward)
+        rounds += 1
+    kept = [prompt for prompt in sampled if has_signal(prompt)][:want] or sampled[:want]
+    dropped = [prompt for prompt in sampled if not any(prompt is k for k in kept)]
+    return kept, {
+        "sampling/rounds": float(rounds),
+        "sampling/prompts": float(len(sampled)),
+        "sampling/prompts_kept": float(len(kept)),
+        "sampling/prompts_dropped": float(len(dropped)),
+        "sampling/signal_frac": sum(map(has_signal, sampled)) / len(sampled),
+        "sampling/tokens": float(_tokens(sampled)),
+        "sampling/tokens_dropped": float(_tokens(dropped)),
+    }
+
+
+def _score_budget_cut(prompts: list[PromptTrees], budget_reward: float | None) -> list[PromptTrees]:
+    """``prompts`` with the reward of each leaf that the token budget cut set to ``budget_reward`` (if not None)."""
+    if budget_reward is not None:
+        for leaf in _budget_cut(prompts):  # no answer: what the environment's reward gives an unanswered episode
+            leaf.reward = float(budget_reward)
+    return prompts
 
 
 def _credit(parts: RunParts, prompts: list[PromptTrees], budget_reward: float | None) -> list[TrainingPath]:
     """Step 3: the training paths of the finished trees of ``prompts``, each prompt's credit on its own trees."""
-    if budget_reward is not None:
-        for leaf in _budget_cut(prompts):  # no answer: what the environment's reward gives an unanswered episode
-            leaf.reward = float(budget_reward)
+    _score_budget_cut(prompts, budget_reward)
     paths: list[TrainingPath] = []
     for prompt in prompts:
         if prompt.leaves:
@@ -115,9 +211,16 @@ class SynchronousSteps:
         config = self.config
         tasks = self.order.take(config.prompts_per_step)
         total = None if self.planned is None else self.planned * len(tasks)
+        refill = Refill(self.order.take, config.sampled_prompts) if config.dynamic_sampling else None
         with progress_bar(f"rollout step {step}", total, unit="leaves", leave=False, show=self.progress) as bar:
             paths, metrics = await rollout_step(
-                self.rollout, self.parts, tasks, rollout_seed(config.seed, step), config.budget_reward, bar.update
+                self.rollout,
+                self.parts,
+                tasks,
+                rollout_seed(config.seed, step),
+                config.budget_reward,
+                bar.update,
+                refill,
             )
         return paths, metrics, self.order.position()
 
@@ -161,7 +264,7 @@ class PipelinedSteps:
         self.config, self.parts, self.pool, self.order, self.ahead = config, parts, rollout, order, ahead
         self.progress, self.planned = progress, planned_branches(parts.learner.strategy, parts.tree)
         self.accumulate = accumulate
-        self.running: dict[int, asyncio.Future[tuple[list[int], list[PromptTrees], float]]] = {}
+        self.running: dict[int, asyncio.Future[_Rolled]] = {}
         self.arrivals: dict[int, asyncio.Queue[PromptTrees]] = {}  # each running step's trees back so far
         self.leaves: dict[int, int] = {}  # each running step's leaves back so far
         self.bars: dict[int, Any] = {}  # the progress bar of the step the trainer waits for
@@ -184,7 +287,7 @@ class PipelinedSteps:
             self.running[step] = asyncio.ensure_future(self._roll(step, tasks))
             self.next_step += 1
 
-    async def _roll(self, step: int, tasks: list[int]) -> tuple[list[int], list[PromptTrees], float]:
+    async def _roll(self, step: int, tasks: list[int]) -> _Rolled:
         def back(leaves: int) -> None:
             self.leaves[step] += leaves
             if step in self.bars:
@@ -193,12 +296,20 @@ class PipelinedSteps:
         def arrived(_: int, prompt: PromptTrees) -> None:
             self.arrivals[step].put_nowait(prompt)
 
-        start = time.perf_counter()
         on_prompt = arrived if self.accumulate is not None else None
-        prompts = await self.pool.rollout(
-            tasks, rollout_seed(self.config.seed, step), back, priority=step, on_prompt=on_prompt
-        )
-        return tasks, prompts, time.perf_counter() - start
+        seed = rollout_seed(self.config.seed, step)
+
+        async def roll(batch: list[int], round: int) -> list[PromptTrees]:
+            return await self.pool.rollout(batch, round_seed(seed, round), back, priority=step, on_prompt=on_prompt)
+
+        start = time.perf_counter()
+        # At η = 0 (dynamic sampling needs it) no later step has taken tasks yet, so the replacements are
+        # the order's next tasks, as in a synchronous run.
+        refill = Refill(self.order.take, self.config.sampled_prompts) if self.config.dynamic_sampling else None
+        prompts, sampling = await _sample(roll, tasks, refill, self.config.budget_reward)
+        if refill is not None:
+            self.positions[step] = self.order.position()
+        return _Rolled(tasks, prompts, time.perf_counter() - start, sampling)
 
     async def batch(self, step: int) -> tuple[list[TrainingPath], dict[str, float], dict[str, int]]:
         """Step ``step``'s paths and metrics (the trainer holds step ``step − 1``'s weights, synced).
@@ -217,7 +328,8 @@ class PipelinedSteps:
             f"rollout step {step}", total, unit="leaves", initial=self.leaves[step], leave=False, show=self.progress
         ) as self.bars[step]:
             busy = await self._stream(step, version, taken) if self.accumulate is not None else 0.0
-            tasks, prompts, seconds = await self.running.pop(step)
+            rolled = await self.running.pop(step)
+        tasks, prompts, seconds = rolled.tasks, rolled.prompts, rolled.seconds
         del self.bars[step], self.leaves[step]
         arrivals = self.arrivals.pop(step)
         ready = time.perf_counter()
@@ -234,6 +346,7 @@ class PipelinedSteps:
             )
         metrics = _rollout_record(self.pool, tasks, taken.kept, seconds, taken.count)
         metrics.update(_staleness_metrics(taken.kept, taken.staleness, version, self.ahead))
+        metrics.update(rolled.sampling)
         metrics["async/trees_dropped"] = float(len(prompts) - len(taken.kept))
         if self.accumulate is not None:
             metrics["async/paths_streamed_frac"] = taken.streamed / max(taken.count, 1)
@@ -300,6 +413,16 @@ class PipelinedSteps:
             future.cancel()
         await asyncio.gather(*self.running.values(), return_exceptions=True)
         self.running.clear()
+
+
+@dataclass(frozen=True)
+class _Rolled:
+    """A step's rollout on the pool: its first tasks, the prompts to train on, the seconds it took, ``sampling/*``."""
+
+    tasks: list[int]
+    prompts: list[PromptTrees]
+    seconds: float
+    sampling: dict[str, float]
 
 
 @dataclass

@@ -235,7 +235,7 @@ async def train(
             paths, metrics, position = await batches.batch(step)
             record = await trainer.step(paths, metrics)
             batches.trained(step)
-            log(_step_note(step, config.steps, record))
+            log(_step_note(step, config.steps, record, config.prompts_per_step))
             if step % config.checkpoint_every == 0 or step == config.steps:
                 last_checkpoint = trainer.save_checkpoint(data_position=position, plot_title=title)
                 log(f"step {step}: checkpoint {last_checkpoint}")
@@ -350,7 +350,7 @@ def _step_producer(
     return PipelinedSteps(config, parts, rollout, order, progress, ahead=config.max_staleness, accumulate=accumulate)
 
 
-def _step_note(step: int, steps: int, record: dict[str, float]) -> str:
+def _step_note(step: int, steps: int, record: dict[str, float], prompts_per_step: int) -> str:
     """One line about a finished step: its reward and where its time went."""
     answered = f", format ok {record['reward/format_ok']:.0%}" if "reward/format_ok" in record else ""
     return (
@@ -358,7 +358,28 @@ def _step_note(step: int, steps: int, record: dict[str, float]) -> str:
         f"{record['batch/sequences']:.0f} leaves; {record['tokens/generated']:.0f} tokens sampled; "
         f"{record['time/step_s']:.0f} s (rollout {record['time/rollout_s']:.0f}, old log-probs "
         f"{record['time/old_logprobs_s']:.0f}, update {record['time/update_s']:.0f})"
+        + _signal_note(record, prompts_per_step)
     )
+
+
+def _signal_note(record: dict[str, float], prompts_per_step: int) -> str:
+    """What the step's line says about its learning signal: dynamic sampling's cost, and loudly a step
+    whose prompts all had leaves of one reward (every advantage 0, so the step learned nothing)."""
+    note = ""
+    if "sampling/prompts_kept" in record:
+        note = (
+            f"; dynamic sampling kept {record['sampling/prompts_kept']:.0f} of {record['sampling/prompts']:.0f} "
+            f"prompts ({record['sampling/tokens_dropped']:.0f} tokens sampled for dropped ones)"
+        )
+    signal = record.get("tree/signal_frac")
+    if signal == 0:
+        note += "; NO SIGNAL: every prompt's leaves got the same reward, so every advantage is 0 and nothing was learnt"
+    elif "sampling/prompts_kept" in record and record["sampling/prompts_kept"] < prompts_per_step:
+        note += (
+            f"; only {record['sampling/prompts_kept']:.0f} of the step's {prompts_per_step} prompts have signal "
+            "(max_sampled_prompts reached)"
+        )
+    return note
 
 
 def _warn_if_it_cannot_fit(config: TrainConfig, parts: RunParts, log: Callable[[str], None]) -> None:

@@ -31,15 +31,18 @@ class Letters(agentenv.Env):
     """``turns`` turns; the reward at the end is the fraction of all answered characters that are a-z.
 
     A random byte-level model writes a letter about one time in ten, so rewards differ within a group.
+    With ``signal_every`` k > 0 only the tasks (seeds) divisible by k are scored so; the others pay 0.5
+    whatever is said, so their groups have no signal.
     """
 
-    def __init__(self, turns: int = 1, render_mode=None):
+    def __init__(self, turns: int = 1, signal_every: int = 0, render_mode=None):
         super().__init__(render_mode=render_mode)
-        self.turns = turns
+        self.turns, self.signal_every = turns, signal_every
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
         self.said = []
+        self.flat = bool(self.signal_every) and seed % self.signal_every != 0
         return "Write letters.", {}
 
     def step(self, action):
@@ -47,7 +50,8 @@ class Letters(agentenv.Env):
         text = "".join(self.said)
         done = len(self.said) == self.turns
         letters = sum("a" <= ch <= "z" for ch in text)
-        return "", letters / max(1, len(text)) if done else 0.0, done, False, {}
+        score = 0.5 if self.flat else letters / max(1, len(text))
+        return "", score if done else 0.0, done, False, {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -311,6 +315,46 @@ async def test_budget_reward_scores_the_paths_the_token_budget_ended(tiny_model,
     assert record["rollout/budget_cut_frac"] == 1.0
     assert record["reward/mean"] == record["reward/max"] == -1.0
     assert record["tree/reward_max"] == 0.0  # what the environment itself had paid so far
+
+
+async def test_dynamic_sampling_trains_only_on_prompts_with_signal_and_resumes_exactly(tiny_model, tmp_path):
+    def config(steps: int) -> TrainConfig:
+        # A third of the tasks can score differently; up to 6 prompts a step to find 2 of them.
+        return letters_config(
+            tiny_model,
+            steps=steps,
+            eval_questions=0,
+            dynamic_sampling=True,
+            max_sampled_prompts=6,
+            env_kwargs={"signal_every": 3},
+        )
+
+    notes: list[str] = []
+    straight = await train(config(3), tmp_path / "a", progress=False, log=notes.append)
+    for record in straight.history:
+        assert record["tree/signal_frac"] == 1.0 and record["tree/reward_spread"] > 0
+        assert record["sampling/prompts"] == record["sampling/prompts_kept"] + record["sampling/prompts_dropped"]
+        assert record["sampling/prompts"] > 2 and record["batch/sequences"] == 2 * 6  # 2 prompts × 6 chains
+        assert record["sampling/tokens"] > record["tokens/generated"] == record["tokens/action"]
+        assert record["policy/loss"] != 0.0
+    step_notes = [note for note in notes if note.startswith("step 1/3:")]
+    assert "dynamic sampling kept 2 of" in step_notes[0] and "NO SIGNAL" not in step_notes[0]
+
+    await train(config(2), tmp_path / "b", progress=False, log=lambda note: None)
+    resumed = await train(config(3), tmp_path / "b", resume=True, progress=False, log=lambda note: None)
+    for name in ("sampling/prompts", "sampling/tokens", "reward/mean", "policy/loss", "optim/grad_norm"):
+        assert resumed.history[-1][name] == straight.history[-1][name], name
+    weights_a = load_file(tmp_path / "a" / "checkpoints" / "step_000003" / "model" / "model.safetensors")
+    weights_b = load_file(tmp_path / "b" / "checkpoints" / "step_000003" / "model" / "model.safetensors")
+    assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
+
+
+async def test_a_step_without_signal_says_so_in_its_line(tiny_model, tmp_path):
+    notes: list[str] = []
+    config = letters_config(tiny_model, steps=1, eval_questions=0, env_kwargs={"signal_every": 10**9})
+    result = await train(config, tmp_path, progress=False, log=notes.append)  # task seeds 4, 5: both flat
+    assert result.history[0]["tree/signal_frac"] == 0.0 and result.history[0]["policy/pg_loss"] == 0.0
+    assert "NO SIGNAL: every prompt's leaves got the same reward" in next(n for n in notes if n.startswith("step 1/1"))
 
 
 # -- run folders: failed starts, lost steps, bounded checkpoints --------------------------------
