@@ -894,6 +894,36 @@ def _run_demonstrations(args: argparse.Namespace) -> int:
 # -- the command --------------------------------------------------------------------------------
 
 
+# -- agents compare -----------------------------------------------------------------------------
+
+
+def _add_compare(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Compare two held-out evaluations of the same questions, saved in run folders, question by question: "
+        "each score before and after, and the mean difference with a paired bootstrap 95%% interval."
+    )
+    p.add_argument(
+        "before", help="RUN (its last held-out evaluation) or RUN@STEP (after STEP steps; 0: before training)"
+    )
+    p.add_argument("after", help="the same, for the evaluation compared with it")
+    p.add_argument("--labels", nargs=2, metavar=("BEFORE", "AFTER"), help="column names (default: the two arguments)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the numbers as JSON")
+    p.set_defaults(run=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from agents.heldout import paired_table, read_evaluation
+
+    before, after = read_evaluation(args.before), read_evaluation(args.after)
+    labels = tuple(args.labels) if args.labels else (args.before, args.after)
+    table, numbers = paired_table(before, after, labels)
+    print(table)
+    if args.json is not None:
+        report = {"before": args.before, "after": args.after, "questions": before.questions, "scores": numbers}
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
 @dataclass(frozen=True)
 class Command:
     """One subcommand of ``agents``.
@@ -916,6 +946,7 @@ COMMANDS: list[Command] = [
     Command("eval", "evaluate a model on environments (EM, F1, pass@k)", _add_eval),
     Command("train", "train a learner (AT2PO, AEPO, GRPO, Tree-GRPO, ARPO) on an environment", _add_train),
     Command("sft", "fine-tune a model on tool-use trajectories or chats (a cold start before RL)", _add_sft),
+    Command("compare", "compare two held-out evaluations question by question (paired intervals)", _add_compare),
     Command(
         "demonstrations",
         "write worked episodes of an environment's training tasks, for agents sft",

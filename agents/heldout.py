@@ -11,18 +11,26 @@ from noise.
 Results go to ``heldout/metrics.jsonl`` in the run folder (and to the run's reporters:
 TensorBoard under ``heldout/tensorboard/``, the run's W&B run as ``heldout/em``, …), one record per
 evaluation with ``em``, ``em_low``, ``em_high``, … (see :data:`SCORES`), and are drawn into
-``heldout.png``.
+``heldout.png``; each question's scores go to ``heldout/questions.jsonl``, one line per evaluation.
+
+Two evaluations of the same questions (two checkpoints, before and after a stage) are compared
+question by question: :func:`paired_difference` is the mean of the differences with a bootstrap
+95% interval, far narrower than two independent intervals when the questions' difficulty varies
+more than the change (``agents compare RUN_A RUN_B`` prints it for every score).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from agents.engines.base import Engine, SamplingParams
 from agents.evaluation import evaluate, repeated_answers
@@ -39,6 +47,7 @@ if TYPE_CHECKING:
     from agents.config import TrainConfig
 
 __all__ = [
+    "PAIRED_SCORES",
     "SCORES",
     "SCORE_DISPLAY",
     "HeldOut",
@@ -51,6 +60,9 @@ __all__ = [
     "greedy_rollout",
     "heldout_request",
     "interval",
+    "paired_difference",
+    "paired_table",
+    "read_evaluation",
 ]
 
 #: The scores of a held-out evaluation and how they are read from each episode.
@@ -78,6 +90,10 @@ SCORE_DISPLAY: dict[str, Display] = {
 }
 PANELS_PER_ROW = 4  # of heldout.png
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
+#: The scores :func:`paired_table` compares (the others describe where answers came from).
+PAIRED_SCORES = ("f1", "em", "format_ok", "reward", "tool_calls")
+BOOTSTRAP_RESAMPLES = 10_000  # Efron & Tibshirani's order for a 95% interval's end points
+QUESTIONS_FILE = "questions.jsonl"  # in the run folder's heldout/
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,8 @@ class HeldOut:
     questions: int
     scores: dict[str, Score]
     seconds: float
+    per_question: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    tasks: list[int] = dataclasses.field(default_factory=list)
 
     def record(self) -> dict[str, float]:
         """Flat numbers for :class:`~agents.training.metrics.MetricsLog`: ``em``, ``em_low``, ``em_high``, …"""
@@ -200,7 +218,8 @@ async def evaluate_heldout(
         "repeated": [float(r) for r in repeated_answers(questions_asked)],
     }
     scores = {name: interval(values, SCORE_DISPLAY[name].bounds) for name, values in columns.items()}
-    return HeldOut(step, len(samples), scores, report.seconds)
+    tasks = [question.index for question in questions_asked for _ in question.samples]
+    return HeldOut(step, len(samples), scores, report.seconds, columns, tasks)
 
 
 class HeldOutLog:
@@ -232,10 +251,19 @@ class HeldOutLog:
             wandb_project=wandb_project,
         )
         self.results = [HeldOut.from_record(record) for record in self._log.history]
+        self.questions_path = None if self.out_dir is None else self.out_dir / "heldout" / QUESTIONS_FILE
+        if self.questions_path is not None and self.questions_path.is_file():
+            kept = [] if resume_step is None else _read_lines(self.questions_path)
+            kept = [record for record in kept if record["step"] <= (resume_step or 0)]
+            self.questions_path.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
 
     def add(self, result: HeldOut, *, plot_title: str | None = None) -> None:
         """Record an evaluation and redraw the plot (headed ``plot_title``, e.g. the run's name)."""
         self._log.log(result.step, result.record())
+        if self.questions_path is not None and result.per_question:
+            line = {"step": result.step, "tasks": result.tasks, **result.per_question}
+            with self.questions_path.open("a", encoding="utf-8") as file:
+                file.write(json.dumps(line) + "\n")
         self.results.append(result)
         if self.out_dir is not None:
             self.plot(self.out_dir / "heldout.png", title=plot_title)
@@ -346,3 +374,106 @@ def comparison_table(results: Sequence[HeldOut], labels: Sequence[str] | None = 
         unit = " %" if display.bounds == FRACTION else ""
         body.append([display.name + unit, *(cell(result.scores.get(name), display) for result in results)])
     return text_table(head, body)
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def read_evaluation(spec: str | Path) -> HeldOut:
+    """A held-out evaluation saved in a run folder, with each question's scores: ``RUN`` (its last
+    evaluation) or ``RUN@STEP`` (the one after ``STEP`` steps; 0 is before training).
+
+    Raises:
+        FileNotFoundError: the folder has no held-out evaluation with question scores, or none at ``STEP``.
+    """
+    text = str(spec)
+    folder, _, step_text = text.rpartition("@") if "@" in text else (text, "", "")
+    if step_text and not step_text.isdigit():
+        raise ValueError(f"{text!r}: the part after @ must be a step number (RUN@STEP), got {step_text!r}")
+    path = Path(folder) / "heldout" / QUESTIONS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: {folder} holds no held-out evaluation with per-question scores (runs of "
+            "agents train and agents sft write one when --eval-questions > 0)"
+        )
+    lines = _read_lines(path)
+    step = int(step_text) if step_text else lines[-1]["step"]
+    chosen = [line for line in lines if line["step"] == step]
+    if not chosen:
+        raise FileNotFoundError(f"{path} has no evaluation at step {step}; it has steps {[x['step'] for x in lines]}")
+    summary = next(r for r in reversed(_read_lines(Path(folder) / "heldout" / "metrics.jsonl")) if r["step"] == step)
+    line = chosen[-1]
+    per_question = {name: line[name] for name in SCORES if name in line}
+    return dataclasses.replace(HeldOut.from_record(summary), per_question=per_question, tasks=line["tasks"])
+
+
+def paired_difference(
+    before: Sequence[float], after: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> Score:
+    """The mean of ``after[i] − before[i]`` over the questions, with a 95% bootstrap interval (BCa,
+    Efron 1987, by :func:`scipy.stats.bootstrap`, resampling questions; seeded, so it repeats).
+
+    Pairing removes what the two evaluations share, the questions' own difficulty: at 48 questions
+    the independent intervals of the main job's F1 are ±9 points wide, the paired one of a change of
+    a few questions a few points. Differences that are all equal (no question changed) have that
+    difference as their interval.
+    """
+    if len(before) != len(after) or not before:
+        raise ValueError(
+            f"a paired difference needs two equally long, non-empty lists; got {len(before)} and {len(after)}"
+        )
+    differences = [b - a for a, b in zip(before, after)]
+    mean = math.fsum(differences) / len(differences)
+    if max(differences) == min(differences):
+        return Score(mean, mean, mean)
+    from scipy.stats import bootstrap  # imported here: scipy is slow to import and only this needs it
+
+    result = bootstrap(
+        (differences,), statistic=np.mean, n_resamples=resamples, confidence_level=0.95, random_state=seed
+    )
+    low, high = result.confidence_interval
+    return Score(mean, min(mean, float(low)), max(mean, float(high)))
+
+
+def paired_table(
+    before: HeldOut, after: HeldOut, labels: tuple[str, str] = ("before", "after")
+) -> tuple[str, dict[str, Any]]:
+    """Each score of :data:`PAIRED_SCORES` in ``before`` and ``after`` (evaluations of the same questions) and
+    their paired difference (:func:`paired_difference`): the text table and the numbers.
+
+    Raises:
+        ValueError: the two evaluations asked different questions, or one lacks per-question scores.
+    """
+    if not before.per_question or not after.per_question:
+        raise ValueError("both evaluations need per-question scores (heldout/questions.jsonl)")
+    if before.tasks != after.tasks:
+        raise ValueError(
+            f"the evaluations asked different questions ({len(before.tasks)} and {len(after.tasks)}, "
+            f"first {before.tasks[:3]} and {after.tasks[:3]}); compare evaluations of the same held-out set"
+        )
+    head = ["held-out score", labels[0], labels[1], f"{labels[1]} − {labels[0]} [paired 95%]"]
+    body, numbers = [["questions", str(before.questions), str(after.questions), ""]], {}
+    for name in PAIRED_SCORES:
+        if name not in before.per_question or name not in after.per_question:
+            continue
+        display = SCORE_DISPLAY[name]
+        scale, unit = (100.0, " %") if display.bounds == FRACTION else (1.0, "")
+        a, b = before.per_question[name], after.per_question[name]
+        diff = paired_difference(a, b)
+        numbers[name] = {
+            labels[0]: statistics.fmean(a),
+            labels[1]: statistics.fmean(b),
+            "difference": diff.mean,
+            "difference_low": diff.low,
+            "difference_high": diff.high,
+        }
+        body.append(
+            [
+                display.name + unit,
+                f"{scale * statistics.fmean(a):.1f}" if scale > 1 else f"{statistics.fmean(a):.2f}",
+                f"{scale * statistics.fmean(b):.1f}" if scale > 1 else f"{statistics.fmean(b):.2f}",
+                f"{scale * diff.mean:+.1f} [{scale * diff.low:+.1f}, {scale * diff.high:+.1f}]",
+            ]
+        )
+    return text_table(head, body), numbers

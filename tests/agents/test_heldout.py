@@ -1,5 +1,6 @@
 """Held-out scores: 95% intervals inside each score's range, and their plots read on the Axes."""
 
+import json
 import math
 import statistics
 import warnings
@@ -8,7 +9,18 @@ from pathlib import Path
 import pytest
 from matplotlib.container import ErrorbarContainer
 
-from agents.heldout import SCORE_DISPLAY, Z_95, HeldOut, HeldOutLog, Score, interval
+from agents.cli import main
+from agents.heldout import (
+    SCORE_DISPLAY,
+    Z_95,
+    HeldOut,
+    HeldOutLog,
+    Score,
+    interval,
+    paired_difference,
+    paired_table,
+    read_evaluation,
+)
 
 TITLE = "at2po · multihop-qa · smollm2-135m (runs/demo)"
 
@@ -169,3 +181,72 @@ def test_the_learning_benchmark_plot_follows_the_same_rules(tmp_path):
             [after.scores[name].mean],
         ]
     assert format_ok.get_ylim() == pytest.approx((-0.05, 1.05))
+
+
+# -- paired comparison of two evaluations of the same questions -----------------------------------
+
+
+def evaluation(step: int, f1: list[float], tasks: list[int] | None = None) -> HeldOut:
+    """An evaluation of ``len(f1)`` questions with those F1 scores and EM 1 where F1 is 1."""
+    em = [float(value == 1.0) for value in f1]
+    columns = {"f1": f1, "em": em}
+    scores = {name: interval(values, SCORE_DISPLAY[name].bounds) for name, values in columns.items()}
+    return HeldOut(step, len(f1), scores, 1.0, columns, tasks if tasks is not None else list(range(len(f1))))
+
+
+def test_a_paired_interval_sees_a_small_consistent_gain_that_independent_ones_cannot():
+    # 40 questions of very different difficulty; the second checkpoint gains 0.05 on each of 20 of them.
+    before = [(i % 10) / 10 for i in range(40)]
+    after = [value + (0.05 if i % 2 else 0.0) for i, value in enumerate(before)]
+    diff = paired_difference(before, after)
+    assert diff.mean == pytest.approx(0.025) and 0 < diff.low < 0.025 < diff.high < 0.05
+    a, b = interval(before, (0, 1)), interval(after, (0, 1))
+    assert a.high > b.low  # independently, the two intervals overlap
+    assert paired_difference(before, after) == diff  # seeded: it repeats
+
+
+def test_a_paired_difference_of_unchanged_questions_is_exactly_zero():
+    assert paired_difference([0.0, 1.0, 0.5], [0.0, 1.0, 0.5]) == Score(0.0, 0.0, 0.0)
+    assert paired_difference([0.0, 0.0], [1.0, 1.0]) == Score(1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="two equally long, non-empty lists; got 2 and 1"):
+        paired_difference([0.0, 1.0], [1.0])
+
+
+def test_evaluations_saved_in_run_folders_are_read_back_and_compared(tmp_path, capsys):
+    sft, rl = tmp_path / "sft", tmp_path / "rl"
+    first = HeldOutLog(sft, report_to="none")
+    first.add(evaluation(0, [0.0, 0.0, 0.0, 0.0]))
+    first.add(evaluation(40, [0.0, 1.0, 0.5, 0.0]))
+    first.close()
+    second = HeldOutLog(rl, report_to="none")
+    second.add(evaluation(3, [1.0, 1.0, 0.5, 0.5]))
+    second.close()
+    assert read_evaluation(sft).per_question["f1"] == [0.0, 1.0, 0.5, 0.0]
+    assert read_evaluation(f"{sft}@0").step == 0 and read_evaluation(rl).tasks == [0, 1, 2, 3]
+
+    assert main(["compare", str(sft), str(rl), "--labels", "sft", "rl", "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "rl − sft [paired 95%]" in out
+    numbers = json.loads((tmp_path / "c.json").read_text())["scores"]
+    assert numbers["f1"]["sft"] == 0.375 and numbers["f1"]["rl"] == 0.75 and numbers["f1"]["difference"] == 0.375
+    assert numbers["em"]["difference"] == 0.25
+
+    with pytest.raises(FileNotFoundError, match="has no evaluation at step 7; it has steps \\[0, 40\\]"):
+        read_evaluation(f"{sft}@7")
+    with pytest.raises(FileNotFoundError, match="holds no held-out evaluation with per-question scores"):
+        read_evaluation(tmp_path / "nothing")
+    other = HeldOutLog(tmp_path / "other", report_to="none")
+    other.add(evaluation(1, [1.0, 1.0, 0.5, 0.5], tasks=[4, 5, 6, 7]))
+    other.close()
+    with pytest.raises(ValueError, match="asked different questions"):
+        paired_table(read_evaluation(sft), read_evaluation(tmp_path / "other"))
+
+
+def test_resuming_a_run_keeps_the_question_scores_of_evaluations_up_to_its_step(tmp_path):
+    log = HeldOutLog(tmp_path, report_to="none")
+    for step in (0, 2, 4):
+        log.add(evaluation(step, [float(step == 4)] * 2))
+    log.close()
+    HeldOutLog(tmp_path, resume_step=2, report_to="none").close()
+    assert read_evaluation(tmp_path).step == 2
+    assert [json.loads(line)["step"] for line in (tmp_path / "heldout" / "questions.jsonl").open()] == [0, 2]
