@@ -416,6 +416,7 @@ _TRAIN_FLAGS = (
     "max_staleness",
     "dynamic_sampling",
     "max_sampled_prompts",
+    "max_rollout_tokens",
 )
 # The names of agents.learners.LEARNERS, written out because importing that module loads torch, which
 # `agents train --help` must not wait for. --algo takes any name of LEARNERS (agents.config.build checks
@@ -505,6 +506,13 @@ def _add_train_schedule(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="the most prompts a step rolls out under --dynamic-sampling (default 3 × --prompts-per-step)",
+    )
+    p.add_argument(
+        "--max-rollout-tokens",
+        type=int,
+        metavar="N",
+        help="end the run after the step at which the tokens sampled so far reach N, or after --steps, whichever "
+        "is first (a rollout budget: learners compared at equal tokens; default: --steps only)",
     )
     p.add_argument("--seed", type=int, help=f"seed of the task order and the rollouts (default {TrainConfig.seed})")
     p.add_argument("--holdout", type=int, help=f"the env's first N tasks are never trained on ({default('holdout')})")

@@ -91,6 +91,7 @@ SECTIONS = (
 RESUMABLE = frozenset(
     {
         "steps",
+        "max_rollout_tokens",
         "eval_every",
         "eval_before",
         "eval_questions",
@@ -166,6 +167,10 @@ class TrainConfig:
         max_sampled_prompts: The most prompts one step rolls out under ``dynamic_sampling``; ``None``:
             3 × ``prompts_per_step``, the over-sampling of verl's DAPO recipe (``gen_prompt_bsz`` =
             3 × ``train_prompt_bsz``).
+        max_rollout_tokens: End the run after the step whose rollouts bring the tokens sampled
+            so far (``sampling/tokens``: every prompt rolled out, dropped ones included) to this
+            many, or after ``steps`` steps, whichever comes first; ``None``: ``steps`` steps. Runs of
+            different learners compared at one rollout budget (``benchmarks.learning``) set it.
         strategy, credit, loss, trainer, sampling, rollout, env_kwargs, engine_kwargs, cluster:
             hyper-parameter overrides (see the module docstring).
     """
@@ -191,6 +196,7 @@ class TrainConfig:
     stream_update: bool = True
     dynamic_sampling: bool = False
     max_sampled_prompts: int | None = None
+    max_rollout_tokens: int | None = None
     strategy: dict[str, Any] = field(default_factory=dict)
     credit: dict[str, Any] = field(default_factory=dict)
     loss: dict[str, Any] = field(default_factory=dict)
@@ -244,6 +250,8 @@ class TrainConfig:
                 )
 
     def _check_dynamic_sampling(self) -> None:
+        if self.max_rollout_tokens is not None:
+            _require_int("max_rollout_tokens", self.max_rollout_tokens, minimum=1)
         most = self.max_sampled_prompts
         if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.prompts_per_step):
             raise ValueError(

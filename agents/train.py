@@ -231,23 +231,57 @@ async def train(
         last_checkpoint = checkpoint
         batches = _step_producer(config, parts, rollout, order, progress, trainer)
         cleanup.push_async_callback(batches.close)
+        spent = RolloutTokens(config.max_rollout_tokens, out, trainer.step_count)
         for step in range(trainer.step_count + 1, config.steps + 1):
             paths, metrics, position = await batches.batch(step)
             record = await trainer.step(paths, metrics)
             batches.trained(step)
             log(_step_note(step, config.steps, record, config.prompts_per_step))
-            if step % config.checkpoint_every == 0 or step == config.steps:
-                last_checkpoint = trainer.save_checkpoint(data_position=position, plot_title=title)
-                log(f"step {step}: checkpoint {last_checkpoint}")
-                if config.keep_checkpoints is not None:
-                    for old in prune_checkpoints(last_checkpoint.parent, config.keep_checkpoints):
-                        log(f"step {step}: removed checkpoint {old} (keep_checkpoints={config.keep_checkpoints})")
-            if step == config.steps or (config.eval_every and step % config.eval_every == 0):
+            last = spent.add(record) or step == config.steps
+            if last and step < config.steps:
+                log(f"step {step}: {spent.tokens} rollout tokens reach max_rollout_tokens={spent.budget}; the run ends")
+            if step % config.checkpoint_every == 0 or last:
+                last_checkpoint = _checkpoint(trainer, config, step, position, title, log)
+            if last or (config.eval_every and step % config.eval_every == 0):
                 await evaluation.run(step=step)
+            if last:
+                break
         history = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
         return TrainResult(out, effective, trainer.step_count, last_checkpoint, history, list(heldout.results))
     finally:
         await cleanup.aclose()
+
+
+def _checkpoint(
+    trainer: Trainer | TrainerGroup,
+    config: TrainConfig,
+    step: int,
+    position: dict[str, int],
+    title: str,
+    log: Callable[[str], None],
+) -> Path:
+    """Step 5: save a checkpoint after ``step`` and remove those past ``keep_checkpoints``; the new one's folder."""
+    checkpoint = trainer.save_checkpoint(data_position=position, plot_title=title)
+    log(f"step {step}: checkpoint {checkpoint}")
+    if config.keep_checkpoints is not None:
+        for old in prune_checkpoints(checkpoint.parent, config.keep_checkpoints):
+            log(f"step {step}: removed checkpoint {old} (keep_checkpoints={config.keep_checkpoints})")
+    return checkpoint
+
+
+class RolloutTokens:
+    """The tokens a run has sampled (``sampling/tokens`` of its steps, those before a resume read back
+    from ``metrics.jsonl``) against its ``max_rollout_tokens``."""
+
+    def __init__(self, budget: int | None, out: Path, resumed_at: int) -> None:
+        self.budget = budget
+        earlier = read_jsonl(out / "metrics.jsonl") if resumed_at and (out / "metrics.jsonl").is_file() else []
+        self.tokens = int(sum(record.get("sampling/tokens", 0.0) for record in earlier if record["step"] <= resumed_at))
+
+    def add(self, record: dict[str, float]) -> bool:
+        """Count a step's tokens; whether the budget is reached."""
+        self.tokens += int(record.get("sampling/tokens", 0.0))
+        return self.budget is not None and self.tokens >= self.budget
 
 
 def plot_title(algo: str, config: TrainConfig, out_dir: str | Path) -> str:

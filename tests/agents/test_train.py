@@ -349,6 +349,26 @@ async def test_dynamic_sampling_trains_only_on_prompts_with_signal_and_resumes_e
     assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
 
 
+async def test_a_rollout_token_budget_ends_the_run_after_the_step_that_reaches_it(tiny_model, tmp_path):
+    # 2 prompts × 6 chains of at most 6 tokens: at most 72 tokens a step, so 100 is reached in step 2.
+    notes: list[str] = []
+    config = letters_config(tiny_model, steps=5, eval_questions=2, checkpoint_every=10, max_rollout_tokens=100)
+    result = await train(config, tmp_path / "a", progress=False, log=notes.append)
+    tokens = [record["sampling/tokens"] for record in result.history]
+    assert result.steps == len(tokens) == 2 and tokens[0] < 100 <= sum(tokens)
+    assert [held.step for held in result.heldout] == [0, 2] and result.checkpoint.name == "step_000002"
+    assert f"step 2: {int(sum(tokens))} rollout tokens reach max_rollout_tokens=100; the run ends" in notes
+    # Resumed with a larger budget, it counts the tokens sampled before the checkpoint.
+    resumed = await train(
+        dataclasses.replace(config, max_rollout_tokens=int(sum(tokens)) + 1),
+        tmp_path / "a",
+        resume=True,
+        progress=False,
+        log=lambda note: None,
+    )
+    assert resumed.steps == 3
+
+
 async def test_a_step_without_signal_says_so_in_its_line(tiny_model, tmp_path):
     notes: list[str] = []
     config = letters_config(tiny_model, steps=1, eval_questions=0, env_kwargs={"signal_every": 10**9})
