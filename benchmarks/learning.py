@@ -1,7 +1,8 @@
 """Learning on CPU: AT²PO, AEPO and GRPO at one rollout budget, and the cost of a training step beside TRL.
 
     python -m benchmarks.learning [--json PATH] [--algos at2po,aepo,grpo] [--steps N] [--eval-questions Q]
-                                  [--out DIR] [--trl-steps S | --no-trl] [--model M] [--set KEY=VALUE ...]
+                                  [--rollout-tokens T] [--eval-every E] [--out DIR] [--trl-steps S | --no-trl]
+                                  [--model M] [--set KEY=VALUE ...]
 
 **Learning.** Each learner trains the embedded SmolLM2-135M on ``multihop-qa`` with the
 ``cpu-demo`` preset (2 prompts per step, 6 leaves per prompt for every learner, 2 tool calls, the
@@ -17,6 +18,14 @@ for the mean reward). The table lists every held-out score before and after; the
 format adherence and reward. The claim is the direction and its uncertainty: a 135M model on two CPU cores learns
 the answer format in a few steps or not at all; the papers' EM gains need their budgets (a 4B
 model, 64 prompts × 22 leaves per step, hundreds of steps on GPUs: ``--preset paper``).
+
+**At one rollout budget.** With ``--rollout-tokens T`` every learner trains until its rollouts
+have sampled T tokens (``max_rollout_tokens``: dropped prompts of dynamic sampling included;
+``--steps`` is then only a cap), so a learner whose steps cost more gets fewer of them. With
+``--eval-every E`` each run is also scored after every E steps, and ``OUT/learning.png`` draws
+held-out F1 against the tokens sampled so far. The held-out questions are the same for every
+policy, so the table of differences is paired (:func:`agents.heldout.paired_difference`): each
+learner against the start, and each pair of learners, F1 and EM with bootstrap 95% intervals.
 
 **Throughput.** Seconds per step of each run split into rollout (tree generation with tool
 calls), old-log-prob recomputation (the reference policy's too, for GRPO's KL) and update, and
@@ -36,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -48,11 +58,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agents.config import TrainConfig, build, resolve
-from agents.heldout import SCORE_DISPLAY, HeldOut, comparison_table, draw_scores, evaluate_heldout, greedy_rollout
+from agents.heldout import (
+    SCORE_DISPLAY,
+    HeldOut,
+    comparison_table,
+    draw_scores,
+    evaluate_heldout,
+    greedy_rollout,
+    paired_difference,
+)
 from agents.models import cache_root, resolve_model
 from agents.tables import text_table
 from agents.train import TaskOrder, TrainResult, plot_title, train
-from agents.training.metrics import draw_curve, label_axis, save_figure
+from agents.training.metrics import FRACTION, draw_curve, label_axis, save_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -76,10 +94,18 @@ SPLIT = (("rollout s", "time/rollout_s"), ("old log-probs s", "time/old_logprobs
 
 
 def learning_config(
-    algo: str, steps: int, eval_questions: int, *, model: str | None = None, assignments: Sequence[str] = ()
+    algo: str,
+    steps: int,
+    eval_questions: int,
+    *,
+    model: str | None = None,
+    assignments: Sequence[str] = (),
+    rollout_tokens: int | None = None,
+    eval_every: int = 0,
 ) -> TrainConfig:
-    """The ``cpu-demo`` run of ``algo`` for ``steps`` steps from ``model`` (default: the embedded one),
-    scored once after training; ``assignments`` are ``--set KEY=VALUE`` strings over it."""
+    """The ``cpu-demo`` run of ``algo`` for ``steps`` steps (or until ``rollout_tokens`` tokens are
+    sampled) from ``model`` (default: the embedded one), scored after training and every
+    ``eval_every`` steps; ``assignments`` are ``--set KEY=VALUE`` strings over it."""
     return resolve(
         preset_name="cpu-demo",
         assignments=assignments,
@@ -87,10 +113,11 @@ def learning_config(
             **({"model": model} if model is not None else {}),
             "algo": algo,
             "steps": steps,
+            "max_rollout_tokens": rollout_tokens,
             "eval_questions": eval_questions,
             "holdout": max(50, eval_questions),
             "eval_before": False,
-            "eval_every": 0,
+            "eval_every": eval_every,
             "checkpoint_every": steps,
         },
     )
@@ -355,8 +382,37 @@ def throughput_table(splits: dict[str, dict[str, float]], trl: dict[str, float] 
     return text_table(["run", *columns], rows)
 
 
+def tokens_at(result: TrainResult) -> dict[int, float]:
+    """The rollout tokens a run had sampled after each of its steps (0 at step 0)."""
+    spent, total = {0: 0.0}, 0.0
+    for record in result.history:
+        total += record["sampling/tokens"]
+        spent[int(record["step"])] = total
+    return spent
+
+
+def paired_differences(before: HeldOut, results: dict[str, TrainResult]) -> tuple[str, dict[str, dict[str, float]]]:
+    """F1 and EM differences, question by question, of each learner's final policy against the start and
+    of each pair of learners, with paired bootstrap 95% intervals: the text table and the numbers."""
+    policies = {"start": before, **{ALGO_NAMES.get(algo, algo): result.heldout[-1] for algo, result in results.items()}}
+    learners = list(policies)[1:]
+    pairs = [(name, "start") for name in learners] + list(itertools.combinations(learners, 2))
+    rows, numbers = [], {}
+    for first, second in pairs:
+        cells, entry = [], {}
+        for score in ("f1", "em"):
+            diff = paired_difference(policies[second].per_question[score], policies[first].per_question[score])
+            cells.append(f"{100 * diff.mean:+.1f} [{100 * diff.low:+.1f}, {100 * diff.high:+.1f}]")
+            entry.update({score: diff.mean, f"{score}_low": diff.low, f"{score}_high": diff.high})
+        rows.append([f"{first} − {second}", *cells])
+        numbers[f"{first} - {second}"] = entry
+    head = ["comparison (same questions)", "F1 points [paired 95%]", "EM points [paired 95%]"]
+    return text_table(head, rows), numbers
+
+
 def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path) -> Figure:
-    """Each learner's training reward per step, and the held-out scores before and after training.
+    """Each learner's training reward per step, held-out F1 against the rollout tokens sampled, and the
+    held-out scores before and after training.
 
     The title names the learners, the environment, the model and ``out``, the runs' folder.
     """
@@ -364,9 +420,19 @@ def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path)
 
     names = {algo: ALGO_NAMES.get(algo, algo) for algo in results}
     config = next(iter(results.values())).config  # the learners share environment and model
-    figure = Figure(figsize=(17, 3.6), layout="constrained")
+    figure = Figure(figsize=(21, 3.6), layout="constrained")
     figure.suptitle(f"{plot_title(', '.join(names.values()), config, out)}: held-out 95% intervals")
-    train_axis, *score_axes = figure.subplots(1, 4)
+    train_axis, tokens_axis, *score_axes = figure.subplots(1, 5)
+    for index, (algo, result) in enumerate(results.items()):
+        spent = tokens_at(result)
+        evaluated = [before, *(held for held in result.heldout if held.step > 0)]
+        tokens = [spent[held.step] for held in evaluated]
+        scores = [held.scores["f1"] for held in evaluated]
+        draw_scores(tokens_axis, tokens, scores, FRACTION, color=f"C{index}", label=names[algo])
+    tokens_axis.set_xlabel("rollout tokens sampled")
+    tokens_axis.set_ylabel("mean F1 (0 to 1)")
+    tokens_axis.set_title("held-out F1 against rollout tokens")
+    tokens_axis.legend(fontsize="small")
     for index, (algo, result) in enumerate(results.items()):
         draw_curve(train_axis, result.history, "reward/mean", label=names[algo], band_label=None, color=f"C{index}")
     label_axis(train_axis, "training reward (mean ± std over leaves)", "reward")
@@ -404,13 +470,13 @@ async def learn(
     print(f"before training: {', '.join(f'{k} {v}' for k, v in before.scores.items())}", flush=True)
     results = {}
     for algo in algos:
-        start = time.perf_counter()
+        began = time.perf_counter()
         results[algo] = await train(
-            learning_config(algo, steps, eval_questions, **run), out / algo, progress=False, log=lambda note: None
+            learning_config(algo, steps, eval_questions, **run), out / algo, progress=False, log=print
         )
         after = results[algo].heldout[-1]
         print(
-            f"{algo}: {steps} steps in {time.perf_counter() - start:.0f} s; after: "
+            f"{algo}: {results[algo].steps} steps in {time.perf_counter() - began:.0f} s; after: "
             f"{', '.join(f'{k} {v}' for k, v in after.scores.items())}",
             flush=True,
         )
@@ -431,6 +497,15 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_EVAL_QUESTIONS,
         help=f"held-out questions scored before and after (default {DEFAULT_EVAL_QUESTIONS})",
+    )
+    parser.add_argument(
+        "--rollout-tokens",
+        type=int,
+        metavar="T",
+        help="train each learner until its rollouts sampled T tokens (--steps is then a cap): one rollout budget",
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=0, metavar="E", help="also score each run after every E steps (default 0)"
     )
     parser.add_argument(
         "--trl-steps",
@@ -492,7 +567,12 @@ def main() -> None:
             command.error(f"{out / algo} exists; give an empty --out")
 
     start = time.perf_counter()
-    run = {"model": args.model, "assignments": args.assignments}
+    run = {
+        "model": args.model,
+        "assignments": args.assignments,
+        "rollout_tokens": args.rollout_tokens,
+        "eval_every": args.eval_every,
+    }
     before, results = asyncio.run(
         learn(algos, args.steps, args.eval_questions, out, before_model=args.before_model, **run)
     )
@@ -502,12 +582,22 @@ def main() -> None:
     ]
     print(
         f"\n=== held-out multihop-qa questions never trained on ({args.eval_questions}, greedy), 95% intervals; "
-        f"{len(algos)} learners × {args.steps} steps in {learning_seconds / 60:.1f} min"
+        f"{len(algos)} learners, {'≤ ' if args.rollout_tokens else ''}{args.steps} steps"
+        f"{f' or {args.rollout_tokens} rollout tokens' if args.rollout_tokens else ''} in {learning_seconds / 60:.1f} min"
     )
     print(comparison_table([before] + [result.heldout[-1] for result in results.values()], labels))
-    rows = [[algo, *(f"{record['reward/mean']:+.2f}" for record in result.history)] for algo, result in results.items()]
-    print("\n=== training reward per step (mean over the step's leaves)")
-    print(text_table(["learner", *(f"step {s}" for s in range(1, args.steps + 1))], rows))
+    paired, differences = paired_differences(before, results)
+    print("\n=== differences on the same held-out questions, final policies (percentage points)")
+    print(paired)
+    longest = max(len(result.history) for result in results.values())
+    rows = [
+        [algo, f"{tokens_at(result)[result.steps]:.0f}"]
+        + [f"{record['reward/mean']:+.2f}" for record in result.history]
+        + [""] * (longest - len(result.history))
+        for algo, result in results.items()
+    ]
+    print("\n=== rollout tokens sampled, and training reward per step (mean over the step's leaves)")
+    print(text_table(["learner", "tokens", *(f"step {s}" for s in range(1, longest + 1))], rows))
 
     splits = {algo: step_split(result) for algo, result in results.items()}
     trl, trl_note = measure_trl(args, run)
@@ -532,7 +622,15 @@ def main() -> None:
                     "before_model": args.before_model,
                     "settings": args.assignments,
                     "steps": args.steps,
+                    "rollout_tokens": args.rollout_tokens,
                     "eval_questions": args.eval_questions,
+                    "steps_run": {algo: result.steps for algo, result in results.items()},
+                    "tokens_sampled": {algo: tokens_at(result) for algo, result in results.items()},
+                    "heldout_f1": {
+                        algo: {held.step: held.scores["f1"].mean for held in result.heldout}
+                        for algo, result in results.items()
+                    },
+                    "paired_differences": differences,
                     "learning_seconds": learning_seconds,
                     "before": before.record(),
                     "after": {algo: result.heldout[-1].record() for algo, result in results.items()},

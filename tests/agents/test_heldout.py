@@ -30,7 +30,7 @@ def held_out(step: int, em: list[float], f1: list[float], format_ok: list[float]
     columns = {"em": em, "f1": f1, "format_ok": format_ok, "reward": reward, "tool_calls": format_ok}
     columns.update(in_results=format_ok, equals_example=[0.0] * len(em), repeated=[0.0] * len(em))
     scores = {name: interval(values, SCORE_DISPLAY[name].bounds) for name, values in columns.items()}
-    return HeldOut(step, len(em), scores, seconds=1.0)
+    return HeldOut(step, len(em), scores, 1.0, columns, list(range(len(em))))
 
 
 def visible_ticks(axis):
@@ -148,6 +148,8 @@ def test_the_learning_benchmark_plot_follows_the_same_rules(tmp_path):
         {"step": 1, "reward/mean": -0.5, "reward/std": 0.8, "reward/min": -1.0, "reward/max": 0.0},
         {"step": 2, "reward/mean": 0.0, "reward/std": 0.8, "reward/min": -1.0, "reward/max": 1.0},
     ]
+    for record, tokens in zip(history, (30.0, 40.0)):
+        record["sampling/tokens"] = tokens
     results = {
         algo: TrainResult(tmp_path / algo, learning_config(algo, 2, 4), 2, None, history, [after])
         for algo in ("at2po", "grpo")
@@ -162,7 +164,10 @@ def test_the_learning_benchmark_plot_follows_the_same_rules(tmp_path):
     assert path.is_file()
     figure = learning_figure(results, before, Path("runs/learning"))
     assert figure.get_suptitle() == ("AT²PO, GRPO · multihop-qa · smollm2-135m (runs/learning): held-out 95% intervals")
-    train, f1, format_ok, reward = figure.axes
+    train, tokens, f1, format_ok, reward = figure.axes
+    assert tokens.get_xlabel() == "rollout tokens sampled"  # each learner's F1 at 0 and after 30 + 40 tokens
+    assert [container.lines[0].get_xdata().tolist() for container in tokens.containers] == [[0.0, 70.0]] * 2
+    assert [text.get_text() for text in tokens.get_legend().get_texts()] == ["AT²PO", "GRPO"]
     assert (train.get_ylabel(), train.get_xlabel(), visible_ticks(train)) == ("reward", "training step", [1.0, 2.0])
     assert [text.get_text() for text in train.get_legend().get_texts()] == ["AT²PO", "GRPO"]
     for band in train.collections:  # each learner's ±std, clipped to the batch's rewards
@@ -181,6 +186,24 @@ def test_the_learning_benchmark_plot_follows_the_same_rules(tmp_path):
             [after.scores[name].mean],
         ]
     assert format_ok.get_ylim() == pytest.approx((-0.05, 1.05))
+
+
+def test_the_learning_benchmark_compares_its_learners_on_the_same_questions():
+    from agents.train import TrainResult
+    from benchmarks.learning import learning_config, paired_differences
+
+    start = held_out(0, em=[0.0] * 4, f1=[0.0, 0.5, 0.0, 0.0], format_ok=[1.0] * 4, reward=[0.0] * 4)
+    at2po = held_out(3, em=[1.0, 0.0, 0.0, 0.0], f1=[1.0, 0.5, 0.5, 0.0], format_ok=[1.0] * 4, reward=[0.0] * 4)
+    grpo = held_out(3, em=[0.0] * 4, f1=[0.0, 0.5, 0.5, 0.0], format_ok=[1.0] * 4, reward=[0.0] * 4)
+    results = {
+        algo: TrainResult(Path(algo), learning_config(algo, 3, 4), 3, None, [], [held])
+        for algo, held in (("at2po", at2po), ("grpo", grpo))
+    }
+    table, numbers = paired_differences(start, results)
+    assert list(numbers) == ["AT²PO - start", "GRPO - start", "AT²PO - GRPO"]
+    assert numbers["AT²PO - start"]["f1"] == 0.375 and numbers["AT²PO - GRPO"]["em"] == 0.25
+    assert numbers["GRPO - start"]["f1"] == 0.125
+    assert "AT²PO − GRPO" in table and "+25.0" in table
 
 
 # -- paired comparison of two evaluations of the same questions -----------------------------------
