@@ -7,9 +7,11 @@ does with each kind of response:
 scheme other than http(s)         refused
 private, loopback, link-local     refused (literal IPs, and every address a host name resolves
 or reserved address               to, on every redirect hop) unless ``allow_private_urls=True``;
-                                  the environment's own ``aliases`` (its offline web) are trusted
+                                  the environment's own ``aliases`` (its offline web) are trusted:
+                                  exactly the (scheme, host, port) each alias names, no other port
+                                  of that host, on every redirect hop too
 redirects                         followed up to ``max_redirects``, each hop checked, then
-                                  "too many redirects"
+                                  "too many redirects"; a ``Location`` that is not a URL refused
 HTTP error status                 "HTTP 404 Not Found: URL"
 PDF                               refused with a message (not read)
 images, archives, octet-stream,   refused as binary (by content type before reading, or by
@@ -23,9 +25,16 @@ charset                           UTF-8 when the bytes are valid UTF-8, else the
 HTML                              readable text by trafilatura (Markdown, links kept); broken
                                   pages go through lxml's forgiving parser; pages trafilatura
                                   finds nothing in fall back to lxml's plain text
+more than ``max_elements``        cut there before extraction (a table cell counts once per
+HTML elements                     column and row it spans); table rows wider than 100 columns
+                                  are split into rows of 100; the note says so
+extraction still running at       the page's plain text (without links) instead; the note
+``timeout``                       says so
 long text                         split into pages of ``page_chars``; ``page=N`` reads page N,
                                   ``find=`` lists the matches with their page numbers
 ================================  ==========================================================
+
+Every failure is a :class:`BrowseError` whose message is the observation the model reads.
 
 Every fetched document is cached (by the URL asked for) in a :class:`~agentenv.web_search.ResultCache`
 shared by all forks of the environment, so the branches of a tree read the same page.
@@ -71,6 +80,17 @@ DEFAULT_READ_TIMEOUT = 10.0  # seconds of silence from the server before giving 
 DEFAULT_TIMEOUT = 20.0  # seconds for a whole fetch, redirects and body included
 DEFAULT_MAX_BYTES = 2_000_000  # bytes of body read at most
 DEFAULT_MAX_REDIRECTS = 5
+# HTML elements handed to the extractor at most. trafilatura costs ~40 µs an element (and more on
+# some shapes: its paragraph rescue is quadratic), so a page of 2 MB of bare <p> took 20 s and
+# 1.15 GB; 20,000 elements (a long Wikipedia article) take at most a few seconds on one core.
+DEFAULT_MAX_ELEMENTS = 20_000
+# A table row wider than this is split into rows of this width before extraction: trafilatura
+# renders at most 100 columns, and its cell loop calls len() on the row (O(width)) for every cell,
+# quadratic in the width (one row of 10^5 cells: 26 s).
+MAX_ROW_COLUMNS = 100
+# Seconds the HTML extraction is given even when the fetch used the whole timeout, so that a page
+# cut at the deadline is still read; past it the page's plain text is shown instead.
+MIN_EXTRACT_TIME = 0.5
 DEFAULT_PAGE_CHARS = 4000  # one page of text; fits the default 6000-character observation
 FIND_CONTEXT = 120  # characters shown on each side of a find-in-page match
 FIND_MAX_MATCHES = 10
@@ -149,13 +169,10 @@ def is_public_address(address: str) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-def check_url(
-    url: str, *, allow_private: bool = False, trusted: frozenset[tuple[str | None, int | None]] = frozenset()
-) -> URL:
+def check_url(url: str, *, allow_private: bool = False) -> URL:
     """The parsed URL, or :class:`UnsafeURLError` if it is not http(s) or names a non-public IP.
 
-    Host names are checked when they are resolved (see :class:`_GuardedResolver`); ``trusted``
-    ``(host, port)`` pairs (the environment's own servers) are allowed as they are.
+    Host names are checked when they are resolved (see :class:`_GuardedResolver`).
     """
     try:
         parsed = URL(url)
@@ -166,7 +183,7 @@ def check_url(
         raise UnsafeURLError(f"only http:// and https:// URLs can be opened, not {scheme} ({url})")
     if not parsed.host:
         raise BrowseError(f"{url!r} has no host name")
-    if allow_private or (parsed.host, parsed.port) in trusted:
+    if allow_private:
         return parsed
     try:
         public = is_public_address(parsed.host)
@@ -192,20 +209,19 @@ class _PrivateAddress(OSError):
 
 
 class _GuardedResolver(ThreadedResolver):
-    """Resolves a host name and refuses it if any of its addresses is not public."""
+    """Resolves a host name and refuses it if any of its addresses is not public.
 
-    def __init__(self, trusted_hosts: frozenset[str]) -> None:
-        super().__init__()
-        self.trusted_hosts = trusted_hosts
+    It trusts no name: the environment's own servers (alias targets) are fetched through another
+    session, chosen by their exact origin, so trusting a name here would open every port of it.
+    """
 
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
         hosts = await super().resolve(host, port, family)
-        if host not in self.trusted_hosts:
-            for h in hosts:
-                if not is_public_address(h["host"]):
-                    raise _PrivateAddress(f"{host} resolves to the private or local address {h['host']}")
+        for h in hosts:
+            if not is_public_address(h["host"]):
+                raise _PrivateAddress(f"{host} resolves to the private or local address {h['host']}")
         return hosts
 
 
@@ -228,8 +244,10 @@ def decode_text(body: bytes, declared: str | None, *, cut: bool = False) -> str:
         if charset:
             try:
                 return body.decode(charset)
-            except (UnicodeDecodeError, LookupError):
-                continue  # a wrong or unknown declaration: detect instead
+            # a wrong or unknown declaration: detect instead. UnicodeError covers codecs that refuse
+            # to decode at all ("undefined"), ValueError a name Python cannot take ("utf-8\0")
+            except (ValueError, LookupError):
+                continue
     matches = charset_normalizer.from_bytes(body)
     best = matches.best()
     if best is None:
@@ -240,20 +258,93 @@ def decode_text(body: bytes, declared: str | None, *, cut: bool = False) -> str:
     return str(next((m for m in tied if m.encoding == "cp1252"), best))
 
 
-def html_to_text(html: str, url: str, *, links: bool = True) -> tuple[str, str]:
-    """``(title, text)`` of an HTML page: trafilatura's Markdown, else lxml's plain text."""
+@dataclass(slots=True)
+class _Page:
+    """A parsed HTML page, bounded for the extractor."""
+
+    tree: lxml.html.HtmlElement
+    html: str  # what the extractor reads: the page as served, or the bounded tree re-serialized
+    title: str
+    note: str  # what was cut, if anything
+
+
+def _parse_html(html: str, max_elements: int) -> _Page | None:
+    """The page parsed by lxml's forgiving parser, cut at ``max_elements`` and its wide rows split; None if
+    unparseable.
+
+    Linear in the page's size: lxml parses 2 MB of 500,000 elements in 0.2 s.
+    """
     parser = lxml.html.HTMLParser(encoding="utf-8", remove_comments=True)
     try:  # bytes, so that an XML encoding declaration in the page is not an error
         tree = lxml.html.fromstring(html.encode("utf-8", "replace"), parser=parser)
     except (lxml.etree.ParserError, ValueError):
-        return "", ""  # nothing parseable: an empty document
+        return None
     title = " ".join((tree.findtext(".//title") or "").split())
     if not title:
         h1 = tree.find(".//h1")
         title = " ".join(h1.text_content().split()) if h1 is not None else ""
     if len(title) > MAX_TITLE_CHARS:  # an unclosed <title> swallows the page, as in browsers
         title = title[:MAX_TITLE_CHARS].rsplit(" ", 1)[0] + " …"
-    text = trafilatura.extract(
+    root = tree.getroottree().getroot()
+    cut, split = _truncate(root, max_elements), _split_wide_rows(root)
+    if cut or split:
+        html = lxml.html.tostring(root, encoding="unicode")
+    note = f"the page has more than {max_elements:,} HTML elements; only the first {max_elements:,} were read"
+    return _Page(tree, html, title, note if cut else "")
+
+
+def _span(cell: lxml.html.HtmlElement, attribute: str) -> int:
+    """A cell's colspan or rowspan as trafilatura reads it: 1 unless a number, at most 100."""
+    value = cell.get(attribute, "1")
+    return min(int(value), MAX_ROW_COLUMNS) if value.isdecimal() else 1
+
+
+def _truncate(root: lxml.html.HtmlElement, max_elements: int) -> bool:
+    """Cut the tree after its first ``max_elements`` elements (document order); whether it was cut.
+
+    A table cell counts once for each column and row it spans: the extractor fills the cells it
+    covers, so a page of cells spanning 100 × 100 would otherwise cost 10,000 times its size.
+    """
+    budget = max_elements
+    for element in root.iterdescendants():
+        spans = element.tag in ("td", "th")
+        budget -= _span(element, "colspan") * _span(element, "rowspan") if spans else 1
+        if budget < 0:
+            break
+    else:
+        return False
+    node = element  # drop it and everything after it: its later siblings and those of its ancestors
+    while (parent := node.getparent()) is not None:
+        for later in list(node.itersiblings()):
+            parent.remove(later)
+        node = parent
+    element.getparent().remove(element)
+    return True
+
+
+def _split_wide_rows(root: lxml.html.HtmlElement) -> bool:
+    """Split table rows wider than ``MAX_ROW_COLUMNS`` columns into rows of that width; whether any was."""
+    split = False
+    for row in list(root.iter("tr")):
+        width, current = 0, row
+        for cell in [c for c in row if c.tag in ("td", "th")]:
+            span = _span(cell, "colspan")
+            if width and width + span > MAX_ROW_COLUMNS:
+                current.addnext(lxml.html.Element("tr"))
+                current, width, split = current.getnext(), 0, True
+            if current is not row:
+                current.append(cell)  # moved, with its tail
+            width += span
+    return split
+
+
+def _extract(html: str, url: str, links: bool) -> str | None:
+    """The page's readable text as Markdown, by trafilatura; None if it finds none.
+
+    It reads the HTML, not the parsed tree, so that the tree is never in two threads at once
+    (:class:`Browser` leaves an overrunning extraction behind and reads the tree's plain text).
+    """
+    return trafilatura.extract(
         html,
         url=url,
         output_format="markdown",
@@ -263,12 +354,35 @@ def html_to_text(html: str, url: str, *, links: bool = True) -> tuple[str, str]:
         favor_recall=True,
         deduplicate=False,
     )
-    return title, text or _plain_text(tree)
+
+
+def html_to_text(
+    html: str, url: str, *, links: bool = True, max_elements: int = DEFAULT_MAX_ELEMENTS
+) -> tuple[str, str, str]:
+    """``(title, text, note)`` of an HTML page: trafilatura's Markdown, else lxml's plain text.
+
+    The page is cut after ``max_elements`` elements first, and ``note`` then says so.
+    """
+    page = _parse_html(html, max_elements)
+    if page is None:
+        return "", "", ""  # nothing parseable: an empty document
+    return page.title, _extract(page.html, url, links) or _plain_text(page.tree), page.note
+
+
+# Elements that end a line in the plain text: pages often write their blocks with nothing between them.
+_BLOCKS = (
+    *("address", "article", "aside", "blockquote", "br", "dd", "div", "dl", "dt", "figcaption", "figure"),
+    *("footer", "form", "h1", "h2", "h3", "h4", "h5", "h6", "header", "hr", "li", "main", "nav", "ol", "p"),
+    *("pre", "section", "table", "td", "th", "tr", "ul"),
+)
 
 
 def _plain_text(tree: lxml.html.HtmlElement) -> str:
+    """The page's text, a line per block, without scripts and styles: lxml's C serializer, linear time."""
     for bad in tree.xpath("//script | //style | //noscript | //template | //head"):
         bad.drop_tree()
+    for element in tree.iter(*_BLOCKS):
+        element.tail = "\n" + (element.tail or "")
     raw = lxml.html.tostring(tree, method="text", encoding="unicode")
     lines = (" ".join(line.split()) for line in raw.splitlines())
     return "\n".join(line for line in lines if line)
@@ -317,10 +431,14 @@ class Browser:
         aliases: ``{"http://wiki.local": "http://127.0.0.1:8123"}``: URLs under a key are fetched
             from the value and shown under the key. Alias targets are trusted even when private,
             which lets an environment serve its own offline web without opening the rest of the
-            machine to the model.
+            machine to the model: exactly the (scheme, host, port) a target names is trusted, not
+            the other ports of its host, and so on every redirect hop.
         connect_timeout: Seconds to connect. read_timeout: seconds of server silence allowed.
-        timeout: Seconds for a whole fetch (redirects and body included).
+        timeout: Seconds for a whole fetch (redirects, body and HTML extraction included; a page
+            cut at the deadline still gets ``MIN_EXTRACT_TIME`` to be extracted).
         max_bytes: Body bytes read at most (the rest is cut, and the observation says so).
+        max_elements: HTML elements extracted at most (the rest is cut, and the observation says
+            so); bounds the extractor's time and memory.
         max_redirects: Redirect hops followed.
         page_chars: Characters per page of text.
         links: Keep links in the text as Markdown ``[anchor](url)`` (how the model navigates).
@@ -337,19 +455,21 @@ class Browser:
         timeout: float = DEFAULT_TIMEOUT,
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_redirects: int = DEFAULT_MAX_REDIRECTS,
+        max_elements: int = DEFAULT_MAX_ELEMENTS,
         page_chars: int = DEFAULT_PAGE_CHARS,
         links: bool = True,
         cache: ResultCache | None = None,
     ) -> None:
-        if min(connect_timeout, read_timeout, timeout) <= 0 or max_bytes < 1 or max_redirects < 0 or page_chars < 100:
-            raise ValueError("timeouts must be > 0, max_bytes >= 1, max_redirects >= 0 and page_chars >= 100")
+        if min(connect_timeout, read_timeout, timeout) <= 0 or min(max_bytes, max_elements) < 1 or max_redirects < 0:
+            raise ValueError("timeouts must be > 0, max_bytes and max_elements >= 1 and max_redirects >= 0")
+        if page_chars < 100:
+            raise ValueError("page_chars must be >= 100")
         self.allow_private_urls = allow_private_urls
         self.aliases = {URL(k).origin(): URL(v).origin() for k, v in (aliases or {}).items()}
-        # the aliases and their targets (the environment's own servers) pass the private-address checks
-        self._trusted = frozenset((u.host, u.port) for pair in self.aliases.items() for u in pair)
-        self._trusted_names = frozenset(target.host for target in self.aliases.values() if target.host)
+        self._targets = frozenset(self.aliases.values())  # the environment's own servers, by exact origin
         self.connect_timeout, self.read_timeout, self.timeout = connect_timeout, read_timeout, timeout
-        self.max_bytes, self.max_redirects, self.page_chars, self.links = max_bytes, max_redirects, page_chars, links
+        self.max_bytes, self.max_redirects, self.max_elements = max_bytes, max_redirects, max_elements
+        self.page_chars, self.links = page_chars, links
         self.cache = cache if cache is not None else ResultCache()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Browser:
@@ -358,7 +478,7 @@ class Browser:
     async def open(self, url: str) -> Document:
         """The document at ``url`` (cached); raises :class:`BrowseError` saying what went wrong."""
         url = url.strip().strip("<>\"'")
-        check_url(url, allow_private=self.allow_private_urls, trusted=self._trusted)
+        self._to_fetch(url)  # refused before the cache is consulted
 
         async def compute() -> dict[str, Any]:
             return asdict(await self._fetch(url))
@@ -383,43 +503,55 @@ class Browser:
 
     # -- fetching ----------------------------------------------------------------------------
 
-    def _to_fetch(self, url: URL) -> URL:
-        target = self.aliases.get(url.origin())
-        if target is None:
-            return url
-        assert target.host is not None  # an origin() has a network location, so a host
-        return url.with_scheme(target.scheme).with_host(target.host).with_port(target.port)
+    def _to_fetch(self, url: str) -> tuple[URL, bool]:
+        """The URL to fetch for ``url`` (as the model sees it), and whether it is one of the trusted
+        alias targets; raises :class:`UnsafeURLError` for a URL that may not be opened."""
+        origin = check_url(url, allow_private=True).origin()  # a valid http(s) URL with a host
+        target = self.aliases.get(origin)
+        if target is not None:
+            assert target.host is not None  # an origin() has a network location, so a host
+            parsed = URL(url)
+            return parsed.with_scheme(target.scheme).with_host(target.host).with_port(target.port), True
+        if origin in self._targets:
+            return URL(url), True
+        return check_url(url, allow_private=self.allow_private_urls), False
 
     def _to_display(self, url: URL) -> URL:
+        if not url.absolute or url.scheme not in ("http", "https"):
+            return url  # refused by _to_fetch, as written
         for alias, target in self.aliases.items():
             if url.origin() == target:
                 assert alias.host is not None  # an origin() has a network location, so a host
                 return url.with_scheme(alias.scheme).with_host(alias.host).with_port(alias.explicit_port)
         return url
 
+    def _session(self, trusted: bool) -> aiohttp.ClientSession:
+        """A session for the alias targets (``trusted``), or one that refuses private addresses
+        (unless ``allow_private_urls``): apart so that trusting a target never trusts its host name."""
+        timeouts = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
+        # allow_private_urls opens host names that resolve to private addresses too, not only literal IPs
+        resolver = ThreadedResolver() if trusted or self.allow_private_urls else _GuardedResolver()
+        connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False)
+        headers = {"User-Agent": USER_AGENT, "Accept": "text/html,application/xhtml+xml,text/plain;q=0.9,*/*;q=0.5"}
+        return aiohttp.ClientSession(connector=connector, timeout=timeouts, headers=headers)
+
     async def _fetch(self, url: str) -> Document:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        timeouts = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
-        # allow_private_urls opens host names that resolve to private addresses too, not only literal IPs
-        resolver = ThreadedResolver() if self.allow_private_urls else _GuardedResolver(self._trusted_names)
-        connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False)
-        headers = {"User-Agent": USER_AGENT, "Accept": "text/html,application/xhtml+xml,text/plain;q=0.9,*/*;q=0.5"}
         display = URL(url)
         try:
-            async with aiohttp.ClientSession(connector=connector, timeout=timeouts, headers=headers) as session:
+            async with self._session(trusted=True) as trusted_session, self._session(trusted=False) as session:
                 for _ in range(self.max_redirects + 1):
-                    target = self._to_fetch(
-                        check_url(str(display), allow_private=self.allow_private_urls, trusted=self._trusted)
-                    )
+                    target, trusted = self._to_fetch(str(display))
                     left = deadline - loop.time()
                     if left <= 0:
                         raise TimeoutError
-                    response = await asyncio.wait_for(session.get(target, allow_redirects=False), left)
+                    get = (trusted_session if trusted else session).get(target, allow_redirects=False)
+                    response = await asyncio.wait_for(get, left)
                     try:
                         location = response.headers.get("Location")
                         if response.status in REDIRECT_STATUS and location:
-                            display = self._to_display(target.join(URL(location)))
+                            display = self._to_display(_redirect(target, location, str(display)))
                             continue
                         return await self._document(response, str(display), deadline)
                     finally:
@@ -458,11 +590,26 @@ class Browser:
         if kind in ("pdf", "binary"):
             raise self._refusal(kind, media_type, url)
         text = decode_text(body, charset, cut=bool(note))
-        if kind == "html":
-            title, text = await asyncio.to_thread(html_to_text, text, url, links=self.links)
-        else:
-            title, text = "", text.replace("\r\n", "\n").strip()
-        return Document(url, title, text, note)
+        if kind != "html":
+            return Document(url, "", text.replace("\r\n", "\n").strip(), note)
+        page = await asyncio.to_thread(_parse_html, text, self.max_elements)
+        if page is None:
+            return Document(url, "", "", note)  # nothing parseable: an empty document
+        left = max(deadline - asyncio.get_running_loop().time(), MIN_EXTRACT_TIME)
+        try:
+            markdown = await asyncio.wait_for(asyncio.to_thread(_extract, page.html, url, self.links), left)
+        except TimeoutError:
+            # The extractor cannot be stopped, but its cost is bounded by max_elements: it finishes
+            # in the background while the model reads the plain text (linear time, lxml's C code).
+            markdown = None
+            page.note = _join_notes(
+                page.note,
+                f"extracting the text did not finish within the {self.timeout:g} s timeout; "
+                "the page is shown as plain text, without links",
+            )
+        if not markdown:
+            markdown = await asyncio.to_thread(_plain_text, page.tree)
+        return Document(url, page.title, markdown, _join_notes(note, page.note))
 
     @staticmethod
     def _refusal(kind: str, media_type: str | None, url: str) -> BrowseError:
@@ -504,6 +651,18 @@ class Browser:
         if not chunks and note:
             raise BrowseError(f"could not read {url}: {note}")
         return b"".join(chunks)[: self.max_bytes], note
+
+
+def _redirect(base: URL, location: str, url: str) -> URL:
+    """Where a redirect from ``base`` to ``location`` leads; :class:`BrowseError` if it is no URL."""
+    try:
+        return base.join(URL(location))
+    except ValueError:  # "http://[::1": yarl refuses it (UnicodeError, an IDNA failure, is a ValueError)
+        raise BrowseError(f"{url} redirected to {location!r}, which is not a valid URL") from None
+
+
+def _join_notes(*notes: str) -> str:
+    return "; ".join(note for note in notes if note)
 
 
 def _find(pages: list[str], phrase: str) -> str:
