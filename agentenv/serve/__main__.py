@@ -1,8 +1,10 @@
 """``python -m agentenv.serve``: the retrieval server and the offline web.
 
     python -m agentenv.serve retrieval --corpus wiki-18.jsonl [--index bm25|dense] [--port 8000]
-        [--workers N] [--batch-window-ms 2] [--max-batch-queries 256]
-    python -m agentenv.serve web --corpus passages.jsonl [--port 8080]
+        [--workers N] [--batch-window-ms 2] [--max-batch-queries 256] [--max-topk 100]
+        [--max-results 10240] [--max-query-chars 4096] [--max-response-bytes 33554432]
+        [--keepalive-timeout 30]
+    python -m agentenv.serve web --corpus passages.jsonl [--port 8080] [--keepalive-timeout 30]
 
 Without ``--corpus`` both serve the pooled paragraphs of the shipped multi-hop QA sets.
 ``--port 0`` picks a free port; the first line printed says where the server listens.
@@ -12,7 +14,9 @@ The retrieval server ranks concurrent requests together: the first waiting reque
 ``--batch-window-ms`` for others (``0``: each request on its own). With ``--workers N`` it
 builds and caches the index once, then N processes serve the port, each memory-mapping the
 index. One worker is the default: each also holds the corpus text and ids, so memory grows
-with N, and the clients (rollout workers) usually need the other cores.
+with N, and the clients (rollout workers) usually need the other cores. The ``--max-*`` options
+bound what one request may ask (a request over one gets 400 naming it); a connection idle for
+``--keepalive-timeout`` seconds is closed.
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ from aiohttp.web import Application
 
 from agentenv.datasets import DatasetError, union_corpus
 from agentenv.search import load_corpus
-from agentenv.serve.hosting import run_until_signal, serve_workers
+from agentenv.serve.hosting import KEEPALIVE_TIMEOUT, run_until_signal, serve_workers
 from agentenv.serve.retrieval import (
     DEFAULT_BATCH_WINDOW_MS,
     DEFAULT_MAX_BATCH_QUERIES,
     DEFAULT_TOPK,
     MAX_BATCH_WINDOW_MS,
-    MAX_TOPK,
+    Limits,
     RetrievalService,
     read_corpus,
     worker_app,
@@ -52,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         sub.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
         sub.add_argument("--port", type=int, default=port, help=f"port (default {port}; 0 picks a free one)")
+        sub.add_argument(
+            "--keepalive-timeout",
+            type=float,
+            default=KEEPALIVE_TIMEOUT,
+            help=f"seconds before an idle connection is closed (default {KEEPALIVE_TIMEOUT:g})",
+        )
     retrieval.add_argument("--index", choices=("bm25", "dense"), default="bm25", help="retriever (default bm25)")
     retrieval.add_argument(
         "--topk",
@@ -75,16 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MAX_BATCH_QUERIES,
         help=f"queries ranked together at most (default {DEFAULT_MAX_BATCH_QUERIES})",
     )
+    _limit_options(retrieval)
     args = parser.parse_args(argv)
-    if args.server == "retrieval":
-        if not 1 <= args.topk <= MAX_TOPK:
-            parser.error(f"--topk must be between 1 and {MAX_TOPK}")
-        if args.workers < 1:
-            parser.error("--workers must be at least 1")
-        if not 0 <= args.batch_window_ms <= MAX_BATCH_WINDOW_MS:
-            parser.error(f"--batch-window-ms must be between 0 and {MAX_BATCH_WINDOW_MS:g}")
-        if args.max_batch_queries < 1:
-            parser.error("--max-batch-queries must be at least 1")
+    if args.keepalive_timeout <= 0:
+        parser.error("--keepalive-timeout must be above 0")
+    limits = _check_retrieval(parser, args) if args.server == "retrieval" else None
 
     make_app: Callable[[], Application] | None = None  # for worker processes, which build their own
     try:
@@ -92,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             passages, ids = read_corpus(args.corpus) if args.corpus else (union_corpus(), None)
             print(f"Indexing {len(passages):,} passages ({args.index})…", file=sys.stderr, flush=True)
             batching = {"batch_window_ms": args.batch_window_ms, "max_batch_queries": args.max_batch_queries}
-            service = RetrievalService(passages, ids, index=args.index, topk=args.topk, model=args.model, **batching)
+            service = RetrievalService(
+                passages, ids, index=args.index, topk=args.topk, model=args.model, limits=limits, **batching
+            )
             print(f"Index ready in {service.build_seconds:.1f} s", file=sys.stderr, flush=True)
             name = f"retrieval ({args.index}, {len(passages):,} passages)"
             if args.workers == 1:
@@ -106,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     topk=args.topk,
                     model=args.model,
                     workers=args.workers,
+                    limits=limits,
                     **batching,
                 )
                 name = f"{name[:-1]}, {args.workers} workers)"
@@ -116,13 +124,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        where = {"host": args.host, "port": args.port, "name": name, "keepalive_timeout": args.keepalive_timeout}
         if make_app is not None:
-            return serve_workers(make_app, args.workers, host=args.host, port=args.port, name=name)
-        asyncio.run(run_until_signal(app, host=args.host, port=args.port, name=name))
+            return serve_workers(make_app, args.workers, **where)
+        asyncio.run(run_until_signal(app, **where))
     except OSError as e:  # the port is taken, or the address is not this machine's
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_retrieval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Limits:
+    """The retrieval server's limits from ``args``; a bad option exits with its usage error."""
+    try:
+        limits = Limits(**{name: getattr(args, name) for name in LIMIT_HELP})
+    except ValueError as e:
+        parser.error(f"--{str(e).replace('_', '-')}")
+    if not 1 <= args.topk <= limits.max_topk:
+        parser.error(f"--topk must be between 1 and --max-topk ({limits.max_topk})")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    if not 0 <= args.batch_window_ms <= MAX_BATCH_WINDOW_MS:
+        parser.error(f"--batch-window-ms must be between 0 and {MAX_BATCH_WINDOW_MS:g}")
+    if args.max_batch_queries < 1:
+        parser.error("--max-batch-queries must be at least 1")
+    return limits
+
+
+LIMIT_HELP = {  # Limits' fields: what one request may ask
+    "max_topk": "passages per query a request may ask for",
+    "max_results": "passages per request (topk × queries)",
+    "max_query_chars": "characters in one query",
+    "max_response_bytes": "bytes in one answer",
+}
+
+
+def _limit_options(retrieval: argparse.ArgumentParser) -> None:
+    """``--max-topk`` and the other :class:`Limits`, each defaulting to its field's default."""
+    defaults = Limits()
+    for name, help in LIMIT_HELP.items():
+        default = getattr(defaults, name)
+        retrieval.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=default, help=f"{help}, at most (default {default})"
+        )
 
 
 if __name__ == "__main__":

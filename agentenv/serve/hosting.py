@@ -23,6 +23,11 @@ __all__ = ["BackgroundServer", "run_until_signal", "serve_workers"]
 
 SHUTDOWN_TIMEOUT = 5.0  # seconds that requests in flight get to finish when the server stops
 BACKLOG = 1024  # pending connections: many clients may connect at once (aiohttp: 128)
+# Seconds before an idle connection (kept alive, or opened and never used) is closed; aiohttp's
+# own default is an hour, so idle clients could hold descriptors all that time. 30 s outlasts the
+# clients' pools (agentenv's RemoteSearch keeps idle connections 4 s, aiohttp's client 15 s), so a
+# client never sends on a connection the server is closing.
+KEEPALIVE_TIMEOUT = 30.0
 # Where SO_REUSEPORT balances connections over the sockets that share a port (BSDs give them all to one).
 REUSE_PORT = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
 
@@ -32,13 +37,21 @@ def _bound_port(runner: web.AppRunner) -> int:
 
 
 async def run_until_signal(
-    app: web.Application, *, host: str = "127.0.0.1", port: int = 0, name: str = "server"
+    app: web.Application,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    name: str = "server",
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then stop gracefully (requests in flight finish).
 
     Prints ``Serving <name> on http://HOST:PORT`` once listening (the real port when ``port=0``).
+    A connection idle for ``keepalive_timeout`` seconds is closed.
     """
-    runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False)
+    runner = web.AppRunner(
+        app, shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False, keepalive_timeout=keepalive_timeout
+    )
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -60,6 +73,7 @@ def serve_workers(
     host: str = "127.0.0.1",
     port: int = 0,
     name: str = "server",
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT,
 ) -> int:
     """Serve ``make_app()`` from ``workers`` processes on one port until SIGINT or SIGTERM; returns an exit status.
 
@@ -70,7 +84,8 @@ def serve_workers(
     spreads connections evenly over them; elsewhere the workers accept from the parent's
     listening socket, whichever is idle first. Prints ``Serving <name> on http://HOST:PORT`` once every worker listens. A signal is passed
     on to the workers as SIGTERM, which each answers as :func:`run_until_signal` does; a worker
-    whose parent died stops too. Returns 0, or 1 when a worker failed to start or died.
+    whose parent died stops too. A connection idle for ``keepalive_timeout`` seconds is closed.
+    Returns 0, or 1 when a worker failed to start or died.
     """
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     # OSError (a taken port, a foreign address): the caller reports it.
@@ -91,7 +106,9 @@ def serve_workers(
         for _ in range(workers):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=_worker, args=(make_app, host, bound, shared, theirs), name=f"{name} worker"
+                target=_worker,
+                args=(make_app, host, bound, shared, theirs, keepalive_timeout),
+                name=f"{name} worker",
             )
             process.start()
             theirs.close()
@@ -145,7 +162,12 @@ def _await_workers(starting: dict[Connection, BaseProcess], stop: threading.Even
 
 
 def _worker(
-    make_app: Callable[[], web.Application], host: str, port: int, shared: socket.socket | None, parent: Connection
+    make_app: Callable[[], web.Application],
+    host: str,
+    port: int,
+    shared: socket.socket | None,
+    parent: Connection,
+    keepalive_timeout: float,
 ) -> None:
     """A worker process of :func:`serve_workers`: build the application, serve the port until SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the workers
@@ -154,13 +176,20 @@ def _worker(
     except Exception as e:
         parent.send(f"{type(e).__name__}: {e}")
         sys.exit(1)
-    asyncio.run(_serve_worker(app, host, port, shared, parent))
+    asyncio.run(_serve_worker(app, host, port, shared, parent, keepalive_timeout))
 
 
 async def _serve_worker(
-    app: web.Application, host: str, port: int, shared: socket.socket | None, parent: Connection
+    app: web.Application,
+    host: str,
+    port: int,
+    shared: socket.socket | None,
+    parent: Connection,
+    keepalive_timeout: float,
 ) -> None:
-    runner = web.AppRunner(app, shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False)
+    runner = web.AppRunner(
+        app, shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False, keepalive_timeout=keepalive_timeout
+    )
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -184,13 +213,20 @@ class BackgroundServer:
 
     ``start()`` returns once the server listens; :attr:`url` is its address. ``stop()`` (also
     run at interpreter exit) shuts it down gracefully. Used to serve the offline web inside the
-    process of an environment.
+    process of an environment. A connection idle for ``keepalive_timeout`` seconds is closed.
     """
 
     def __init__(
-        self, make_app: Callable[[], web.Application], *, host: str = "127.0.0.1", port: int = 0, name: str = "server"
+        self,
+        make_app: Callable[[], web.Application],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "server",
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT,
     ) -> None:
         self.make_app, self.host, self.port, self.name = make_app, host, port, name
+        self.keepalive_timeout = keepalive_timeout
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -222,7 +258,11 @@ class BackgroundServer:
         runner: web.AppRunner | None = None
         try:
             runner = web.AppRunner(
-                self.make_app(), shutdown_timeout=SHUTDOWN_TIMEOUT, handle_signals=False, access_log=None
+                self.make_app(),
+                shutdown_timeout=SHUTDOWN_TIMEOUT,
+                handle_signals=False,
+                access_log=None,
+                keepalive_timeout=self.keepalive_timeout,
             )
             loop.run_until_complete(runner.setup())
             loop.run_until_complete(web.TCPSite(runner, self.host, self.port).start())

@@ -27,6 +27,13 @@ each request taking its own share. Rankings are deterministic (see
 :func:`agentenv.search.top_k`), so a request gets exactly what it would get alone.
 ``batch_window_ms=0`` ranks every request on its own. Several processes can serve one port
 (``python -m agentenv.serve retrieval --workers N``), each memory-mapping the index cached on disk.
+
+What one request may cost is bounded (:class:`Limits`, each a server option): ``topk``, passages
+per request (``topk`` × queries), characters per query and bytes per answer; a request over a
+limit gets 400 naming the limit, the value sent and the option that raises it. A request is
+ranked in calls of bounded size (:data:`MAX_BATCH_CHARS`), taking turns with the other requests,
+so a request of many long queries cannot hold the ranking thread; and what is left of a request
+whose client has gone is not ranked.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,12 +61,25 @@ from agentenv.datasets import Paragraph, read_rows, union_corpus
 from agentenv.search import BM25Search, Passage, load_corpus
 from agentenv.serve.dense import DenseSearch
 
-__all__ = ["CorpusPassages", "DocumentId", "RetrievalService", "read_corpus", "worker_app"]
+__all__ = ["CorpusPassages", "DocumentId", "Limits", "RetrievalService", "read_corpus", "worker_app"]
 
 DEFAULT_TOPK = 3  # Search-R1 and AT²PO retrieve 3 passages
-MAX_TOPK = 100  # the server's default topk at most; a request may ask for more (up to the corpus size)
 MAX_QUERIES = 1024  # queries in one request
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# The default limits of one request (see Limits). The papers ask for 3 to 10 passages a query;
+# 100 is ten times that and still ranks in a few milliseconds.
+MAX_TOPK = 100
+# 1,024 queries at topk 10, or 102 at topk 100: ~15 MB of wiki-18 passages (~1.4 KB a document).
+DEFAULT_MAX_RESULTS = MAX_QUERIES * 10
+# Questions and model-written queries run to a few hundred characters; 4,096 characters of
+# broad words rank in ~3 ms on the shipped 9,490 passages and ~20 ms on 200,000 (BM25, 2 cores).
+DEFAULT_MAX_QUERY_CHARS = 4096
+# Twice the largest answer of wiki-18 passages that DEFAULT_MAX_RESULTS allows.
+DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
+# Query characters in one ranking call, at most (always one query): a full batch of real queries
+# (256 of ~60 characters) fits, and 32 K characters of broad words rank in ~15 ms on the shipped
+# passages (~140 ms on 200,000), which is as long as a short query waits behind long ones.
+MAX_BATCH_CHARS = 32 * 1024
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
 EXAMPLE_REQUEST = '{"queries": ["..."], "topk": 3, "return_scores": true}'
 # A window of a few milliseconds gathers the requests of concurrent clients at a cost of as much
@@ -107,6 +127,30 @@ def read_corpus(path: str | Path) -> tuple[CorpusPassages, list[DocumentId]]:
     return CorpusPassages(passages, contents), ids
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may ask of the server; a request over a limit gets 400 naming it.
+
+    Args:
+        max_topk: ``topk`` at most (``--max-topk``).
+        max_results: ``topk`` × queries at most, the passages one answer may hold (``--max-results``).
+        max_query_chars: Characters in one query at most (``--max-query-chars``); a query's
+            ranking cost grows with its length.
+        max_response_bytes: Bytes of one answer at most (``--max-response-bytes``); passages of a
+            corpus may be long.
+    """
+
+    max_topk: int = MAX_TOPK
+    max_results: int = DEFAULT_MAX_RESULTS
+    max_query_chars: int = DEFAULT_MAX_QUERY_CHARS
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+
+
 def _contents(passage: Paragraph | Passage) -> str:
     """Search-R1's ``contents`` of a passage: the quoted title, a newline, the text (wiki-18's form)."""
     return f'"{passage.title}"\n{passage.text}'
@@ -121,13 +165,14 @@ class RetrievalService:
         ids: One id per passage, a string or a number (default: positions ``"0"``, ``"1"``...).
         index: ``"bm25"`` (bm25s, cached on disk), ``"dense"`` (sentence-transformers, see
             :class:`~agentenv.serve.dense.DenseSearch`), or either index already built over ``passages``.
-        topk: Passages per query when a request does not say.
+        topk: Passages per query when a request does not say (at most ``limits.max_topk``).
         model: Dense model folder (default: the bundled all-MiniLM-L6-v2).
         batch_window_ms: How long the first waiting request waits for others to share its
             ranking call; 0 ranks each request on its own.
-        max_batch_queries: Queries in one ranking call, at most (a larger request is ranked alone).
+        max_batch_queries: Queries in one ranking call, at most (a larger request is ranked a chunk per call).
         mmap: Memory-map the index cached on disk (processes serving one corpus share it).
         workers: The number of processes serving the port, as ``GET /health`` reports it.
+        limits: What one request may ask (default :class:`Limits`'s defaults).
     """
 
     def __init__(
@@ -142,20 +187,22 @@ class RetrievalService:
         max_batch_queries: int = DEFAULT_MAX_BATCH_QUERIES,
         mmap: bool = False,
         workers: int = 1,
+        limits: Limits | None = None,
     ) -> None:
+        limits = limits or Limits()
         if not isinstance(index, BM25Search | DenseSearch) and index not in ("bm25", "dense"):
             raise ValueError(f"index must be 'bm25', 'dense' or a built BM25Search or DenseSearch, got {index!r}")
         if ids is not None and len(ids) != len(passages):
             raise ValueError(f"{len(ids)} ids for {len(passages)} passages")
-        if not 1 <= topk <= MAX_TOPK:
-            raise ValueError(f"topk must be between 1 and {MAX_TOPK}, got {topk}")
+        if not 1 <= topk <= limits.max_topk:
+            raise ValueError(f"topk must be between 1 and max_topk ({limits.max_topk}), got {topk}")
         if not 0 <= batch_window_ms <= MAX_BATCH_WINDOW_MS:
             raise ValueError(f"batch_window_ms must be between 0 and {MAX_BATCH_WINDOW_MS:g}, got {batch_window_ms}")
         if max_batch_queries < 1:
             raise ValueError(f"max_batch_queries must be at least 1, got {max_batch_queries}")
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
-        self.topk = topk
+        self.topk, self.limits = topk, limits
         self.batch_window_ms, self.max_batch_queries, self.workers = batch_window_ms, max_batch_queries, workers
         self.ids: list[DocumentId] = list(ids) if ids is not None else [str(i) for i in range(len(passages))]
         self.contents = dict(passages.contents) if isinstance(passages, CorpusPassages) else {}
@@ -206,6 +253,9 @@ class RetrievalService:
             "max_batch_queries": self.max_batch_queries,
             "requests": self.requests,
             "rankings": self.rankings,
+            "queued": self._batcher.queued if self._batcher is not None else 0,
+            "abandoned": self._batcher.abandoned if self._batcher is not None else 0,
+            "limits": asdict(self.limits),
             "workers": self.workers,
             "pid": os.getpid(),
         }
@@ -213,7 +263,10 @@ class RetrievalService:
     # -- HTTP ----------------------------------------------------------------------------------
 
     def parse_request(self, payload: Any) -> tuple[list[str], int, bool]:
-        """``(queries, topk, return_scores)`` from a request body; ValueError says what is wrong."""
+        """``(queries, topk, return_scores)`` from a request body; ValueError says what is wrong.
+
+        A request over one of :attr:`limits` is refused here, before any ranking.
+        """
         if not isinstance(payload, dict):
             raise ValueError(f"the request body must be an object like {EXAMPLE_REQUEST}")
         if "queries" in payload:
@@ -228,46 +281,83 @@ class RetrievalService:
             raise ValueError('"queries" is empty: send at least one query')
         if len(queries) > MAX_QUERIES:
             raise ValueError(f"{len(queries)} queries in one request; send at most {MAX_QUERIES} per request")
+        limits = self.limits
+        longest = max(range(len(queries)), key=lambda i: len(queries[i]))
+        if len(queries[longest]) > limits.max_query_chars:
+            raise ValueError(
+                f"query {longest} is {len(queries[longest]):,} characters long, over this server's limit of "
+                f"{limits.max_query_chars:,} characters per query; send a shorter query "
+                "(the server's --max-query-chars raises the limit)"
+            )
         topk = _lax_int(payload.get("topk"))
         if topk is None or topk < 0:
             raise ValueError(
-                f'"topk" must be a whole number of passages like 3 (0 or null: the default), got {payload.get("topk")!r}'
+                '"topk" must be a whole number of passages like 3 (0 or null: the default), '
+                f"got {_shown(payload.get('topk'))}"
             )
         # Search-R1's retrieve_endpoint: `if not request.topk`, so a missing, null or 0 topk is the default.
         topk = topk or self.topk
+        if topk > limits.max_topk:
+            raise ValueError(
+                f'"topk" {topk:,} is over this server\'s limit of {limits.max_topk:,} passages per query; '
+                f"ask for at most {limits.max_topk:,} (the server's --max-topk raises the limit)"
+            )
+        if topk * len(queries) > limits.max_results:
+            raise ValueError(
+                f"{len(queries):,} queries × topk {topk:,} = {topk * len(queries):,} passages, over this server's "
+                f"limit of {limits.max_results:,} passages per request; send fewer queries per request or a "
+                "smaller topk (the server's --max-results raises the limit)"
+            )
         # Past the corpus size there is nothing more to rank: every passage that matches comes back.
         topk = min(topk, len(self.ids))
         return_scores = _lax_bool(payload.get("return_scores", False))
         if return_scores is None:
-            raise ValueError(f'"return_scores" must be true or false, got {payload.get("return_scores")!r}')
+            raise ValueError(f'"return_scores" must be true or false, got {_shown(payload.get("return_scores"))}')
         return queries, topk, return_scores
+
+    def answer(self, ranking: Ranking, return_scores: bool) -> list[list[Any]]:
+        """The documents of a ranking, as a response's ``result``; ValueError past ``max_response_bytes``.
+
+        The characters of the documents' strings, a lower bound of their encoded size, are counted
+        as they are gathered, so an answer over the limit is refused before it is encoded.
+        """
+        limit, size, document = self.limits.max_response_bytes, 0, self.document
+        result: list[list[Any]] = []
+        for hits in ranking:
+            found = []
+            for i, score in hits:
+                doc = document(i)
+                size += sum(len(v) for v in doc.values() if isinstance(v, str))
+                if size > limit:
+                    raise ValueError(_response_too_large(limit, f" (reached at query {len(result)} of {len(ranking)})"))
+                found.append({"document": doc, "score": score} if return_scores else doc)
+            result.append(found)
+        return result
 
     async def handle_retrieve(self, request: web.Request) -> web.Response:
         as_msgpack = request.content_type in MSGPACK_TYPES
-        body = await request.read()
         try:
-            payload = msgpack.unpackb(body) if as_msgpack else json.loads(body)
-        except (ValueError, msgpack.UnpackException) as e:
-            kind = "msgpack" if as_msgpack else "JSON"
-            return _error(400, f"the request body is not valid {kind} ({e}); send {EXAMPLE_REQUEST}")
-        try:
-            queries, topk, return_scores = self.parse_request(payload)
+            queries, topk, return_scores = self.parse_request(_decode(await request.read(), as_msgpack))
         except ValueError as e:
             return _error(400, str(e))
-        if self._batcher is not None:
-            ranking = await self._batcher.rank(queries, topk)
-        else:
-            loop = asyncio.get_running_loop()
-            [ranking] = await loop.run_in_executor(self._executor, self.rank_requests, [(queries, topk)])
+        assert self._batcher is not None, "make_app()'s application is not started"
+        # Cancelled (raising CancelledError, which aiohttp takes for the client's disconnection)
+        # if its client leaves before it is ranked.
+        ranking = await self._batcher.rank(queries, topk, lambda: _connected(request))
         self.requests += 1
-        document = self.document
-        result = [
-            [{"document": document(i), "score": score} if return_scores else document(i) for i, score in hits]
-            for hits in ranking
-        ]
-        if as_msgpack or any(t in request.headers.get("Accept", "") for t in MSGPACK_TYPES):
-            return web.Response(body=msgpack.packb({"result": result}), content_type=MSGPACK_TYPES[0])
-        return web.json_response({"result": result})
+        try:
+            result = self.answer(ranking, return_scores)
+            if as_msgpack or any(t in request.headers.get("Accept", "") for t in MSGPACK_TYPES):
+                body = msgpack.packb({"result": result})
+                content_type = MSGPACK_TYPES[0]
+            else:
+                body = json.dumps({"result": result}).encode()
+                content_type = "application/json"
+            if len(body) > self.limits.max_response_bytes:  # escapes and keys the count above left out
+                raise ValueError(_response_too_large(self.limits.max_response_bytes))
+        except ValueError as e:
+            return _error(400, str(e))
+        return web.Response(body=body, content_type=content_type)
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response(self.health())
@@ -284,10 +374,9 @@ class RetrievalService:
     async def _start_worker(self, app: web.Application) -> None:
         # One worker thread: the index is not thread-safe, and the event loop stays free for /health.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval")
-        if self.batch_window_ms > 0:
-            self._batcher = _Batcher(
-                self.rank_requests, self._executor, self.batch_window_ms / 1000, self.max_batch_queries
-            )
+        self._batcher = _Batcher(
+            self.rank_requests, self._executor, self.batch_window_ms / 1000, self.max_batch_queries
+        )
 
     async def _stop_worker(self, app: web.Application) -> None:
         # aiohttp has let the requests in flight finish by now, so nothing still waits on a batch.
@@ -299,12 +388,22 @@ class RetrievalService:
             self._executor = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Waiting:
+    """A request waiting for its ranking, which may come in several chunks."""
+
     queries: list[str]
     topk: int
     arrived: float  # event-loop time
     ranking: asyncio.Future[Ranking]
+    connected: Callable[[], bool]  # whether its client still waits for the answer
+    taken: int = 0  # queries handed to ranking calls so far
+    ranked: Ranking = field(default_factory=list)  # of the first len(ranked) queries
+
+    @property
+    def left(self) -> int:
+        """Queries not yet handed to a ranking call."""
+        return len(self.queries) - self.taken
 
 
 class _Batcher:
@@ -314,6 +413,12 @@ class _Batcher:
     ``max_queries`` queries wait. Requests that arrive while a batch is ranked have waited long
     enough when it is done, so under load batches follow each other with no pause. After a batch
     of one request the next closes at once: a lone client is not kept waiting for company.
+    ``window`` 0 ranks one request per call.
+
+    A call holds at most ``max_queries`` queries and :data:`MAX_BATCH_CHARS` characters (and
+    always one query). A request over that is ranked a chunk per call, going to the back of the
+    queue after each, so the requests behind it wait for one call, not for all of it; and the
+    rest of a request whose client has left (or whose handler was cancelled) is dropped.
     """
 
     def __init__(
@@ -324,21 +429,25 @@ class _Batcher:
         max_queries: int,
     ) -> None:
         self.rank_requests, self.executor, self.window, self.max_queries = rank_requests, executor, window, max_queries
+        self.abandoned = 0  # requests dropped before they were fully ranked, their client gone
         self._waiting: deque[_Waiting] = deque()
-        self._queued = 0  # queries in self._waiting
+        self.queued = 0  # queries waiting to be ranked
         self._arrived = asyncio.Event()
         self._full = asyncio.Event()
         self._company = False  # whether the last batch held more than one request
         self._task = asyncio.get_running_loop().create_task(self._collect())
 
-    async def rank(self, queries: list[str], topk: int) -> Ranking:
-        """This request's ranking, from the next batch."""
+    async def rank(self, queries: list[str], topk: int, connected: Callable[[], bool]) -> Ranking:
+        """This request's ranking, once every chunk of it is ranked.
+
+        Cancelled if ``connected()`` turns false before then.
+        """
         loop = asyncio.get_running_loop()
-        waiting = _Waiting(queries, topk, loop.time(), loop.create_future())
+        waiting = _Waiting(queries, topk, loop.time(), loop.create_future(), connected)
         self._waiting.append(waiting)
-        self._queued += len(queries)
+        self.queued += len(queries)
         self._arrived.set()
-        if self._queued >= self.max_queries:
+        if self.queued >= self.max_queries:
             self._full.set()
         return await waiting.ranking
 
@@ -347,36 +456,68 @@ class _Batcher:
         while True:
             await self._arrived.wait()
             left = self._waiting[0].arrived + self.window - loop.time()
-            if self._company and left > 0 and self._queued < self.max_queries:
+            if self._company and left > 0 and self.queued < self.max_queries:
                 self._full.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._full.wait(), left)
             batch = self._take()
+            if not batch:  # every request that waited was abandoned
+                continue
             self._company = len(batch) > 1
             try:
                 rankings = await loop.run_in_executor(
-                    self.executor, self.rank_requests, [(w.queries, w.topk) for w in batch]
+                    self.executor, self.rank_requests, [(queries, w.topk) for w, queries in batch]
                 )
             except Exception as e:  # each request answers the failure (HTTP 500), as it would alone
-                for w in batch:
+                for w, _ in batch:
                     if not w.ranking.done():
                         w.ranking.set_exception(e)
                 continue
-            for w, ranking in zip(batch, rankings):
-                if not w.ranking.done():  # its handler may have been cancelled meanwhile
-                    w.ranking.set_result(ranking)
+            for (w, _), ranking in zip(batch, rankings):
+                if w.ranking.done():  # its handler may have been cancelled meanwhile
+                    continue
+                w.ranked.extend(ranking)
+                if len(w.ranked) == len(w.queries):
+                    w.ranking.set_result(w.ranked)
 
-    def _take(self) -> list[_Waiting]:
-        """The oldest waiting requests, at most ``max_queries`` queries (always at least one request)."""
-        batch = [self._waiting.popleft()]
-        queries = len(batch[0].queries)
-        while self._waiting and queries + len(self._waiting[0].queries) <= self.max_queries:
-            batch.append(self._waiting.popleft())
-            queries += len(batch[-1].queries)
-        self._queued -= queries
+    def _take(self) -> list[tuple[_Waiting, list[str]]]:
+        """The next call's work, oldest request first: ``(request, its next queries)`` pairs.
+
+        A request that would fit a call of its own is never split; one that would not is taken
+        as far as the call has room, and what is left of it goes to the back of the queue.
+        """
+        batch: list[tuple[_Waiting, list[str]]] = []
+        later: list[_Waiting] = []  # requests with queries left, behind those that wait now
+        queries = chars = 0
+        while self._waiting and (self.window > 0 or not batch):
+            w = self._waiting.popleft()
+            if w.ranking.done() or not w.connected():
+                self._drop(w)
+                continue
+            start = end = w.taken
+            while end < len(w.queries) and queries < self.max_queries:
+                if queries and chars + len(w.queries[end]) > MAX_BATCH_CHARS:
+                    break
+                queries, chars, end = queries + 1, chars + len(w.queries[end]), end + 1
+            if end == start or (end < len(w.queries) and batch and _fits_one_call(w, start, self.max_queries)):
+                self._waiting.appendleft(w)  # the next call takes it, whole if it can
+                break
+            batch.append((w, w.queries[start:end]))
+            w.taken = end
+            self.queued -= end - start
+            if end < len(w.queries):
+                later.append(w)
+        self._waiting.extend(later)
         if not self._waiting:
             self._arrived.clear()
         return batch
+
+    def _drop(self, w: _Waiting) -> None:
+        """Forget a request whose client left, or whose ranking failed or was cancelled."""
+        self.queued -= w.left
+        if not w.ranking.done() or w.ranking.cancelled():
+            self.abandoned += 1
+            w.ranking.cancel()
 
     async def close(self) -> None:
         self._task.cancel()
@@ -385,6 +526,11 @@ class _Batcher:
         for w in self._waiting:
             w.ranking.cancel()
         self._waiting.clear()
+
+
+def _fits_one_call(w: _Waiting, start: int, max_queries: int) -> bool:
+    """Whether what is left of ``w`` from query ``start`` on fits one call of its own."""
+    return len(w.queries) - start <= max_queries and sum(map(len, w.queries[start:])) <= MAX_BATCH_CHARS
 
 
 def worker_app(
@@ -396,6 +542,7 @@ def worker_app(
     batch_window_ms: float,
     max_batch_queries: int,
     workers: int,
+    limits: Limits | None = None,
 ) -> web.Application:
     """The application of one of ``workers`` server processes (``python -m agentenv.serve retrieval --workers N``).
 
@@ -417,6 +564,7 @@ def worker_app(
         max_batch_queries=max_batch_queries,
         mmap=True,
         workers=workers,
+        limits=limits,
     )
     return service.make_app()
 
@@ -433,7 +581,10 @@ def _lax_int(value: Any) -> int | None:
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
     if isinstance(value, str) and _INTEGER_TEXT.fullmatch(value):
-        return int(float(value)) if "." in value else int(value)
+        try:
+            return int(float(value)) if "." in value else int(value)
+        except ValueError:  # more digits than Python converts (4,300): no topk is that large
+            return None
     return None
 
 
@@ -450,6 +601,40 @@ def _lax_bool(value: Any) -> bool | None:
         if lowered in _FALSE_TEXT:
             return False
     return None
+
+
+def _decode(body: bytes, as_msgpack: bool) -> Any:
+    """A request body as JSON or msgpack; ValueError says why it cannot be read, never in an empty message."""
+    try:
+        return msgpack.unpackb(body) if as_msgpack else json.loads(body)
+    except (RecursionError, msgpack.StackError):  # json: Python's recursion limit; msgpack: its own
+        reason = "nested too deeply"
+    except msgpack.FormatError:  # msgpack gives no message
+        reason = "a byte that starts no msgpack value"
+    except Exception as e:  # whatever the decoder raises, the body is at fault
+        reason = str(e) or type(e).__name__
+    kind = "msgpack" if as_msgpack else "JSON"
+    raise ValueError(f"the request body is not valid {kind} ({reason}); send {EXAMPLE_REQUEST}")
+
+
+def _connected(request: web.Request) -> bool:
+    """Whether the client of ``request`` is still connected (aiohttp drops the transport when it leaves)."""
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters: a request's value may be megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
+
+
+def _response_too_large(limit: int, where: str = "") -> str:
+    return (
+        f"the answer is over this server's limit of {limit:,} bytes per response{where}; ask for fewer "
+        "passages (topk) or fewer queries per request "
+        "(the server's --max-response-bytes raises the limit)"
+    )
 
 
 def _error(status: int, message: str) -> web.Response:

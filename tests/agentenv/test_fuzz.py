@@ -1,20 +1,28 @@
-"""Fuzzing ``step`` with hostile model output: every registered id, both parsers.
+"""Fuzzing ``step`` with hostile model output: every registered id, both parsers; and the
+retrieval server with hostile requests.
 
 A model can write anything. Whatever it writes, ``step`` returns an observation (never raises)
 and returns it quickly (under a second), so one episode can never stall the others on the event
 loop. The actions are seeded, so a failure reproduces: the assertion message carries the seed,
-the env id and the action's shape.
+the env id and the action's shape. A client can send anything too: the retrieval server answers
+every request with 200 or an error that says why, and keeps serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
 
+import aiohttp
+import msgpack
 import pytest
 
 import agentenv
+from agentenv.datasets import union_corpus
+from agentenv.serve.hosting import BackgroundServer
+from agentenv.serve.retrieval import RetrievalService
 
 SEED = 15
 ACTIONS_PER_ENV = 55  # × 21 ids × 2 parsers ≈ 2,300 actions
@@ -172,3 +180,58 @@ def _fuzz(env_id: str, parser: str, seed: int) -> None:
 @pytest.mark.parametrize("env_id", sorted(agentenv.registry))
 def test_step_never_raises_or_stalls_on_hostile_actions(env_id, parser):
     _fuzz(env_id, parser, SEED)
+
+
+# -- the retrieval server, fed hostile requests ------------------------------------------------
+
+SERVER_REQUESTS = 150
+
+
+def _hostile_body(rng: random.Random) -> tuple[bytes, str, str]:
+    """``(body, content type, shape)``: bodies that cannot be decoded, and decoded ones over the limits."""
+    queries = [_text(rng, rng.randint(0, 40)) for _ in range(rng.randint(1, 40))]
+    payload = rng.choice(
+        [
+            lambda: {"queries": queries, "topk": rng.choice([0, 3, 100, 101, 10**9, -1, "9" * 5_000, 2.5, None])},
+            lambda: {"queries": ["capital city " * rng.choice([1, 341, 342, 2_000])], "topk": 3},
+            lambda: {"queries": ["the city"] * rng.choice([102, 103, 1_024, 1_025]), "topk": 100},
+            lambda: {"query": _text(rng, 30), "return_scores": rng.choice([True, "maybe", 2, [1]])},
+            lambda: {"queries": rng.choice([[], "x", [1], [[]], {"a": 1}, None])},
+        ]
+    )()
+    shape = rng.choice(["json", "msgpack", "json-text", "deep-msgpack", "bytes"])
+    if shape == "json":
+        return json.dumps(payload).encode(), "application/json", shape
+    if shape == "msgpack":
+        return msgpack.packb(payload), "application/msgpack", shape
+    if shape == "json-text":  # deep nesting, giant numbers, odd literals, bad text
+        return _json_value(rng).encode("utf-8", "surrogatepass"), "application/json", shape
+    if shape == "deep-msgpack":
+        return b"\x91" * rng.choice([100, 10_000, 100_000]) + b"\x01", "application/msgpack", shape
+    return rng.randbytes(rng.randint(0, 64)), rng.choice(["application/json", "application/msgpack"]), shape
+
+
+def test_the_retrieval_server_answers_hostile_requests(tmp_path, monkeypatch):
+    """Every request gets 200, 400 or 413 with a JSON body (an error says why); the server stays up."""
+    monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path))
+    server = BackgroundServer(RetrievalService(union_corpus()[:500]).make_app, name="retrieval")
+    url = server.start()
+    rng = random.Random(f"{SEED}-retrieval")
+
+    async def hostile() -> None:
+        async with aiohttp.ClientSession() as session:
+            for i in range(SERVER_REQUESTS):
+                body, content_type, shape = _hostile_body(rng)
+                where = f"request #{i} ({shape}, {len(body):,} bytes: {body[:80]!r})"
+                headers = {"Content-Type": content_type}
+                async with session.post(f"{url}/retrieve", data=body, headers=headers) as r:
+                    raw = await r.read()
+                assert r.status in (200, 400, 413), f"HTTP {r.status} {raw[:200]!r} on {where}"
+                assert r.status == 200 or json.loads(raw)["error"].strip(), where
+            async with session.get(f"{url}/health") as r:
+                assert (await r.json())["status"] == "ok"
+
+    try:
+        asyncio.run(hostile())
+    finally:
+        server.stop()

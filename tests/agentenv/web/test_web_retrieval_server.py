@@ -154,8 +154,9 @@ async def test_bad_requests_get_clear_errors(server, payload, error):
         (None, 3),
         (False, 3),
         # past the corpus size (4 passages, 3 of which match "capital"): every match, not an error
-        (101, 3),
-        (10**9, 3),
+        # (up to the server's --max-topk, 100: test_web_retrieval_limits)
+        (5, 3),
+        (100, 3),
     ],
 )
 async def test_topk_is_read_as_search_r1s_server_reads_it(server, topk, found):
@@ -270,7 +271,7 @@ def test_service_arguments_are_checked():
         RetrievalService([Paragraph("A", "a")], index="tfidf")
     with pytest.raises(ValueError, match="2 ids for 1 passages"):
         RetrievalService([Paragraph("A", "a")], ["1", "2"])
-    with pytest.raises(ValueError, match="topk must be between 1 and 100, got 0"):
+    with pytest.raises(ValueError, match=r"topk must be between 1 and max_topk \(100\), got 0"):
         RetrievalService([Paragraph("A", "a")], topk=0)
     with pytest.raises(ValueError, match="batch_window_ms must be between 0 and 1000, got -1"):
         RetrievalService([Paragraph("A", "a")], batch_window_ms=-1)
@@ -376,7 +377,7 @@ async def test_a_batch_holds_at_most_max_batch_queries(serve, tied_index):
         *(post(f"{url}/retrieve", {"queries": [q]}) for q in queries), post(f"{url}/retrieve", {"queries": queries[:6]})
     )
     assert [body["result"][0] for _, body in answers[:6]] == answers[-1][1]["result"]
-    assert sum(sizes) == 18 and all(size <= 4 for size in sizes if size != 6)  # the request of 6 is ranked alone
+    assert sum(sizes) == 18 and all(size <= 4 for size in sizes)  # the request of 6 is ranked in chunks
 
 
 async def test_a_failed_ranking_answers_every_request_of_its_batch(serve, tied_index, monkeypatch):
@@ -422,14 +423,33 @@ def stop_cli(process: subprocess.Popen) -> tuple[int, str]:
     return process.returncode, err
 
 
+LIMITS = ("--max-topk", "5", "--keepalive-timeout", "0.5")
+
+
+def assert_limits_apply(url: str) -> None:
+    """The server started with LIMITS refuses topk 6 and closes an idle connection."""
+    status, body = asyncio.run(post(f"{url}/retrieve", {"queries": ["capital"], "topk": 6}))
+    assert (status, body["error"]) == (
+        400,
+        '"topk" 6 is over this server\'s limit of 5 passages per query; ask for at most 5 '
+        "(the server's --max-topk raises the limit)",
+    )
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as idle:
+        assert idle.recv(1) == b""  # closed by the server, never used
+
+
 @pytest.mark.slow
 def test_cli_serves_and_stops_gracefully(corpus_file, tmp_path):
-    process, url = start_cli("retrieval", "--corpus", str(corpus_file), "--topk", "1", cache=tmp_path / "cache")
+    process, url = start_cli(
+        "retrieval", "--corpus", str(corpus_file), "--topk", "1", *LIMITS, cache=tmp_path / "cache"
+    )
     try:
         hits = asyncio.run(RemoteSearch(url).search("Ontario province", 3))
         assert [h.title for h in hits] == ["Toronto"]
         default_topk = asyncio.run(post(f"{url}/retrieve", {"queries": ["capital"]}))[1]
         assert len(default_topk["result"][0]) == 1
+        assert_limits_apply(url)
     finally:
         code, err = stop_cli(process)
     assert code == 0
@@ -471,6 +491,7 @@ def test_cli_workers_share_the_port_and_stop_together(corpus_file, tmp_path, reu
         str(corpus_file),
         "--workers",
         "2",
+        *LIMITS,
         cache=tmp_path / "cache",
         python=("-m", "agentenv.serve") if reuse_port else ("-c", serve),
     )
@@ -479,6 +500,7 @@ def test_cli_workers_share_the_port_and_stop_together(corpus_file, tmp_path, reu
         assert len(pids) == 2 and process.pid not in pids
         hits = asyncio.run(RemoteSearch(url).search("Ontario province", 3))
         assert [h.title for h in hits] == ["Toronto"]
+        assert_limits_apply(url)  # the worker that answers has the options the CLI was given
     finally:
         code, err = stop_cli(process)
     assert code == 0
@@ -512,7 +534,11 @@ def test_cli_reports_bad_corpus_and_arguments(tmp_path, capsys):
     assert serve_main(["retrieval", "--corpus", str(tmp_path / "none.jsonl")]) == 2
     assert capsys.readouterr().err == f"error: no such corpus file: {tmp_path / 'none.jsonl'}\n"
     for args, error in [
-        (["--topk", "0"], "--topk must be between 1 and 100"),
+        (["--topk", "0"], "--topk must be between 1 and --max-topk (100)"),
+        (["--topk", "5", "--max-topk", "4"], "--topk must be between 1 and --max-topk (4)"),
+        (["--max-topk", "0"], "--max-topk must be a whole number of at least 1, got 0"),
+        (["--max-response-bytes", "-1"], "--max-response-bytes must be a whole number of at least 1, got -1"),
+        (["--keepalive-timeout", "0"], "--keepalive-timeout must be above 0"),
         (["--workers", "0"], "--workers must be at least 1"),
         (["--batch-window-ms", "-1"], "--batch-window-ms must be between 0 and 1000"),
         (["--max-batch-queries", "0"], "--max-batch-queries must be at least 1"),
