@@ -78,7 +78,7 @@ DEFAULT_MAX_QUERY_CHARS = 4096
 DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 # Query characters in one ranking call, at most (always one query): a full batch of real queries
 # (256 of ~60 characters) fits, and 32 K characters of broad words rank in ~15 ms on the shipped
-# passages (~140 ms on 200,000), which is as long as a short query waits behind long ones.
+# passages (~140 ms on 200,000); a short query waits about one call per client sending long ones.
 MAX_BATCH_CHARS = 32 * 1024
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
 EXAMPLE_REQUEST = '{"queries": ["..."], "topk": 3, "return_scores": true}'
