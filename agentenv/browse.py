@@ -28,8 +28,8 @@ HTML                              readable text by trafilatura (Markdown, links 
 more than ``max_elements``        cut there before extraction (a table cell counts once per
 HTML elements                     column and row it spans); table rows wider than 100 columns
                                   are split into rows of 100; the note says so
-extraction still running at       the page's plain text (without links) instead; the note
-``timeout``                       says so
+extraction still running at       stopped; the page's plain text (without links) instead; the
+``timeout``                       note says so
 long text                         split into pages of ``page_chars``; ``page=N`` reads page N,
                                   ``find=`` lists the matches with their page numbers
 ================================  ==========================================================
@@ -44,10 +44,13 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import ctypes
+import functools
 import ipaddress
 import re
 import socket
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,9 +83,10 @@ DEFAULT_READ_TIMEOUT = 10.0  # seconds of silence from the server before giving 
 DEFAULT_TIMEOUT = 20.0  # seconds for a whole fetch, redirects and body included
 DEFAULT_MAX_BYTES = 2_000_000  # bytes of body read at most
 DEFAULT_MAX_REDIRECTS = 5
-# HTML elements handed to the extractor at most. trafilatura costs ~40 µs an element (and more on
-# some shapes: its paragraph rescue is quadratic), so a page of 2 MB of bare <p> took 20 s and
-# 1.15 GB; 20,000 elements (a long Wikipedia article) take at most a few seconds on one core.
+# HTML elements handed to the extractor at most. trafilatura costs ~40 µs and ~2 KB an element
+# (more on some shapes: justext's rescue is quadratic in short paragraphs), so 2 MB of bare <p>
+# took 20 s and 1.15 GB. 20,000 elements (a long Wikipedia article) extract in under a second;
+# the hostile shapes that take longer are stopped at the deadline.
 DEFAULT_MAX_ELEMENTS = 20_000
 # A table row wider than this is split into rows of this width before extraction: trafilatura
 # renders at most 100 columns, and its cell loop calls len() on the row (O(width)) for every cell,
@@ -313,12 +317,16 @@ def _truncate(root: lxml.html.HtmlElement, max_elements: int) -> bool:
             break
     else:
         return False
-    node = element  # drop it and everything after it: its later siblings and those of its ancestors
+    # Drop it and everything after it in document order: its later siblings, and its ancestors'
+    # tails and later siblings. Slice deletion runs in lxml's C code (a Python loop over 500,000
+    # siblings took 1 s).
+    node = element.getparent()
+    assert node is not None  # a descendant of the root
+    del node[node.index(element) :]
     while (parent := node.getparent()) is not None:
-        for later in list(node.itersiblings()):
-            parent.remove(later)
+        node.tail = None
+        del parent[parent.index(node) + 1 :]
         node = parent
-    element.getparent().remove(element)
     return True
 
 
@@ -342,7 +350,7 @@ def _extract(html: str, url: str, links: bool) -> str | None:
     """The page's readable text as Markdown, by trafilatura; None if it finds none.
 
     It reads the HTML, not the parsed tree, so that the tree is never in two threads at once
-    (:class:`Browser` leaves an overrunning extraction behind and reads the tree's plain text).
+    (:class:`Browser` reads the tree's plain text as soon as it stops an overrunning extraction).
     """
     return trafilatura.extract(
         html,
@@ -354,6 +362,69 @@ def _extract(html: str, url: str, links: bool) -> str | None:
         favor_recall=True,
         deduplicate=False,
     )
+
+
+class _Stopped(BaseException):
+    """Raised inside an extraction thread past its deadline. A BaseException, so that the
+    extractor's own ``except Exception`` fallbacks cannot swallow it."""
+
+
+class _StoppableThread(threading.Thread):
+    """Runs ``fn`` and hands its result to an asyncio future; :meth:`stop` ends it early.
+
+    A Python thread cannot be killed, but it can be made to raise: ``PyThreadState_SetAsyncExc``
+    raises :class:`_Stopped` in it at its next bytecode. trafilatura's slow paths (its cell loop,
+    justext's neighbour search) are Python loops, so it stops within milliseconds; a long C call
+    (lxml parsing, 0.2 s for 2 MB) finishes first.
+    """
+
+    def __init__(self, fn: Callable[[], Any], future: asyncio.Future[Any]) -> None:
+        super().__init__(daemon=True, name="browse-extract")
+        self.fn, self.future, self.loop = fn, future, future.get_loop()
+        self.lock = threading.Lock()
+        self.running = True
+
+    def run(self) -> None:
+        try:
+            try:
+                outcome: tuple[Any, BaseException | None] = (self.fn(), None)
+            except Exception as e:
+                outcome = (None, e)
+            finally:
+                # Past this, stop() injects nothing: an exception raised outside these try
+                # blocks would escape the thread. Before it, whatever it hits is caught below.
+                with self.lock:
+                    self.running = False
+            self.loop.call_soon_threadsafe(_settle, self.future, *outcome)
+        except _Stopped:
+            pass
+        except RuntimeError:  # the event loop closed meanwhile: nobody waits for the result
+            pass
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.running and self.ident is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), ctypes.py_object(_Stopped))
+
+
+def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():  # given up on (the deadline passed, or the step was cancelled)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+async def _run_stoppable(fn: Callable[[], Any], timeout: float) -> Any:
+    """``fn()`` in a thread; past ``timeout`` seconds the thread is stopped and TimeoutError raised."""
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    thread = _StoppableThread(fn, future)
+    thread.start()
+    try:
+        return await asyncio.wait_for(future, timeout)
+    finally:
+        thread.stop()  # nothing if it finished; else (timeout, cancellation) its work is not wanted
 
 
 def html_to_text(
@@ -597,10 +668,9 @@ class Browser:
             return Document(url, "", "", note)  # nothing parseable: an empty document
         left = max(deadline - asyncio.get_running_loop().time(), MIN_EXTRACT_TIME)
         try:
-            markdown = await asyncio.wait_for(asyncio.to_thread(_extract, page.html, url, self.links), left)
+            markdown = await _run_stoppable(functools.partial(_extract, page.html, url, self.links), left)
         except TimeoutError:
-            # The extractor cannot be stopped, but its cost is bounded by max_elements: it finishes
-            # in the background while the model reads the plain text (linear time, lxml's C code).
+            # stopped: the plain text instead (linear time, lxml's C code)
             markdown = None
             page.note = _join_notes(
                 page.note,
