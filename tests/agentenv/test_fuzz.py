@@ -235,3 +235,66 @@ def test_the_retrieval_server_answers_hostile_requests(tmp_path, monkeypatch):
         asyncio.run(hostile())
     finally:
         server.stop()
+
+
+# -- the browse tool, fed hostile pages ----------------------------------------------------------
+
+BROWSE_PAGES = 40
+
+
+def _hostile_page(rng: random.Random) -> tuple[dict[str, str], bytes, str]:
+    """``(headers, body, shape)``: pages that are huge in elements, wide, spanning, undecodable or redirecting."""
+    n = rng.choice([1, 100, 5_000, 100_000])
+    shape = rng.choice(["row", "unclosed", "spans", "charset", "redirect", "nested"])
+    if shape == "row":
+        body = "<table><tr>" + "<td>x</td>" * n
+    elif shape == "unclosed":
+        body = f"<{rng.choice(['p', 'li', 'td', 'tr', 'table', 'div', 'b', 'a href=/x'])}>x" * n
+    elif shape == "spans":
+        span = rng.choice(["100", "1000000", "-1", "²", "0", "1e9", "99999999999999999999"])
+        body = ("<tr>" + f"<td rowspan={span} colspan={span}>x</td>" * 50) * (n // 50 + 1)
+    elif shape == "nested":
+        body = "<div><table><tr><td>" * min(n, 20_000)
+    else:
+        body = _text(rng, 200)
+    headers = {"Content-Type": "text/html; charset=" + rng.choice(["utf-8", "undefined", "rot13", "base64", "x-no"])}
+    if shape == "charset":
+        return headers, rng.randbytes(rng.randint(0, 5_000)), shape
+    if shape == "redirect":
+        location = rng.choice(["file:///etc/passwd", "http://[::1", "http://", "javascript:x", "//", "http://0x7f.1/"])
+        return {"Location": location}, b"", shape
+    return headers, ("<html><body>" + body)[:2_000_000].encode(), shape
+
+
+def test_browse_answers_hostile_pages_with_an_observation():
+    """Every hostile page gives an observation or the tool's refusal, never a raw exception."""
+    rng = random.Random(f"{SEED}-browse")
+    pages = {str(i): _hostile_page(rng) for i in range(BROWSE_PAGES)}
+
+    async def page(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        headers, body, shape = pages[request.match_info["n"]]
+        return aiohttp.web.Response(status=302 if shape == "redirect" else 200, headers=headers, body=body)
+
+    def make_app() -> aiohttp.web.Application:
+        app = aiohttp.web.Application()
+        app.router.add_get("/{n}", page)
+        return app
+
+    server = BackgroundServer(make_app, name="hostile pages")
+    url = server.start()
+    env = agentenv.make("web-research", allow_private_urls=True, browse_timeout=5)
+    try:
+        env.reset(seed=SEED)
+        for n, (_, body, shape) in pages.items():
+            argument = rng.choice(
+                [f"{url}/{n}", f'{{"url": "{url}/{n}", "page": 2}}', f'{{"url": "{url}/{n}", "find": "x"}}']
+            )
+            where = f"page {n} ({shape}, {len(body):,} bytes: {body[:80]!r})"
+            observation, *_, truncated, _ = env.step(f"<browse>{argument}</browse>")
+            assert isinstance(observation, str), where
+            assert "the tool `browse` failed" not in observation, f"{observation[:300]} on {where}"
+            if truncated:
+                env.reset(seed=SEED)
+    finally:
+        env.close()
+        server.stop()
