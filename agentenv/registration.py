@@ -33,6 +33,7 @@ from gymnasium.envs.registration import parse_env_id
 
 from agentenv.core import Env
 from agentenv.options import OptionError, OptionTypeError, unknown_option
+from agentenv.tools import close_tools
 
 __all__ = [
     "EnvSpec",
@@ -102,6 +103,19 @@ class EnvSpec:
         what is allowed, or lists the valid options.
         """
         kwargs = {**self.kwargs, **overrides}
+        try:
+            env = self._build(kwargs)
+        except Exception:
+            # The env owns the tools it is given (its close() closes them); one never built must close
+            # them itself, or an MCP server's processes outlive the failed make().
+            tools = kwargs.get("tools")
+            if isinstance(tools, list | tuple):
+                close_tools(tools)
+            raise
+        env.spec = dataclasses.replace(gymnasium.spec(self.gymnasium_id), kwargs=kwargs)
+        return env
+
+    def _build(self, kwargs: dict[str, Any]) -> Env:
         factory = self.load()
         where = f"make({self.id!r})"
         _check_binds(factory, kwargs, where)
@@ -116,7 +130,6 @@ class EnvSpec:
             raise OptionTypeError(f"{where}: {e}") from None
         if not isinstance(env, Env):
             raise TypeError(f"the entry point of {self.id!r} returned {type(env).__name__}, not an agentenv.Env")
-        env.spec = dataclasses.replace(gymnasium.spec(self.gymnasium_id), kwargs=kwargs)
         return env
 
 

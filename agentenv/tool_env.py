@@ -29,7 +29,7 @@ from agentenv.graders import Grade, extract_answer, grade, normalize_answer
 from agentenv.options import Option, OptionError, OptionRule, check_options, unknown_option
 from agentenv.parsers import PARSERS, Action, ToolCallParser, get_parser
 from agentenv.rewards import REWARD_SCHEMES, RewardScheme, acall_reward, get_reward
-from agentenv.tools import Tool, ToolError, as_tool
+from agentenv.tools import Tool, ToolError, as_tool, check_tool_name, close_tools
 
 __all__ = ["EpisodeState", "ToolEnv", "Turn"]
 
@@ -184,6 +184,7 @@ class ToolEnv(Env):
         self.tasks = tasks
         self.tools: dict[str, Tool] = {}
         for t in map(as_tool, tools):
+            check_tool_name(t.name)
             if t.name in self.tools or t.name == "answer":
                 raise ValueError(f"tool name {t.name!r} is used twice (or is the reserved `answer`)")
             self.tools[t.name] = t
@@ -443,10 +444,7 @@ class ToolEnv(Env):
 
     def close(self) -> None:
         super().close()  # closed first: a tool that fails to close still leaves the env unusable
-        for t in self.tools.values():
-            close = getattr(t.fn, "close", None)
-            if t.stateful and callable(close):
-                close()
+        close_tools(self.tools.values())
 
 
 def _parameters(cls: type) -> dict[str, inspect.Parameter]:

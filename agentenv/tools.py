@@ -37,10 +37,11 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import typing
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,7 +49,7 @@ from typing import Any
 import docstring_parser
 import pydantic
 
-__all__ = ["Tool", "ToolError", "as_tool", "tool"]
+__all__ = ["Tool", "ToolError", "as_tool", "check_tool_name", "close_tools", "tool"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ _MAX_TOOL_THREADS = 256
 _IDLE_SECONDS = 60.0  # an idle worker thread exits after this long
 
 _Job = tuple[Future[Any], contextvars.Context, Callable[..., Any], dict[str, Any]]
+
+# What a tool may be called: the model writes the name as a tag (<name>…</name>) or a JSON string, so
+# no spaces, angle brackets or slashes; MCP's rule for tool names (1 to 128 of these characters).
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 class ToolError(Exception):
@@ -324,6 +329,29 @@ def _make_tool(fn: Callable[..., Any], name: str | None, description: str | None
         "required": schema.get("required", []),
     }
     return Tool(tool_name, summary, parameters, fn, stateful=stateful, blocking=blocking, _model=model)
+
+
+def check_tool_name(name: str) -> None:
+    """Raise ``ValueError``, naming ``name``, unless the model can write it: 1 to 128 ASCII letters, digits, ``_-.``."""
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise ValueError(
+            f"tool name {name!r} is not valid: a tool name is 1 to 128 ASCII letters, digits, '_', '-' or '.' "
+            "(the model writes it as a tag, <name>…</name>)"
+        )
+
+
+def close_tools(tools: Iterable[Tool | Callable[..., Any]]) -> None:
+    """Close the stateful tools that have a ``close()`` (an environment's, when it closes or is never built)."""
+    for t in tools:
+        # A bare callable is stateful as tool() makes it: an object, not a function.
+        fn, stateful = (
+            (t.fn, t.stateful)
+            if isinstance(t, Tool)
+            else (t, not (inspect.isfunction(t) or inspect.ismethod(t) or inspect.isbuiltin(t)))
+        )
+        close = getattr(fn, "close", None)
+        if stateful and callable(close):
+            close()
 
 
 def as_tool(obj: Tool | Callable[..., Any]) -> Tool:

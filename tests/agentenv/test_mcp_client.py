@@ -1,15 +1,19 @@
 """MCP servers' tools as agentenv tools, against the real server of mcp_server.py over stdio and streamable HTTP."""
 
+import json
 import socket
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from pathlib import Path
 
+import psutil
 import pytest
 
 import agentenv
+import agentenv.mcp_client
 from agentenv import MCPHttpServer, MCPStdioServer, ToolEnv, mcp_tools
 from agentenv.datasets import Example
 from agentenv.testing import EnvCheckError, check_env
@@ -96,9 +100,13 @@ def test_an_error_result_and_a_timeout_are_observations(server):
         f"Error: {NAME}, tool `incr`: the tool reported an error: Error executing tool incr: 1 validation error"
     )
     obs, reward, terminated, truncated, _ = env.step("<sleep>30</sleep>")
-    assert obs == f"Error: {NAME}, tool `sleep`: no answer within 0.5 s; the call was cancelled"
+    assert obs == (
+        f"Error: {NAME}, tool `sleep`: no answer within 0.5 s; the call was cancelled and its session closed "
+        "(a server stuck on it would hold up every later call); the next call opens a new session, which first "
+        "replays the 2 earlier calls of this episode"
+    )
     assert (reward, terminated, truncated) == (0.0, False, False)
-    assert env.step("<sleep>0</sleep>")[0] == "slept 0.0"  # the session survives a timeout
+    assert env.step("<sleep>0</sleep>")[0] == "slept 0.0"  # a new session
     env.close()
 
 
@@ -266,14 +274,207 @@ def test_bad_servers_and_options_fail_at_mcp_tools():
 
 
 async def test_a_stdio_server_starts_when_sys_stderr_has_no_file_descriptor(monkeypatch):
-    # pytest's capture and some notebooks replace sys.stderr with a stream the subprocess cannot inherit;
-    # the SDK's stdio_client binds the sys.stderr of its import as its default errlog
+    # pytest's capture and some notebooks replace sys.stderr with a stream the subprocess cannot inherit
     import io
 
-    import mcp.client.stdio
-
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    monkeypatch.setattr(mcp.client.stdio.stdio_client.__wrapped__, "__defaults__", (sys.stderr,))
     tools = {t.name: t for t in mcp_tools(STDIO, fork="share")}
     assert await tools["incr"].acall({"key": "no-fileno"}) == "no-fileno=1"
     tools["incr"].fn.close()
+
+
+# -- hostile servers (mcp_hostile_server.py): wedged sessions, endless listings, floods, leaked processes ----------
+
+HOSTILE_FILE = Path(__file__).with_name("mcp_hostile_server.py")
+HOSTILE = "MCP server `hostile`"
+
+
+def hostile(mode, *extra):
+    """A hostile server, and the token that marks its process (see :func:`processes_of`)."""
+    token = f"token-{uuid.uuid4().hex}"
+    return MCPStdioServer(sys.executable, [str(HOSTILE_FILE), mode, token, *extra]), token
+
+
+def processes_of(token):
+    """The pids of the server marked with ``token`` and of every process it started."""
+    pids = []
+    for process in psutil.process_iter(["cmdline"]):
+        if token in (process.info["cmdline"] or []):
+            pids += [process.pid, *(child.pid for child in process.children(recursive=True))]
+    return pids
+
+
+def alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def json_env(tools, **options):
+    return ToolEnv([TASK], tools, parser="json", require_boxed=False, **options)
+
+
+def call(name, **arguments):
+    return f'<tool_call>{{"name": "{name}", "arguments": {json.dumps(arguments)}}}</tool_call>'
+
+
+def test_a_timed_out_session_is_closed_and_the_next_call_reconnects_and_replays():
+    # Before: the session stayed open, stuck behind the call, and every later call of the episode timed out too.
+    server, token = hostile("hang")
+    env = json_env(mcp_tools(server, fork="replay", timeout_s=0.5))
+    env.reset()
+    assert env.step(call("incr", key="k"))[0] == "k=1"
+    assert env.step(call("incr", key="k"))[0] == "k=2"
+    stuck = processes_of(token)
+    assert env.step(call("hang"))[0] == (
+        f"Error: {HOSTILE}, tool `hang`: no answer within 0.5 s; the call was cancelled and its session closed "
+        "(a server stuck on it would hold up every later call); the next call opens a new session, which first "
+        "replays the 2 earlier calls of this episode"
+    )
+    assert env.step(call("get", key="k"))[0] == "k=2"  # a new server process, the episode's state replayed
+    assert env.step(call("incr", key="k"))[0] == "k=3"
+    fork = env.fork()  # the timed-out call is not replayed in a fork either
+    assert fork.step(call("get", key="k"))[0] == "k=3"
+    env.close()
+    fork.close()
+    assert [pid for pid in stuck if alive(pid)] == []
+
+
+def test_a_timeout_under_share_reconnects_without_replaying():
+    server, _ = hostile("hang")
+    env = json_env(mcp_tools(server, fork="share", timeout_s=0.5))
+    env.reset()
+    assert env.step(call("incr", key="k"))[0] == "k=1"
+    assert env.step(call("hang"))[0] == (
+        f"Error: {HOSTILE}, tool `hang`: no answer within 0.5 s; the call was cancelled and its session closed "
+        "(a server stuck on it would hold up every later call); the next call opens a new session"
+    )
+    assert env.step(call("get", key="k"))[0] == "k=0"  # a new process: nothing to replay under "share"
+    env.close()
+
+
+async def test_a_large_result_comes_back_whole():
+    server, _ = hostile("hang")
+    tools = {t.name: t for t in mcp_tools(server, fork="share")}
+    result = await tools["big"].acall({"n": 3_000_001})  # many reads of the pipe make one line
+    assert (len(result), set(result)) == (3_000_001, {"x"})
+    assert await tools["get"].acall({"key": "k"}) == "k=0"
+    tools["big"].fn.close()
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["server-alive", "server-crashed"])
+def test_no_process_of_the_server_outlives_env_close(crash):
+    # Before: the `sleep` that a tool started lived on under PID 1, whether the server was alive or crashed.
+    server, token = hostile("hang")
+    env = json_env(mcp_tools(server, fork="replay"))
+    env.reset()
+    child = int(env.step(call("spawn"))[0])
+    pids = processes_of(token)
+    assert child in pids and all(alive(pid) for pid in pids)
+    if crash:
+        psutil.Process(pids[0]).kill()  # the server dies; its child stays in its process group
+        assert env.step(call("get", key="k"))[0] == f"Error: {HOSTILE}, tool `get`: {LOST}"
+    env.close()
+    assert [pid for pid in pids if alive(pid)] == []
+
+
+def test_a_rejected_make_ends_the_server_and_its_children():
+    # Before: make() raised, and the server (and its child) were still alive 10 s later.
+    server, token = hostile("answer")
+    tools = mcp_tools(server, fork="replay")
+    pids = processes_of(token)
+    assert len(pids) == 2 and all(alive(pid) for pid in pids)  # the server and the `sleep` it started
+    with pytest.raises(ValueError, match=r"^tool name 'answer' is used twice \(or is the reserved `answer`\)$"):
+        agentenv.make("multihop-qa", tools=tools)
+    assert [pid for pid in pids if alive(pid)] == []
+
+
+def test_an_endless_listing_stops_at_max_tools_with_a_warning():
+    # Before: mcp_tools never returned, its memory growing.
+    server, _ = hostile("endless")
+    with pytest.warns(UserWarning) as record:
+        tools = mcp_tools(server, fork="share", max_tools=5)
+    assert [t.name for t in tools] == ["tool_0", "tool_1", "tool_2", "tool_3", "tool_4"]
+    assert [str(w.message) for w in record] == [
+        f"{HOSTILE}: what enters the prompt is capped: it lists more than 5 tools; the first 5 are used "
+        "(max_tools). mcp_tools(max_tools=, max_description_chars=, max_schema_chars=) raise the caps"
+    ]
+    tools[0].fn.close()
+
+
+def test_endless_empty_pages_fail_after_the_page_cap(monkeypatch):
+    monkeypatch.setattr(agentenv.mcp_client, "MAX_LIST_PAGES", 30)  # the default, 1000, takes a few seconds
+    server, token = hostile("empty-pages")
+    with pytest.raises(ConnectionError) as raised:
+        mcp_tools(server, fork="share")
+    assert str(raised.value) == (
+        f"{HOSTILE}: could not list the tools: the listing did not end within 30 pages (the server gives a next "
+        "cursor every time; 0 tools so far)"
+    )
+    assert processes_of(token) == []
+
+
+def test_a_listing_that_outlasts_its_deadline_fails():
+    server, token = hostile("slow-pages")  # half a second a page, without end
+    with pytest.raises(ConnectionError) as raised:
+        mcp_tools(server, fork="share", connect_timeout_s=5)
+    assert str(raised.value) == f"{HOSTILE}: could not list the tools within 5 s"
+    assert processes_of(token) == []
+
+
+def test_descriptions_schemas_and_tool_count_are_capped_in_the_prompt():
+    # Before: the 100,000-character description and the 2,000-property schema entered the prompt whole.
+    server, _ = hostile("flood")
+    with pytest.warns(UserWarning) as record:
+        tools = mcp_tools(server, fork="share", max_tools=2)
+    assert [str(w.message) for w in record] == [
+        f"{HOSTILE}: what enters the prompt is capped: it lists more than 2 tools; the first 2 are used (max_tools); "
+        "the descriptions of `long` are cut to 2048 characters (max_description_chars); `wide` is left out: an "
+        "input schema over 4096 characters (max_schema_chars). mcp_tools(max_tools=, max_description_chars=, "
+        "max_schema_chars=) raise the caps"
+    ]
+    assert [t.name for t in tools] == ["long"]
+    assert tools[0].description == "x" * 2047 + "…"
+    env = ToolEnv([TASK], tools)
+    env.reset()
+    assert len(env.state.prompt) < 3000
+    env.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing over the caps: no warning
+        tools = mcp_tools(server, fork="share", max_description_chars=100_000, max_schema_chars=100_000)
+    assert [(t.name, len(t.description), len(t.parameters["properties"])) for t in tools] == [
+        ("long", 100_000, 0),
+        ("wide", 7, 2000),
+        ("ok", 17, 0),
+    ]
+    tools[0].fn.close()
+
+
+@pytest.mark.parametrize("name", ["", "a b", "<x>", "a/b", "x" * 129])
+def test_a_tool_name_the_model_cannot_write_is_refused(name):
+    # Before: the tools were accepted, shown in the prompt and callable.
+    server, token = hostile("name", name)
+    with pytest.raises(ValueError) as raised:
+        mcp_tools(server, fork="share")
+    assert str(raised.value) == (
+        f"{HOSTILE}: tool name {name!r} is not valid: a tool name is 1 to 128 ASCII letters, digits, '_', '-' or '.' "
+        "(the model writes it as a tag, <name>…</name>)"
+    )
+    assert processes_of(token) == []
+
+
+def test_a_tool_env_refuses_a_tool_name_the_model_cannot_write():
+    @agentenv.tool(name="look up")
+    def look_up(term: str) -> str:
+        """Look a term up."""
+        return term
+
+    with pytest.raises(ValueError) as raised:
+        ToolEnv([TASK], [look_up])
+    assert str(raised.value) == (
+        "tool name 'look up' is not valid: a tool name is 1 to 128 ASCII letters, digits, '_', '-' or '.' "
+        "(the model writes it as a tag, <name>…</name>)"
+    )
+    dotted = agentenv.tool(name="notes.read-v2")(look_up.fn)  # MCP's names: dots and hyphens
+    assert list(ToolEnv([TASK], [dotted]).tools) == ["notes.read-v2"]
