@@ -53,6 +53,7 @@ __all__ = [
     "UnanswerableMode",
     "builtin_path",
     "detect_format",
+    "file_format",
     "load_aliases",
     "load_examples",
     "read_rows",
@@ -166,6 +167,28 @@ def detect_format(row: Mapping[str, Any]) -> str:
         f"unrecognised fields {sorted(row)[:8]}; expected one of the formats "
         "hotpotqa, ircot, musique, flashrag or plain ({'question', 'answers'})"
     )
+
+
+def file_format(source: str | Path) -> str:
+    """The format of a QA file, or of a shipped dataset by name: its first row's, as :func:`load_examples` reads it.
+
+    Raises :class:`DatasetError` as :func:`load_examples` does for a missing, empty or unreadable file.
+    """
+    path = builtin_path(source) if isinstance(source, str) and source in BUILTIN_DATASETS else Path(source)
+    if not path.is_file():
+        raise DatasetError(f"no such data file: {path} (shipped datasets: {sorted(BUILTIN_DATASETS)})")
+    return _file_format(path.resolve(), path.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=32)
+def _file_format(path: Path, mtime_ns: int) -> str:
+    lineno, row = next(read_rows(path))
+    try:
+        if not isinstance(row, dict):
+            raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+        return detect_format(row)
+    except (KeyError, ValueError) as e:
+        raise DatasetError(f"{path}:{lineno}: {e.args[0]}") from None
 
 
 def _as_answers(value: Any) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ Two word-level F1s (``f1=`` of :func:`f1_score` and :func:`grade`):
 - ``"hotpotqa"``: the official HotpotQA script's (``hotpot_evaluate_v1.py``, ``f1_score``), also
   2WikiMultihopQA's (``2wikimultihop_evaluate_v1.1.py``), FlashRAG's and the ATPO/ARPO reward
   code's: 0 when the prediction or the gold normalises to ``yes``, ``no`` or ``noanswer`` and the
-  two differ. :data:`DATASET_F1` says which shipped dataset uses which.
+  two differ. :data:`DATASET_F1` says which shipped dataset uses which, :data:`FORMAT_F1` which
+  data-file format implies which.
 
 Two cover-EMs: :func:`cover_exact_match` (FlashRAG's ``Sub_ExactMatch`` and Search-R1's
 ``subem_check``: the normalised gold is a substring of the normalised prediction) and
@@ -58,6 +59,7 @@ __all__ = [
     "BOX_RULES",
     "DATASET_F1",
     "F1_VARIANTS",
+    "FORMAT_F1",
     "HOTPOTQA_SPECIAL_ANSWERS",
     "MATH_TIMEOUT",
     "BoxRule",
@@ -69,6 +71,7 @@ __all__ = [
     "extract_answer",
     "extract_boxed",
     "f1_score",
+    "format_f1",
     "grade",
     "math_equal",
     "normalize_answer",
@@ -91,6 +94,12 @@ DATASET_F1: dict[str, F1Variant] = {
     "2wiki": "hotpotqa",  # Alab-NII/2wikimultihop, 2wikimultihop_evaluate_v1.1.py (adapted from HotpotQA's)
 }
 
+#: The F1 that a data file's format implies (:func:`agentenv.datasets.detect_format`); a format not
+#: listed uses ``"squad"``. Only the official HotpotQA format names its benchmark: HotpotQA's and
+#: 2WikiMultihopQA's releases share it, and both official scripts apply the yes/no rule. IRCoT's
+#: format holds HotpotQA, 2Wiki and MuSiQue alike, so it implies nothing.
+FORMAT_F1: dict[str, F1Variant] = {"hotpotqa": "hotpotqa"}
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
@@ -104,6 +113,11 @@ def normalize_answer(text: str) -> str:
 def dataset_f1(dataset: str | None) -> F1Variant:
     """The F1 that ``dataset``'s official evaluation computes (see :data:`DATASET_F1`); ``"squad"`` if unknown."""
     return DATASET_F1.get(dataset or "", "squad")
+
+
+def format_f1(data_format: str) -> F1Variant:
+    """The F1 that a data file in ``data_format`` is graded with (see :data:`FORMAT_F1`); ``"squad"`` if unknown."""
+    return FORMAT_F1.get(data_format, "squad")
 
 
 def exact_match(prediction: str, golds: Iterable[str]) -> float:

@@ -13,9 +13,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, get_args
 
-from agentenv.datasets import UNANSWERABLE, Example, Paragraph, UnanswerableMode, load_examples, union_corpus
+from agentenv.datasets import (
+    UNANSWERABLE,
+    Example,
+    Paragraph,
+    UnanswerableMode,
+    file_format,
+    load_examples,
+    union_corpus,
+)
 from agentenv.envs.math import PYTHON_OPTIONS
-from agentenv.graders import F1_VARIANTS, BoxRule, F1Variant, dataset_f1, grade
+from agentenv.graders import F1_VARIANTS, BoxRule, F1Variant, dataset_f1, format_f1, grade
 from agentenv.options import PATH, Option, OptionError, OptionRule, OptionTypeError
 from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
 from agentenv.rewards import RewardScheme, get_reward
@@ -114,12 +122,15 @@ def qa_reward_and_grader(
     require_boxed: bool = True,
     f1: F1Variant | None = None,
     dataset: str | None = None,
+    data_format: str | None = None,
 ) -> tuple[Callable[..., float], Callable[..., Any]]:
     """The reward callable and the matching grader of a QA environment.
 
     The grader reads the answer with the scheme's box rule and computes the F1 named by ``f1``,
     else the scheme's (HotpotQA's for the papers' schemes, as their code computes it for every
-    dataset), else the dataset's own (:func:`agentenv.graders.dataset_f1`: HotpotQA's for
+    dataset), else the one that ``data_format`` (the format detected in a user's data file)
+    implies (:func:`agentenv.graders.format_f1`: HotpotQA's for the official HotpotQA/2Wiki
+    format), else the dataset's own (:func:`agentenv.graders.dataset_f1`: HotpotQA's for
     ``hotpotqa`` and ``2wiki``, SQuAD's for the rest). With
     ``require_boxed=False`` (Search-R1's ``<answer> Beijing </answer>``) a papers' scheme keeps
     its metric and bonus but drops its format rules (box, ``<think>`` pair, one ``<answer>``),
@@ -133,7 +144,7 @@ def qa_reward_and_grader(
         if not require_boxed:
             fn = dataclasses.replace(fn, require_think=False, single_answer=False, call_tags=(), box="lenient")
         box, scheme_f1 = fn.box, fn.f1
-    variant = f1 or scheme_f1 or dataset_f1(dataset)
+    variant = f1 or scheme_f1 or (format_f1(data_format) if data_format is not None else dataset_f1(dataset))
     return fn, functools.partial(grade, require_boxed=require_boxed, box=box, f1=variant)
 
 
@@ -158,7 +169,8 @@ class QAEnv(ToolEnv):
         reward: A scheme name (default ``"em"``) or a callable; the papers' schemes (``at2po``,
             ``aepo``, ``arpo``) bring their format rules and F1 (see :func:`qa_reward_and_grader`).
         f1: The grade's F1, ``"squad"`` or ``"hotpotqa"`` (default: the scheme's, else the
-            dataset's official one, ``squad`` for a ``data`` file).
+            dataset's official one; for a ``data`` file, the one its detected format implies:
+            ``hotpotqa`` for the official HotpotQA/2Wiki format, else ``squad``).
         example: ``True`` shows :data:`SEARCH_EXAMPLE` before the question (one-shot prompting
             for small models), a string shows that episode instead; ``False`` (default) none.
         **options: The options of :class:`~agentenv.tool_env.ToolEnv` (``parser``,
@@ -210,11 +222,16 @@ class QAEnv(ToolEnv):
             }
         )
         require_boxed = options.get("require_boxed", True)
+        examples = load_examples(data if data is not None else dataset, aliases=aliases, unanswerable=unanswerable)
+        # A user's file is graded as its format implies, not as the shipped `dataset` it replaces.
         reward_fn, grader = qa_reward_and_grader(
-            reward, require_boxed=require_boxed, f1=f1, dataset=dataset if data is None else None
+            reward,
+            require_boxed=require_boxed,
+            f1=f1,
+            dataset=dataset,
+            data_format=file_format(data) if data is not None else None,
         )
         options.setdefault("grader", grader)
-        examples = load_examples(data if data is not None else dataset, aliases=aliases, unanswerable=unanswerable)
         if any(e.meta.get("answerable") is False for e in examples):
             template = options.get("prompt_template", PROMPT_TEMPLATE)
             options["prompt_template"] = template.replace("{question}", "{question}" + UNANSWERABLE_NOTE, 1)

@@ -10,6 +10,7 @@ from agentenv.datasets import (
     Paragraph,
     builtin_path,
     detect_format,
+    file_format,
     load_examples,
     union_corpus,
 )
@@ -134,6 +135,31 @@ def test_formats_are_detected(tmp_path):
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"data": [plain]}, indent=2))
     assert load_examples(wrapped)[0].question == "Q?"
+
+
+def test_the_format_of_a_file_or_a_shipped_dataset(tmp_path):
+    shipped = {name: file_format(name) for name in BUILTIN_DATASETS}
+    assert shipped == {
+        "hotpotqa": "ircot",
+        "hotpotqa-official": "hotpotqa",
+        "2wiki": "hotpotqa",
+        "musique": "musique",
+        "bamboogle": "flashrag",
+        "nq": "flashrag",
+        "triviaqa": "flashrag",
+        "popqa": "flashrag",
+        "math500": "math",
+        "gsm8k": "gsm8k",
+    }
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps([{"question": "q?", "answers": ["a"]}]))
+    assert file_format(listed) == "plain"
+    with pytest.raises(DatasetError, match=r"^no such data file: .*nowhere\.json"):
+        file_format(tmp_path / "nowhere.json")
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text('{"prompt": "q?"}\n')
+    with pytest.raises(DatasetError, match=r"unknown\.jsonl:1: unrecognised fields \['prompt'\]"):
+        file_format(unknown)
 
 
 def test_bad_rows_name_file_and_line(tmp_path):

@@ -16,6 +16,7 @@ from agentenv.graders import (
     extract_answer,
     extract_boxed,
     f1_score,
+    format_f1,
     grade,
     math_equal,
     normalize_answer,
@@ -72,6 +73,8 @@ def test_which_dataset_uses_which_f1():
     # MuSiQue (metrics/answer.py), NQ, TriviaQA, PopQA and Bamboogle score SQuAD's F1.
     assert [dataset_f1(d) for d in ("hotpotqa", "hotpotqa-official", "2wiki")] == ["hotpotqa"] * 3
     assert [dataset_f1(d) for d in ("musique", "bamboogle", "nq", "triviaqa", "popqa", None)] == ["squad"] * 6
+    # A data file's format: only the official HotpotQA/2Wiki one names its benchmark (IRCoT's holds several).
+    assert [format_f1(f) for f in ("hotpotqa", "ircot", "musique", "flashrag", "plain")] == ["hotpotqa"] + ["squad"] * 4
     assert grade("\\boxed{yes, it is}", ["yes"], f1="hotpotqa").f1 == 0.0
     assert grade("\\boxed{yes, it is}", ["yes"]).f1 == 0.5
     with pytest.raises(ValueError, match=r"unknown F1 'bleu'; choose one of \['squad', 'hotpotqa'\]"):

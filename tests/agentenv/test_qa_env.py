@@ -1,4 +1,5 @@
 import asyncio
+import json
 
 import gymnasium
 import pytest
@@ -142,6 +143,29 @@ def test_each_dataset_is_graded_with_its_official_f1(env_id, index, f1):
     squad = agentenv.make(env_id, reward="f1", f1="squad")  # the choice can be made by hand
     squad.reset(options={"index": index})
     assert squad.step("<answer>\\boxed{yes, it is}</answer>")[1] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "rows_as, f1, expected",
+    [
+        ("official", None, 0.0),  # hotpot_evaluate_v1.py: gold "no", "no, it is not" -> 0
+        ("official", "squad", 0.4),  # chosen by hand: SQuAD's F1, 1 common word of 4 and of 1: P=1/4, R=1
+        ("plain", None, 0.4),  # the same rows in a format that names no benchmark: SQuAD's
+    ],
+)
+def test_a_data_file_is_graded_with_the_f1_its_format_implies(tmp_path, rows_as, f1, expected):
+    # Before: a user's official-format HotpotQA file was graded with SQuAD's F1 (the shipped data's
+    # format decided, not the file's): 52 of 1,992 graded variants differed from the official script.
+    rows = [json.loads(line) for line in agentenv.datasets.builtin_path("hotpotqa-official").read_text().splitlines()]
+    if rows_as == "plain":
+        rows = [{"question": r["question"], "answers": [r["answer"]]} for r in rows]
+    data = tmp_path / "dev.json"
+    data.write_text(json.dumps(rows))  # the official release is one JSON list
+    env = agentenv.make("multihop-qa", data=str(data), reward="f1", **({"f1": f1} if f1 else {}))
+    env.reset(options={"index": 8})
+    assert env.state.task.answers == ("no",)
+    reward, _, _, info = env.step("<answer>\\boxed{no, it is not}</answer>")[1:]
+    assert (reward, info["grade"]["f1"]) == (pytest.approx(expected), pytest.approx(expected))
 
 
 def test_a_grader_given_to_the_env_is_used_as_it_is():
