@@ -195,6 +195,9 @@ def mcp_tools(
     except ValueError:
         session.release(wait=True)
         raise
+    if not shown:  # no tool will hold the session, so nothing would close it
+        session.release(wait=True)
+        return []
     branch = _Branch(group, session)
     return [
         Tool(name, description, parameters, _MCPCall(name, branch), stateful=True)

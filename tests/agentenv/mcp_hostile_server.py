@@ -14,10 +14,14 @@ the process so that a test finds it (and only it) among the running ones. The mo
 - ``flood``: a tool with a 100,000-character description, one whose input schema has 2,000
   properties, and an ordinary one.
 - ``name``: one tool, named NAME.
+- ``none``: no tools.
+- ``random``: a listing drawn from the seed NAME: up to 300 tools over pages of random sizes, odd
+  names among them, descriptions of up to 100,000 characters, schemas of up to 600 properties.
 """
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import time
@@ -53,13 +57,36 @@ TOOLS = {
         _tool("ok", "An ordinary tool."),
     ],
     "name": [_tool(sys.argv[3] if len(sys.argv) > 3 else "")],
+    "none": [],
 }
+
+
+def _random_listing(seed: str) -> list[list[types.Tool]]:
+    """Pages of tools for mode ``random``: writable names, but for one in some listings."""
+    rng = random.Random(seed)
+    count = rng.choice([0, 3, 40, 300])
+    odd = rng.randrange(count) if count and rng.random() < 0.3 else None  # one listing in three names one badly
+    tools = []
+    for i in range(count):
+        name = rng.choice(["", "a b", "<x>", "a/b", "é", "x" * 129]) if i == odd else f"t{i}"
+        properties = {f"p{j}": {"type": "string"} for j in range(rng.choice([0, 3, 600]))}
+        description = "d" * rng.choice([0, 10, 3000, 100_000])
+        tools.append(_tool(name, description, {"type": "object", "properties": properties}))
+    pages, start = [], 0
+    while start < len(tools) or not pages:
+        size = rng.choice([0, 1, 7, 100])
+        pages.append(tools[start : start + size])
+        start += size
+    return pages
 
 
 async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
     page = int(params.cursor) if params is not None and params.cursor else 0
     if MODE == "endless":
         return types.ListToolsResult(tools=[_tool(f"tool_{page}")], next_cursor=str(page + 1))
+    if MODE == "random":
+        pages = _random_listing(sys.argv[3])
+        return types.ListToolsResult(tools=pages[page], next_cursor=str(page + 1) if page + 1 < len(pages) else None)
     if MODE in ("empty-pages", "slow-pages"):
         if MODE == "slow-pages":
             await anyio.sleep(0.5)

@@ -298,3 +298,69 @@ def test_browse_answers_hostile_pages_with_an_observation():
     finally:
         env.close()
         server.stop()
+
+
+# -- tool names and MCP servers' listings, hostile (issue 40) -------------------------------------
+
+NAME_PALETTE = "abZ09_-." * 4 + " <>/\"'\\{}\n\té中"
+MCP_LISTINGS = 8  # seeds of mcp_hostile_server.py's random mode: about half a second each
+
+
+def _echo(text: str) -> str:
+    return f"echo:{text}"
+
+
+@pytest.mark.parametrize("parser", ["xml", "json"])
+def test_a_tool_name_is_accepted_exactly_when_the_model_can_call_it(parser):
+    rng = random.Random(f"{SEED}-names-{parser}")
+    task = agentenv.datasets.Example("q", "q?", ("a",))
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}}}
+    for _ in range(300):
+        name = "".join(rng.choice(NAME_PALETTE) for _ in range(rng.choice([0, 1, 3, 8, 128, 129])))
+        writable = 1 <= len(name) <= 128 and all(c.isascii() and (c.isalnum() or c in "_-.") for c in name)
+        try:
+            env = agentenv.ToolEnv([task], [agentenv.Tool(name, "Echo.", parameters, _echo)], parser=parser)
+        except ValueError as e:
+            assert not writable and repr(name) in str(e), (name, str(e))
+            continue
+        assert writable, name
+        env.reset()
+        action = (
+            f'<tool_call>{{"name": {json.dumps(name)}, "arguments": {{"text": "x"}}}}</tool_call>'
+            if parser == "json"
+            else f"<{name}>x</{name}>"
+        )
+        assert env.step(action)[0] == "echo:x", name
+
+
+@pytest.mark.parametrize("seed", range(MCP_LISTINGS))
+def test_mcp_listings_enter_the_prompt_capped_or_are_refused(seed):
+    import sys
+    import warnings
+    from pathlib import Path
+
+    import psutil
+
+    from agentenv.mcp_client import DEFAULT_MAX_DESCRIPTION_CHARS, DEFAULT_MAX_SCHEMA_CHARS, DEFAULT_MAX_TOOLS
+
+    token = f"fuzz-{SEED}-{seed}-{time.time_ns()}"
+    script = str(Path(__file__).with_name("mcp_hostile_server.py"))
+    server = agentenv.MCPStdioServer(sys.executable, [script, "random", token, f"{SEED}-{seed}"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a capped listing warns; what it keeps is checked below
+            tools = agentenv.mcp_tools(server, fork="share")
+    except ValueError as e:
+        assert str(e).startswith("MCP server `hostile`: tool name "), str(e)
+    else:
+        assert len(tools) <= DEFAULT_MAX_TOOLS
+        for t in tools:
+            assert len(t.description) <= DEFAULT_MAX_DESCRIPTION_CHARS, t.name
+            assert len(json.dumps(t.parameters, ensure_ascii=False)) <= DEFAULT_MAX_SCHEMA_CHARS, t.name
+        if tools:
+            env = agentenv.ToolEnv([agentenv.datasets.Example("q", "q?", ("a",))], tools)
+            prompt = env.reset()[0]
+            assert len(prompt) < DEFAULT_MAX_TOOLS * (DEFAULT_MAX_DESCRIPTION_CHARS + 200) + 2000
+            env.close()  # a listing with no tools to show has closed its session itself
+    survivors = [p.pid for p in psutil.process_iter(["cmdline"]) if token in (p.info["cmdline"] or [])]
+    assert survivors == [], f"seed {seed}: the server outlived close"

@@ -451,6 +451,13 @@ def test_descriptions_schemas_and_tool_count_are_capped_in_the_prompt():
     tools[0].fn.close()
 
 
+def test_a_server_without_tools_is_not_left_running():
+    # Before: no tool held the listing's session, so nothing ever closed it.
+    server, token = hostile("none")
+    assert mcp_tools(server, fork="share") == []
+    assert processes_of(token) == []
+
+
 @pytest.mark.parametrize("name", ["", "a b", "<x>", "a/b", "x" * 129])
 def test_a_tool_name_the_model_cannot_write_is_refused(name):
     # Before: the tools were accepted, shown in the prompt and callable.
