@@ -460,10 +460,10 @@ def paired_table(
         display = SCORE_DISPLAY[name]
         scale, unit = (100.0, " %") if display.bounds == FRACTION else (1.0, "")
         a, b = before.per_question[name], after.per_question[name]
-        diff = paired_difference(a, b)
+        mean_a, mean_b, diff = statistics.fmean(a), statistics.fmean(b), paired_difference(a, b)
         numbers[name] = {
-            labels[0]: statistics.fmean(a),
-            labels[1]: statistics.fmean(b),
+            labels[0]: mean_a,
+            labels[1]: mean_b,
             "difference": diff.mean,
             "difference_low": diff.low,
             "difference_high": diff.high,
@@ -471,8 +471,8 @@ def paired_table(
         body.append(
             [
                 display.name + unit,
-                f"{scale * statistics.fmean(a):.1f}" if scale > 1 else f"{statistics.fmean(a):.2f}",
-                f"{scale * statistics.fmean(b):.1f}" if scale > 1 else f"{statistics.fmean(b):.2f}",
+                f"{scale * mean_a:.1f}" if scale > 1 else f"{mean_a:.2f}",
+                f"{scale * mean_b:.1f}" if scale > 1 else f"{mean_b:.2f}",
                 f"{scale * diff.mean:+.1f} [{scale * diff.low:+.1f}, {scale * diff.high:+.1f}]",
             ]
         )

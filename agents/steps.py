@@ -132,19 +132,19 @@ async def sample_with_signal(
     want = len(tasks)
     sampled = _score_budget_cut(await roll(tasks, 0), budget_reward)
     rounds = 1
-    while (missing := want - sum(map(has_signal, sampled))) > 0 and len(sampled) < most:
-        with_signal = sum(map(has_signal, sampled))
-        more = min(most - len(sampled), math.ceil(missing * len(sampled) / max(with_signal, 1)))  # eq. 82
+    while (with_signal := sum(map(has_signal, sampled))) < want and len(sampled) < most:
+        more = min(most - len(sampled), math.ceil((want - with_signal) * len(sampled) / max(with_signal, 1)))  # eq. 82
         sampled += _score_budget_cut(await roll(take(more), rounds), budget_reward)
         rounds += 1
     kept = [prompt for prompt in sampled if has_signal(prompt)][:want] or sampled[:want]
-    dropped = [prompt for prompt in sampled if not any(prompt is k for k in kept)]
+    kept_ids = {id(prompt) for prompt in kept}
+    dropped = [prompt for prompt in sampled if id(prompt) not in kept_ids]
     return kept, {
         "sampling/rounds": float(rounds),
         "sampling/prompts": float(len(sampled)),
         "sampling/prompts_kept": float(len(kept)),
         "sampling/prompts_dropped": float(len(dropped)),
-        "sampling/signal_frac": sum(map(has_signal, sampled)) / len(sampled),
+        "sampling/signal_frac": with_signal / len(sampled),
         "sampling/tokens": float(_tokens(sampled)),
         "sampling/tokens_dropped": float(_tokens(dropped)),
     }
@@ -159,7 +159,10 @@ def _score_budget_cut(prompts: list[PromptTrees], budget_reward: float | None) -
 
 
 def _credit(parts: RunParts, prompts: list[PromptTrees], budget_reward: float | None) -> list[TrainingPath]:
-    """Step 3: the training paths of the finished trees of ``prompts``, each prompt's credit on its own trees."""
+    """Step 3: the training paths of the finished trees of ``prompts``, each prompt's credit on its own trees.
+
+    Budget-cut leaves are scored here too (again, idempotently, after dynamic sampling): a streamed
+    prompt (``PipelinedSteps`` with ``accumulate``) reaches the trainer before its step's rollout returns."""
     _score_budget_cut(prompts, budget_reward)
     paths: list[TrainingPath] = []
     for prompt in prompts:
