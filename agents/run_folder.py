@@ -28,10 +28,19 @@ if TYPE_CHECKING:
     from agents.cluster.trainer_ranks import TrainerGroup
     from agents.training.trainer import Trainer
 
-__all__ = ["CONFIG_FILE", "prepare_run_folder", "require_the_runs_algorithm", "resume_trainer", "saved_config"]
+__all__ = [
+    "CONFIG_FILE",
+    "PLACEMENT_FILE",
+    "prepare_run_folder",
+    "require_the_runs_algorithm",
+    "resume_trainer",
+    "saved_config",
+]
 
 #: The effective configuration in the run folder.
 CONFIG_FILE = "config.json"
+#: Where a run on Ray put each trainer rank and rollout worker (node id, address, pid), written at its start.
+PLACEMENT_FILE = "placement.json"
 
 
 def saved_config(out_dir: str | Path) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 from collections.abc import Callable
@@ -66,7 +67,13 @@ from agents.learners import Learner
 from agents.memory_plan import GIB, run_plan, set_flags
 from agents.progress import note
 from agents.rollout_backend import LocalRollout, RolloutBackend, run_engine
-from agents.run_folder import CONFIG_FILE, prepare_run_folder, require_the_runs_algorithm, resume_trainer
+from agents.run_folder import (
+    CONFIG_FILE,
+    PLACEMENT_FILE,
+    prepare_run_folder,
+    require_the_runs_algorithm,
+    resume_trainer,
+)
 from agents.steps import PipelinedSteps, SynchronousSteps, streamed_update
 from agents.training.checkpoint import prune_checkpoints
 from agents.training.metrics import read_jsonl
@@ -208,6 +215,7 @@ async def train(
                 f"max_staleness={config.max_staleness} rolls out during the update, but the engines share the "
                 "trainer's GPUs and sleep through it: cluster.placement=split (or max_staleness=0)"
             )
+        _record_placement(out, trainer, rollout, log)
         trainer.engine = rollout.engine  # each step ends with the weights synced to it
         position: dict[str, Any] = {}
         if checkpoint is not None:
@@ -329,6 +337,8 @@ def _make_trainer(config: TrainConfig, parts: RunParts, out: Path, progress: boo
         gpus_per_rank=gpus,
         seed=config.seed,
         bucket_bytes=parts.cluster.sync_bucket_mb * 2**20,
+        resources=parts.cluster.rank_resources,
+        strategy=parts.cluster.rank_strategy,
     )
 
 
@@ -342,7 +352,8 @@ def _make_rollout(
         here = trainer if isinstance(trainer, Trainer) else None
         return LocalRollout(env, run_engine(config, parts.tree.rollout, here, log), trainer.tokenizer, parts)
     engine = cluster.worker_engine or config.engine
-    worker_config = dataclasses.replace(config, engine=engine)
+    own_engine = _load_entry_point(engine) if ":" in engine else None  # "module:attr", the user's engine
+    worker_config = dataclasses.replace(config, engine=config.engine if own_engine else engine)
     gpus = 0.0
     if engine == "vllm" and _on_gpu(config):
         gpus = cluster.tensor_parallel_size * _gpu_share(cluster)
@@ -354,6 +365,7 @@ def _make_rollout(
         parts.learner.strategy,
         parts.tree,
         threads=max(1, (os.cpu_count() or 1) // processes),
+        engine=own_engine,
     )
     log(f"starting {cluster.rollout_workers} rollout workers ({engine} engines)")
     return RolloutPool(
@@ -365,7 +377,38 @@ def _make_rollout(
         bucket_bytes=cluster.sync_bucket_mb * 2**20,
         colocated=cluster.placement == "colocated" and gpus > 0,
         log=log,
+        resources=cluster.worker_resources,
+        strategy=cluster.worker_strategy,
     )
+
+
+def _load_entry_point(name: str) -> Callable[[], Any]:
+    """The function named ``"module:attr"``, or a ValueError saying what is missing."""
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(
+            f"cluster.worker_engine={name!r} names no function ({error}); give 'module:attr' of a function "
+            "returning your engine, importable here and on every node"
+        ) from None
+
+
+def _record_placement(
+    out: Path, trainer: Trainer | TrainerGroup, rollout: RolloutBackend, log: Callable[[str], None]
+) -> None:
+    """Say where each trainer rank and rollout worker landed, and keep it in ``placement.json``."""
+    ranks = trainer.placement if isinstance(trainer, TrainerGroup) else []
+    workers = [{key: info[key] for key in ("rank", "node", "ip", "pid")} for info in getattr(rollout, "info", [])]
+    if not ranks and not workers:
+        return
+    for kind, entries in (("trainer rank", ranks), ("rollout worker", workers)):
+        for entry in entries:
+            log(f"{kind} {entry['rank']} on node {str(entry['node'])[:12]} ({entry['ip']}), pid {entry['pid']}")
+    placement: dict[str, Any] = {"trainer_ranks": ranks, "rollout_workers": workers}
+    if isinstance(trainer, TrainerGroup):
+        placement["rendezvous"] = "{}:{}".format(*trainer.rendezvous)
+    (out / PLACEMENT_FILE).write_text(json.dumps(placement, indent=2) + "\n", encoding="utf-8")
 
 
 def _step_producer(

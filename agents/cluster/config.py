@@ -6,11 +6,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PLACEMENTS", "ClusterConfig"]
+__all__ = ["PLACEMENTS", "RANK_STRATEGIES", "WORKER_STRATEGIES", "ClusterConfig"]
 
 #: ``colocated``: trainer ranks and engines time-share the same GPUs (engines sleep during the
 #: update); ``split``: engines get GPUs of their own.
 PLACEMENTS = ("colocated", "split")
+#: Ray's placement-group strategies, for the trainer ranks (reserved together, as Ray Train does).
+RANK_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+#: Ray's scheduling strategies for rollout workers (no placement group: a worker whose node is lost
+#: is restarted wherever Ray finds room).
+WORKER_STRATEGIES = ("DEFAULT", "SPREAD")
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,17 @@ class ClusterConfig:
             process on the machine's cores.
         address: ``local`` starts Ray on this machine with the cores it has; ``auto`` joins the
             cluster started with ``ray start`` (or a ``ray://`` / ``host:port`` address).
-        worker_engine: The workers' engine (``hf`` or ``vllm``); ``None``: the run's ``engine``.
+        worker_engine: The workers' engine: ``hf``, ``vllm``, or ``"module:attr"``, a function of no
+            arguments returning your own :class:`~agents.engines.base.Engine` (importable on every
+            node; called once in each worker); ``None``: the run's ``engine``.
+        rank_resources: Ray resources each trainer rank needs besides its CPUs and GPUs: a custom
+            resource that only some nodes offer (``ray start --resources='{"trainer": 8}'``) puts
+            the ranks on those nodes.
+        worker_resources: The same for each rollout worker (``{"rollout": 1}``: nodes started
+            with that resource).
+        rank_strategy: How the ranks' placement group spreads them over nodes (see
+            :data:`RANK_STRATEGIES`); ``PACK`` (Ray Train's default) keeps the collectives on few nodes.
+        worker_strategy: ``DEFAULT`` (Ray packs where there is room) or ``SPREAD`` (one node after another).
         worker_restarts: How often Ray restarts a worker whose process died (its prompts of the
             running step go to the other workers meanwhile).
         sync_bucket_mb: Size of one bucket of the weight sync through Ray's object store.
@@ -47,6 +62,10 @@ class ClusterConfig:
     worker_restarts: int = 1
     sync_bucket_mb: int = 256
     in_flight_updates: bool = False
+    rank_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    rank_strategy: str = "PACK"
+    worker_strategy: str = "DEFAULT"
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -70,8 +89,17 @@ class ClusterConfig:
                 "cluster.in_flight_updates=true changes the weights of rollout workers' engines; "
                 "it needs cluster.rollout_workers >= 1"
             )
-        if self.worker_engine not in (None, "hf", "vllm"):
-            raise ValueError(f"cluster.worker_engine must be 'hf', 'vllm' or None, got {self.worker_engine!r}")
+        engine = self.worker_engine
+        if engine not in (None, "hf", "vllm") and not (isinstance(engine, str) and _is_entry_point(engine)):
+            raise ValueError(
+                f"cluster.worker_engine must be 'hf', 'vllm', 'module:attr' (a function returning your engine) "
+                f"or None, got {engine!r}"
+            )
+        for name in ("rank_resources", "worker_resources"):
+            _check_resources(f"cluster.{name}", getattr(self, name))
+        for name, known in (("rank_strategy", RANK_STRATEGIES), ("worker_strategy", WORKER_STRATEGIES)):
+            if getattr(self, name) not in known:
+                raise ValueError(f"cluster.{name} must be one of {', '.join(known)}, got {getattr(self, name)!r}")
 
     @property
     def uses_ray(self) -> bool:
@@ -86,3 +114,22 @@ class ClusterConfig:
         if unknown:
             raise ValueError(f"cluster has no setting {unknown[0]!r}; it has {', '.join(known)}")
         return cls(**values)
+
+
+def _is_entry_point(text: str) -> bool:
+    module, _, attr = text.partition(":")
+    return all(part and all(piece.isidentifier() for piece in part.split(".")) for part in (module, attr))
+
+
+def _check_resources(name: str, resources: Any) -> None:
+    """Ray's custom resources: names to amounts > 0 (CPU and GPU have settings of their own)."""
+    if not isinstance(resources, dict):
+        raise ValueError(f"{name} must be a mapping of Ray resource names to amounts, got {resources!r}")
+    for key, amount in resources.items():
+        if not isinstance(key, str) or not key or key in ("CPU", "GPU"):
+            raise ValueError(
+                f"{name} names {key!r}; give a custom resource a node offers (ray start --resources), "
+                "not CPU or GPU, which the run sets itself"
+            )
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+            raise ValueError(f"{name}[{key!r}] must be a number > 0, got {amount!r}")

@@ -45,7 +45,7 @@ import agentenv
 from agentenv.registration import EnvSpec
 from agentenv.wrappers import TokenEnv
 from agents.cluster.config import ClusterConfig
-from agents.cluster.runtime import import_ray, require_resources
+from agents.cluster.runtime import import_ray, require_resources, this_process
 from agents.cluster.weight_sync import SyncReport, put_buckets, weights_digest
 from agents.engines.base import Completion, Engine, SamplingParams
 from agents.heldout import HeldOut, evaluate_heldout
@@ -294,10 +294,12 @@ class RolloutWorker:
         return now - self.started, self.engine.clock.busy(now)
 
     def ready(self) -> dict[str, Any]:
-        """Where the worker runs (returned once it has loaded its engine)."""
+        """Where the worker runs (its node's id and address as Ray reports them, its pid), returned once
+        it has loaded its engine."""
+        where = this_process() if _in_ray_actor() else {"node": None, "ip": None, "pid": os.getpid()}
         return {
             "rank": self.rank,
-            "pid": os.getpid(),
+            **where,
             "weights_version": self.weights_version,
             "supports_sleep": self.engine.supports_sleep,
         }
@@ -393,6 +395,8 @@ class RolloutPool(RolloutBackend):
         colocated: The workers' engines share GPUs with the trainer: they sleep through each
             update (:attr:`supports_sleep`, when their engines can).
         log: Where notes about failures go.
+        resources: Custom Ray resources each worker asks for (nodes that offer them take the workers).
+        strategy: Ray's scheduling strategy, ``DEFAULT`` or ``SPREAD`` (over the nodes).
     """
 
     def __init__(
@@ -406,14 +410,22 @@ class RolloutPool(RolloutBackend):
         bucket_bytes: int = 256 * 2**20,
         colocated: bool = False,
         log: Any = print,
+        resources: Mapping[str, float] | None = None,
+        strategy: str = "DEFAULT",
     ) -> None:
         if workers < 1:
             raise ValueError(f"a RolloutPool needs at least one worker, got {workers}")
         ray = import_ray()
-        require_resources("rollout workers", workers, cpus, gpus)
+        require_resources("rollout workers", workers, cpus, gpus, resources=resources)
         _travel_by_value(spec.env_spec.entry_point, spec.strategy, spec.engine)
         actor = ray.remote(RolloutWorker).options(
-            num_cpus=cpus, num_gpus=gpus, max_restarts=restarts, max_task_retries=0, max_concurrency=1000
+            num_cpus=cpus,
+            num_gpus=gpus,
+            resources=dict(resources or {}),
+            scheduling_strategy=strategy,
+            max_restarts=restarts,
+            max_task_retries=0,
+            max_concurrency=1000,
         )
         self._ray, self.log, self.bucket_bytes, self.colocated = ray, log, bucket_bytes, colocated
         self._planned = planned_branches(spec.strategy, spec.tree)  # each prompt's branches, for on_branches
@@ -571,13 +583,18 @@ class RolloutPool(RolloutBackend):
                     await asyncio.sleep(1.0)
             if self._weights is not None:
                 await _awaited(worker.handle.load_buckets.remote(self._weights[0], self.version))
+            info = await _awaited(worker.handle.ready.remote())
         except exceptions.RayError as error:
             self.log(f"rollout worker {worker.rank} is gone for good ({type(error).__name__})")
             return
         finally:
             worker.reviving = None
         worker.live = True
-        self.log(f"rollout worker {worker.rank} restarted and holds the current weights")
+        self.info[worker.rank] = info
+        self.log(
+            f"rollout worker {worker.rank} restarted on node {info['node'][:12]} ({info['ip']}) and holds the "
+            "current weights"
+        )
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -631,12 +648,15 @@ class RolloutPool(RolloutBackend):
         return [info["pid"] for info in self._ray.get([w.handle.ready.remote() for w in self.workers])]
 
     async def close(self) -> None:
-        """Close the engines and end the worker processes."""
+        """Close the engines and end the worker processes (one still restarting is only ended)."""
         for worker in self.workers:
-            try:
-                await asyncio.wait_for(_awaited(worker.handle.close.remote()), timeout=30)
-            except (self._ray.exceptions.RayError, TimeoutError):
-                pass  # a dead worker has nothing left to close
+            if worker.reviving is not None:  # it may wait for a node to host it: a call would wait too
+                worker.reviving.cancel()
+            elif worker.live:
+                try:
+                    await asyncio.wait_for(_awaited(worker.handle.close.remote()), timeout=30)
+                except (self._ray.exceptions.RayError, TimeoutError):
+                    pass  # a dead worker has nothing left to close
             self._ray.kill(worker.handle, no_restart=True)
 
 
@@ -650,6 +670,15 @@ def _lost_worker_errors(ray: Any) -> tuple[type[BaseException], ...]:
         exceptions.WorkerCrashedError,
         exceptions.NodeDiedError,
     )
+
+
+def _in_ray_actor() -> bool:
+    """Whether this process is a Ray actor (a worker is also built in-process, by tests of its logic)."""
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def _registered(env_id: str) -> EnvSpec | None:

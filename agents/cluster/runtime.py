@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["cpu_share", "ensure_ray", "import_ray", "require_resources"]
+__all__ = ["cpu_share", "ensure_ray", "import_ray", "node_alive", "require_resources", "this_process"]
 
 # Ray's own metrics agent and dashboard are not used and cost a core's worth of start-up here.
 _RAY_INIT = {"include_dashboard": False, "log_to_driver": True}
@@ -51,20 +52,29 @@ def ensure_ray(address: str = "local", *, processes: int = 1) -> Any:
     return ray
 
 
-def require_resources(what: str, count: int, cpus: float, gpus: float = 0.0, patience_s: float = 5.0) -> None:
+def require_resources(
+    what: str,
+    count: int,
+    cpus: float,
+    gpus: float = 0.0,
+    patience_s: float = 5.0,
+    resources: Mapping[str, float] | None = None,
+) -> None:
     """Refuse, saying why, to start ``count`` actors that Ray could not place (it would wait forever).
 
-    Ray frees a killed actor's CPUs and GPUs a moment after the kill, so resources short at first
-    are looked at again for up to ``patience_s`` (a pool closed just before this one).
+    Each asks for ``cpus``, ``gpus`` and the custom ``resources``; what the whole cluster has free
+    is compared (where on which node is Ray's to settle). Ray frees a killed actor's resources a
+    moment after the kill, so resources short at first are looked at again for up to
+    ``patience_s`` (a pool closed just before this one).
     """
     import ray
 
-    need = {"CPU": count * cpus, "GPU": count * gpus}
+    need = {"CPU": count * cpus, "GPU": count * gpus, **{name: count * n for name, n in (resources or {}).items()}}
     deadline = time.monotonic() + patience_s
     while True:
         free = ray.available_resources()
         short = [
-            f"{need[kind]:g} {kind}s, {free.get(kind, 0.0):g} free"
+            f"{need[kind]:g} {kind + 's' if kind in ('CPU', 'GPU') else repr(kind)}, {free.get(kind, 0.0):g} free"
             for kind in need
             if need[kind] > free.get(kind, 0.0) + 1e-9
         ]
@@ -76,6 +86,21 @@ def require_resources(what: str, count: int, cpus: float, gpus: float = 0.0, pat
             f"Ray cannot place {count} {what} now ({'; '.join(short)}); stop the actors that hold them, "
             "add nodes (ray start --address), or ask for fewer processes"
         )
+
+
+def this_process() -> dict[str, Any]:
+    """Where the calling process (a Ray actor) runs, as Ray reports it: ``node`` (its node's id),
+    ``ip`` (the node's address, where others reach it) and ``pid``."""
+    import ray
+
+    return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+
+def node_alive(node: str) -> bool:
+    """Whether Ray counts the node with id ``node`` among the cluster's live ones."""
+    import ray
+
+    return any(entry["NodeID"] == node and entry["Alive"] for entry in ray.nodes())
 
 
 def cpu_share(processes: int) -> float:

@@ -12,8 +12,15 @@ process's (see :func:`agents.training.sharding.rank_passes`). The driver holds a
     group.save_checkpoint(data_position={"next_row": 64})
     group.close()
 
-A rank that fails stops the run: every call raises a RuntimeError naming the rank, and the
-group's actors are killed (the others would wait in a collective for it).
+The ranks are reserved together in one Ray placement group (bundle r holds rank r), spread
+over the nodes by its strategy and put on the nodes that offer the custom ``resources`` they
+ask for; :attr:`TrainerGroup.placement` says where each landed. The group meets at rank 0's
+node's address as Ray reports it. Every rank writes its shards of each checkpoint under the
+run folder, so each must see it: a rank that does not is refused at start, before any model
+is loaded.
+
+A rank that fails stops the run: every call raises a RuntimeError naming the rank and its node,
+and the group's actors are killed (the others would wait in a collective for it).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import secrets
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -29,7 +37,7 @@ from typing import Any
 
 import torch
 
-from agents.cluster.runtime import cpu_share, import_ray, require_resources
+from agents.cluster.runtime import cpu_share, import_ray, node_alive, require_resources, this_process
 from agents.cluster.weight_sync import put_buckets
 from agents.models import load_model, load_tokenizer
 from agents.training.trainer import Trainer
@@ -38,6 +46,14 @@ from agents.training.trainer_config import TrainerConfig
 __all__ = ["TrainerGroup"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+#: Seconds to wait for Ray to reserve the ranks' placement group before refusing (its strategy or
+#: resources may fit no set of nodes, which Ray would wait for forever).
+PLACEMENT_PATIENCE_S = 60.0
+#: Seconds a failed rank's peers' nodes are watched for a loss before the rank itself is blamed
+#: (Ray marks a node whose raylet died dead after a few missed health checks).
+NODE_LOSS_PATIENCE_S = 15.0
+#: The file the driver writes in the run folder for every rank to read (:meth:`_Rank.sees`).
+_SHARED_CHECK = ".ranks-see-this-folder"
 
 
 def _tokenizer_of(model: str) -> Any:
@@ -57,14 +73,23 @@ class _Rank:
             torch.set_num_threads(threads)
         self.trainer: Trainer | None = None
 
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's IP and a free port: rank 0's, where the group meets."""
-        import ray
+    def where(self) -> dict[str, Any]:
+        """This rank's node (id and address, as Ray reports them) and process."""
+        return {"rank": self.rank, **this_process()}
 
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address (as Ray reports it, never a loopback guess) and a free port: rank 0's, where the group meets."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
-        return ray.util.get_node_ip_address(), int(port)
+        return this_process()["ip"], int(port)
+
+    def sees(self, path: str, token: str) -> bool:
+        """Whether the file at ``path`` holds ``token`` here: the driver wrote it, so this node shares its folder."""
+        try:
+            return Path(path).read_text(encoding="utf-8") == token
+        except OSError:
+            return False
 
     def start(
         self,
@@ -129,6 +154,34 @@ class _Rank:
             dist.destroy_process_group()
 
 
+def _reserve(ranks: int, cpus: float, gpus: float, resources: dict[str, float], strategy: str) -> Any:
+    """The ranks' placement group, reserved (one bundle a rank); refused, saying why, when Ray cannot."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    require_resources("trainer ranks", ranks, cpus, gpus, resources=resources)
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **resources}
+    group = placement_group([dict(bundle) for _ in range(ranks)], strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_PATIENCE_S)
+    if not ready:
+        remove_placement_group(group)
+        nodes = [entry["Resources"] for entry in ray.nodes() if entry["Alive"]]
+        raise RuntimeError(
+            f"Ray could not place {ranks} trainer ranks of {bundle} each with strategy {strategy} in "
+            f"{PLACEMENT_PATIENCE_S:g} s; its live nodes have {nodes}; add nodes, or change cluster.rank_strategy "
+            "or cluster.rank_resources"
+        )
+    return group
+
+
+def _placed(actor: Any, group: Any, rank: int, cpus: float, gpus: float, resources: Mapping[str, float] | None) -> Any:
+    """``actor`` in bundle ``rank`` of ``group``, asking for what the bundle holds."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank)
+    return actor.options(num_cpus=cpus, num_gpus=gpus, resources=dict(resources or {}), scheduling_strategy=strategy)
+
+
 class TrainerGroup:
     """The driver's handle on N trainer ranks (Ray actors); Ray must be started (``ensure_ray``).
 
@@ -143,6 +196,10 @@ class TrainerGroup:
         seed: seeds torch on the ranks just before the trainer is built, so that what it
             initialises at random (LoRA's A matrices) is reproducible; ``None``: unseeded. Either
             way every rank starts from rank 0's weights.
+        resources: custom Ray resources each rank asks for (``{"trainer": 1}``: nodes started
+            with ``ray start --resources='{"trainer": K}'``, K ranks each).
+        strategy: the placement group's strategy (``PACK``, ``SPREAD``, ``STRICT_PACK``,
+            ``STRICT_SPREAD``).
     """
 
     def __init__(
@@ -156,6 +213,8 @@ class TrainerGroup:
         gpus_per_rank: float = 0,
         seed: int | None = None,
         bucket_bytes: int = 256 * 2**20,
+        resources: Mapping[str, float] | None = None,
+        strategy: str = "PACK",
     ) -> None:
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks must be an integer >= 1, got {ranks!r}")
@@ -182,19 +241,51 @@ class TrainerGroup:
         cores = os.cpu_count() or 1
         threads = None if gpus_per_rank else max(1, cores // ranks)
         cpus = cpu_share(ranks) if cpus_per_rank is None else cpus_per_rank
-        require_resources("trainer ranks", ranks, cpus, gpus_per_rank)
-        actor = ray.remote(_Rank).options(num_cpus=cpus, num_gpus=gpus_per_rank)
-        self._actors: list[Any] = [actor.remote(rank, ranks, threads) for rank in range(ranks)]
+        self._actors: list[Any] = []
+        self._group = _reserve(ranks, cpus, gpus_per_rank, dict(resources or {}), strategy)
+        #: Where each rank runs: ``{"rank", "node", "ip", "pid"}`` (node id and address as Ray reports them).
+        self.placement: list[dict[str, Any]] = []
         try:
-            address, port = self._collect([self._actors[0].rendezvous.remote()])[0]
+            self._actors = [
+                _placed(ray.remote(_Rank), self._group, rank, cpus, gpus_per_rank, resources).remote(
+                    rank, ranks, threads
+                )
+                for rank in range(ranks)
+            ]
+            self.placement = self._collect([a.where.remote() for a in self._actors])
             out = None if out_dir is None else str(Path(out_dir).resolve())
+            if out is not None:
+                self._require_shared(Path(out))
+            address, port = self._collect([self._actors[0].rendezvous.remote()])[0]
             steps = self._collect(
                 [a.start.remote(address, port, backend, model, config, out, seed) for a in self._actors]
             )
         except BaseException:
             self.close()
             raise
+        #: Where the group met: rank 0's node's address and a port there.
+        self.rendezvous = (address, port)
         self.step_count = steps[0]
+
+    def _require_shared(self, out: Path) -> None:
+        """Refuse to start when a rank cannot see the run folder, where every rank writes its checkpoint shards."""
+        out.mkdir(parents=True, exist_ok=True)
+        check, token = out / _SHARED_CHECK, secrets.token_hex(16)
+        check.write_text(token, encoding="utf-8")
+        try:
+            seen = self._collect([a.sees.remote(str(check), token) for a in self._actors])
+        finally:
+            check.unlink(missing_ok=True)
+        blind = [where for where, sees in zip(self.placement, seen) if not sees]
+        if blind:
+            ranks = ", ".join(f"rank {w['rank']} on node {w['node'][:12]} ({w['ip']})" for w in blind)
+            raise RuntimeError(
+                f"trainer {ranks} cannot see the run folder {out} (a file the driver wrote there is not on "
+                f"that node): every rank writes its shards of each checkpoint under {out / 'checkpoints'}, so "
+                "the folder must be on storage every node mounts at the same path (NFS, a cluster file system; "
+                "--out there), or the ranks must go to nodes that share it (cluster.rank_resources), or "
+                "cluster.trainer_ranks=1"
+            )
 
     # ---- the driver's calls ---------------------------------------------------------------
 
@@ -261,25 +352,60 @@ class TrainerGroup:
         return position
 
     def close(self) -> None:
-        """Leave the group and end the actors (idempotent)."""
+        """Leave the group, end the actors and free their placement group (idempotent)."""
         actors, self._actors = getattr(self, "_actors", []), []
-        if not actors:
-            return
+        group, self._group = getattr(self, "_group", None), None
         ray = self._ray
-        stops = [a.stop.remote() for a in actors]
-        ray.wait(stops, num_returns=len(stops), timeout=10)
-        for actor in actors:
-            ray.kill(actor)
+        if actors:
+            stops = [a.stop.remote() for a in actors]
+            ray.wait(stops, num_returns=len(stops), timeout=10)
+            for actor in actors:
+                ray.kill(actor)
+        if group is not None:
+            ray.util.remove_placement_group(group)
 
     # ---- failures --------------------------------------------------------------------------
 
     def _failed(self, rank: int, error: BaseException) -> RuntimeError:
-        self.close()  # the other ranks would wait in a collective for this one
+        """The error that stops the run when ``rank`` failed, naming the rank to blame and its node."""
         cause = getattr(error, "cause", None) or error
-        return RuntimeError(
-            f"trainer rank {rank} failed: {type(cause).__name__}: {cause}; the run stops; "
-            "continue with --resume from the last checkpoint"
+        # A rank whose process is gone is the one to blame; one that raised may be a survivor of another's loss.
+        blamed, lost = self._blame(
+            rank, patience_s=0.0 if isinstance(error, self._ray.exceptions.RayActorError) else None
         )
+        self.close()  # the other ranks would wait in a collective for this one
+        what = f"{type(cause).__name__}: {cause}"
+        if lost:
+            where = self.placement[blamed]
+            stopped = f"trainer rank {blamed} on node {where['node'][:12]} ({where['ip']}) was lost with its node"
+            if blamed != rank:  # a survivor's collective broke first
+                stopped += f" (rank {rank} then failed: {what})"
+        elif rank < len(self.placement):
+            where = self.placement[rank]
+            stopped = f"trainer rank {rank} on node {where['node'][:12]} ({where['ip']}) failed: {what}"
+        else:
+            stopped = f"trainer rank {rank} failed: {what}"
+        return RuntimeError(
+            f"{stopped}; the run stops; continue with --resume from the last checkpoint (on the nodes left, with "
+            "as many --trainer-ranks as they hold: a checkpoint resumes at any number of ranks)"
+        )
+
+    def _blame(self, rank: int, patience_s: float | None = None) -> tuple[int, bool]:
+        """The rank a failure is due to, and whether its node is lost.
+
+        When a node dies, the ranks left usually fail first (their collective loses its peer) and
+        Ray marks the node dead a few seconds later, so the nodes are looked at for up to
+        :data:`NODE_LOSS_PATIENCE_S` (or ``patience_s``) before ``rank`` itself is blamed.
+        """
+        deadline = time.monotonic() + (NODE_LOSS_PATIENCE_S if patience_s is None else patience_s)
+        while self.placement:
+            lost = [where["rank"] for where in self.placement if not node_alive(where["node"])]
+            if lost:
+                return (rank if rank in lost else lost[0]), True
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        return rank, False
 
     def _collect(self, refs: list[Any]) -> list[Any]:
         """Every rank's result, or the first failure as a RuntimeError (the group then closed)."""

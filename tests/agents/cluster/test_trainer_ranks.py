@@ -127,7 +127,9 @@ async def test_two_ranks_train_resume_and_checkpoint_like_one_process(ray_local,
         print(f"max parameter difference N=2 vs N=1 after one update: {difference_a:.2e}")
 
         # A rank that fails stops the group with an error that names it and the way on.
-        with pytest.raises(RuntimeError, match=r"trainer rank \d failed: .*not a checkpoint folder.*--resume"):
+        with pytest.raises(
+            RuntimeError, match=r"trainer rank \d on node \w+ \(\S+\) failed: .*not a checkpoint folder.*--resume"
+        ):
             group.resume(tmp_path / "no-such-checkpoint")
         with pytest.raises(RuntimeError, match="closed"):
             await group.step(BATCH_B)
