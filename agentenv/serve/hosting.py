@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import multiprocessing
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -28,6 +30,9 @@ BACKLOG = 1024  # pending connections: many clients may connect at once (aiohttp
 # clients' pools (agentenv's RemoteSearch keeps idle connections 4 s, aiohttp's client 15 s), so a
 # client never sends on a connection the server is closing.
 KEEPALIVE_TIMEOUT = 30.0
+# More deaths of a serve_workers worker than there are workers within this many seconds is a crash
+# loop (a bug, a port taken, memory exhausted at start), which restarting would only repeat.
+RESTART_WINDOW_S = 60.0
 # Where SO_REUSEPORT balances connections over the sockets that share a port (BSDs give them all to one).
 REUSE_PORT = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
 
@@ -85,7 +90,12 @@ def serve_workers(
     listening socket, whichever is idle first. Prints ``Serving <name> on http://HOST:PORT`` once every worker listens. A signal is passed
     on to the workers as SIGTERM, which each answers as :func:`run_until_signal` does; a worker
     whose parent died stops too. A connection idle for ``keepalive_timeout`` seconds is closed.
-    Returns 0, or 1 when a worker failed to start or died.
+
+    A worker that dies (killed, out of memory) is replaced on the same port, with a line on
+    stderr, as gunicorn does; the requests it held fail and are retried by the clients
+    (:class:`~agentenv.web_search.RemoteSearch` retries a dropped connection). More than
+    ``workers`` deaths within :data:`RESTART_WINDOW_S` seconds is a crash loop: the server stops.
+    Returns 0, or 1 when a worker failed to start or the workers crash-looped.
     """
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     # OSError (a taken port, a foreign address): the caller reports it.
@@ -101,34 +111,29 @@ def serve_workers(
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     context = multiprocessing.get_context("spawn")
     processes: dict[Connection, BaseProcess] = {}  # by the parent's end of a pipe to the worker
+
+    def start_worker() -> Connection:
+        ours, theirs = context.Pipe()
+        process = context.Process(
+            target=_worker, args=(make_app, host, bound, shared, theirs, keepalive_timeout), name=f"{name} worker"
+        )
+        process.start()
+        theirs.close()
+        processes[ours] = process
+        return ours
+
     failure: str | None = None
     try:
-        for _ in range(workers):
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=_worker,
-                args=(make_app, host, bound, shared, theirs, keepalive_timeout),
-                name=f"{name} worker",
-            )
-            process.start()
-            theirs.close()
-            processes[ours] = process
-        failure = _await_workers(dict(processes), stop)
-        sock.close()  # the workers hold the port now
+        failure = _await_workers({conn: processes[conn] for conn in [start_worker() for _ in range(workers)]}, stop)
         if failure is None and not stop.is_set():
             print(f"Serving {name} on http://{host}:{bound} (Ctrl-C to stop)", flush=True)
-            sentinels = [p.sentinel for p in processes.values()]
-            while not stop.is_set() and not wait(sentinels, timeout=0.2):  # short: to notice a signal
-                pass
-            if not stop.is_set():
-                dead = next(p for p in processes.values() if not p.is_alive())
-                failure = f"worker {dead.pid} exited with status {dead.exitcode}"
+            failure = _supervise(processes, start_worker, stop, workers, name)
         if failure is None:
             print(f"Stopping {name}: finishing requests in flight", file=sys.stderr, flush=True)
         else:
             print(f"error: {name}: {failure}", file=sys.stderr, flush=True)
     finally:
-        sock.close()
+        sock.close()  # held until now: replacements bind the same port
         for worker in processes.values():
             if worker.is_alive():
                 worker.terminate()  # SIGTERM: a graceful stop
@@ -142,6 +147,39 @@ def serve_workers(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0 if failure is None else 1
+
+
+def _supervise(
+    processes: dict[Connection, BaseProcess],
+    start_worker: Callable[[], Connection],
+    stop: threading.Event,
+    workers: int,
+    name: str,
+) -> str | None:
+    """Replace each worker that dies until ``stop``; what ended the server early (a crash loop), or None."""
+    deaths: collections.deque[float] = collections.deque()
+    while not stop.is_set():
+        if not wait([p.sentinel for p in processes.values()], timeout=0.2):  # short: to notice a signal
+            continue
+        for conn, process in list(processes.items()):
+            if process.is_alive():
+                continue
+            process.join()
+            conn.close()
+            del processes[conn]
+            now = time.monotonic()
+            deaths.append(now)
+            while now - deaths[0] > RESTART_WINDOW_S:
+                deaths.popleft()
+            said = f"worker {process.pid} exited with status {process.exitcode}"
+            if len(deaths) > workers:
+                return f"{said}: {len(deaths)} workers died within {RESTART_WINDOW_S:g} s, a crash loop; look at the workers' errors above"
+            print(f"{name}: {said}; starting another", file=sys.stderr, flush=True)
+            conn = start_worker()
+            failure = _await_workers({conn: processes[conn]}, stop)
+            if failure is not None:
+                return failure
+    return None
 
 
 def _await_workers(starting: dict[Connection, BaseProcess], stop: threading.Event) -> str | None:

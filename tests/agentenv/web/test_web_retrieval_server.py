@@ -523,6 +523,41 @@ def test_workers_stop_when_their_parent_dies(corpus_file, tmp_path):
     assert not any(alive(pid) for pid in pids)
 
 
+def replaced(url: str, gone: int, process: subprocess.Popen) -> set[int]:
+    """The two workers' pids once ``gone`` has been replaced (empty if the server exited meanwhile)."""
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            pids = worker_pids(url, 2)
+        except aiohttp.ClientError:  # the dead worker's connection, or none listening for a moment
+            continue
+        if len(pids) == 2 and gone not in pids:
+            return pids
+    return set()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_killed_worker_is_replaced_on_the_port_and_a_crash_loop_stops_the_server(corpus_file, tmp_path):
+    process, url = start_cli("retrieval", "--corpus", str(corpus_file), "--workers", "2", cache=tmp_path / "cache")
+    try:
+        pids = worker_pids(url, 2)
+        for death in range(3):  # more deaths than workers within a minute: a crash loop
+            victim = min(pids)
+            os.kill(victim, signal.SIGKILL)
+            pids = replaced(url, victim, process)
+            if death < 2:
+                assert len(pids) == 2 and victim not in pids
+                hits = asyncio.run(RemoteSearch(url).search("Ontario province", 3))
+                assert hits[0].title == "Toronto"  # served as before
+        assert process.wait(timeout=30) == 1
+    finally:
+        code, err = stop_cli(process) if process.poll() is None else (process.returncode, process.stderr.read())
+    assert code == 1
+    assert err.count("starting another") == 2 and "retrieval (bm25, 4 passages, 2 workers): worker " in err
+    assert "3 workers died within 60 s, a crash loop" in err
+
+
 def test_cli_workers_report_a_taken_port(corpus_file, capsys):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
