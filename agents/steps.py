@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agents.progress import progress_bar
+from agents.progress import note, progress_bar
 from agents.rollout.diagnostics import rollout_metrics
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import TrainingPath
@@ -180,11 +180,17 @@ def _rollout_record(
     rollout: RolloutBackend, tasks: Sequence[int], prompts: list[PromptTrees], seconds: float, paths: int
 ) -> dict[str, float]:
     """The rollout's metrics of ``prompts`` (rolled out in ``seconds``, giving ``paths`` training paths)."""
+    errors = [error for prompt in prompts for error in _errors(prompt)]
     if not paths:
-        errors = [error for prompt in prompts for error in _errors(prompt)]
         raise RuntimeError(
             f"no prompt of the batch produced a finished episode (tasks {tasks}); "
             f"first error: {errors[0] if errors else 'none recorded'}"
+        )
+    if errors:  # said, never only counted: each abandoned branch or prompt and why
+        counted = collections.Counter(errors).most_common()
+        note(
+            f"rollout: {len(errors)} turn(s) or prompt(s) failed and were abandoned (tree/errors, "
+            "tree/prompt_errors): " + "; ".join(error if n == 1 else f"{error} (x{n})" for error, n in counted)
         )
     metrics = rollout_metrics(prompts, seconds)
     metrics["rollout/prompts_without_leaves"] = float(sum(not prompt.leaves for prompt in prompts))

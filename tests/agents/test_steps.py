@@ -121,3 +121,26 @@ def test_dynamic_sampling_settings_are_checked():
         TrainConfig(dynamic_sampling="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_staleness=1 has later steps take their tasks.*set max_staleness=0"):
         TrainConfig(dynamic_sampling=True, max_staleness=1)
+
+
+class NoRollout:
+    """A rollout backend with no metrics of its own (the driver's)."""
+
+    def metrics(self):
+        return {}
+
+
+def test_a_step_says_which_turns_and_prompts_failed_and_why_not_only_how_many(capsys):
+    from agents.steps import _rollout_record
+
+    lost_branches = prompt(0, [0.0, 1.0])
+    lost_branches.stats[0].errors += ["ConnectionError: search reset", "ConnectionError: search reset"]
+    failed = PromptTrees(index=1, key=1, trees=[], rng=np.random.default_rng(0), error="ValueError: bad task")
+    record = _rollout_record(NoRollout(), [0, 1], [lost_branches, failed], seconds=1.0, paths=2)
+    assert record["tree/prompt_errors"] == 1.0
+    assert capsys.readouterr().out == (
+        "rollout: 3 turn(s) or prompt(s) failed and were abandoned (tree/errors, tree/prompt_errors): "
+        "ConnectionError: search reset (x2); ValueError: bad task\n"
+    )
+    _rollout_record(NoRollout(), [0], [prompt(0, [0.0, 1.0])], seconds=1.0, paths=2)
+    assert capsys.readouterr().out == ""
