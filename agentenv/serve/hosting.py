@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import multiprocessing
 import signal
 import socket
@@ -30,9 +29,10 @@ BACKLOG = 1024  # pending connections: many clients may connect at once (aiohttp
 # clients' pools (agentenv's RemoteSearch keeps idle connections 4 s, aiohttp's client 15 s), so a
 # client never sends on a connection the server is closing.
 KEEPALIVE_TIMEOUT = 30.0
-# More deaths of a serve_workers worker than there are workers within this many seconds is a crash
-# loop (a bug, a port taken, memory exhausted at start), which restarting would only repeat.
-RESTART_WINDOW_S = 60.0
+# A serve_workers worker that dies within this many seconds of starting died young; more young deaths
+# in a row than there are workers is a crash loop (a bug, memory exhausted at start), which
+# restarting would only repeat. A worker that had been serving is always replaced.
+YOUNG_S = 10.0
 # Where SO_REUSEPORT balances connections over the sockets that share a port (BSDs give them all to one).
 REUSE_PORT = sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
 
@@ -94,8 +94,8 @@ def serve_workers(
     A worker that dies (killed, out of memory) is replaced on the same port, with a line on
     stderr, as gunicorn does; the requests it held fail and are retried by the clients
     (:class:`~agentenv.web_search.RemoteSearch` retries a dropped connection). More than
-    ``workers`` deaths within :data:`RESTART_WINDOW_S` seconds is a crash loop: the server stops.
-    Returns 0, or 1 when a worker failed to start or the workers crash-looped.
+    ``workers`` deaths in a row of workers younger than :data:`YOUNG_S` seconds is a crash loop:
+    the server stops. Returns 0, or 1 when a worker failed to start or the workers crash-looped.
     """
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     # OSError (a taken port, a foreign address): the caller reports it.
@@ -157,7 +157,8 @@ def _supervise(
     name: str,
 ) -> str | None:
     """Replace each worker that dies until ``stop``; what ended the server early (a crash loop), or None."""
-    deaths: collections.deque[float] = collections.deque()
+    born = {conn: time.monotonic() for conn in processes}
+    young_deaths = 0  # in a row
     while not stop.is_set():
         if not wait([p.sentinel for p in processes.values()], timeout=0.2):  # short: to notice a signal
             continue
@@ -167,15 +168,16 @@ def _supervise(
             process.join()
             conn.close()
             del processes[conn]
-            now = time.monotonic()
-            deaths.append(now)
-            while now - deaths[0] > RESTART_WINDOW_S:
-                deaths.popleft()
+            young_deaths = young_deaths + 1 if time.monotonic() - born.pop(conn) < YOUNG_S else 0
             said = f"worker {process.pid} exited with status {process.exitcode}"
-            if len(deaths) > workers:
-                return f"{said}: {len(deaths)} workers died within {RESTART_WINDOW_S:g} s, a crash loop; look at the workers' errors above"
+            if young_deaths > workers:
+                return (
+                    f"{said}: {young_deaths} workers in a row died within {YOUNG_S:g} s of starting, a crash loop; "
+                    "look at the workers' errors above"
+                )
             print(f"{name}: {said}; starting another", file=sys.stderr, flush=True)
             conn = start_worker()
+            born[conn] = time.monotonic()
             failure = _await_workers({conn: processes[conn]}, stop)
             if failure is not None:
                 return failure
