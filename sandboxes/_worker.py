@@ -843,6 +843,7 @@ class Anchor:
             self.adopt(sid, int(message["pid"]), fds[0])
         elif op == "fork_begin":
             self.pending_forks += 1
+            self.notify(sid, {"op": "fork_ready"})  # the host has the interpreter fork only after this
         elif op == "fork_abort":
             self.pending_forks = max(0, self.pending_forks - 1)
         elif op == "cleanup":

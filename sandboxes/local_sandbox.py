@@ -677,8 +677,8 @@ class LocalSandbox(Sandbox):
             child = object.__new__(LocalSandbox)
             child._attach(parent.family)
             if parent.family.dead or parent.channel is None or parent.cells == 0:
-                # Nothing to copy: a fresh interpreter is the same state.
-                child._session.lost = parent.lost
+                # Nothing to copy: a fresh interpreter is the same state, unless the parent's died with the family.
+                child._session.lost = parent.lost or parent.cells > 0
                 if not parent.family.dead:
                     with contextlib.suppress(_FamilyDied):
                         drive(child._session.spawn())
@@ -697,7 +697,10 @@ class LocalSandbox(Sandbox):
         child.channel = _Channel(ours, _max_message_bytes(self.limits))
         adopted = False
         try:
-            yield from family.command({"op": "fork_begin"})
+            # Until the anchor counts this fork it kills every process it does not know (what finished calls
+            # left behind) whenever a sibling's call ends: the child must not exist before it is counted.
+            yield from family.command({"op": "fork_begin", "sid": parent.sid})
+            yield from parent.next(deadline, {("anchor", "fork_ready")})
             yield from parent.send({"op": "fork", "sid": child.sid}, [theirs.fileno()], deadline)
             reply = yield from parent.next(deadline, {("interpreter", "forked"), ("interpreter", "error")})
             if reply["op"] == "error":
@@ -712,10 +715,14 @@ class LocalSandbox(Sandbox):
         except _Died:  # the parent's interpreter died: the child has nothing to copy either
             child.reset()
             child.lost = True
-        except (_Expired, _ProtocolError, _FamilyDied, OSError) as exc:
+        except _Expired:
+            raise SandboxError(f"fork() failed: the sandbox did not complete it within {CONTROL_SECONDS:g} s") from None
+        except (_ProtocolError, _FamilyDied, OSError) as exc:
             raise SandboxError(f"fork() failed: {type(exc).__name__} {exc}") from None
         finally:
             theirs.close()
             if not adopted:
+                # No interpreter of the anchor's serves the child: closing it must not wait for one to be killed.
+                child.reset()
                 with contextlib.suppress(_FamilyDied):
                     yield from family.command({"op": "fork_abort"})
