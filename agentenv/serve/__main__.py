@@ -14,7 +14,10 @@ The retrieval server ranks concurrent requests together: the first waiting reque
 ``--batch-window-ms`` for others (``0``: each request on its own). With ``--workers N`` it
 builds and caches the index once, then N processes serve the port, each memory-mapping the
 index. One worker is the default: each also holds the corpus text and ids, so memory grows
-with N, and the clients (rollout workers) usually need the other cores. The ``--max-*`` options
+with N, and the clients (rollout workers) usually need the other cores. A worker that dies is
+replaced on the same port (a line on stderr; the clients retry the searches it held); more deaths
+in a row of workers younger than 10 s than there are workers is a crash loop, which stops the
+server with status 1. The ``--max-*`` options
 bound what one request may ask (a request over one gets 400 naming it); a connection idle for
 ``--keepalive-timeout`` seconds is closed.
 """

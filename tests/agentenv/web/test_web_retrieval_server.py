@@ -558,6 +558,34 @@ def test_a_killed_worker_is_replaced_on_the_port_and_young_deaths_in_a_row_stop_
     assert "3 workers in a row died within 10 s of starting, a crash loop" in err
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_searches_in_flight_on_a_killed_worker_are_answered_by_their_retries(corpus_file, tmp_path):
+    process, url = start_cli("retrieval", "--corpus", str(corpus_file), "--workers", "2", cache=tmp_path / "cache")
+    try:
+        victim = min(worker_pids(url, 2))
+        os.kill(victim, signal.SIGSTOP)  # its connections wait in its queue, unanswered
+
+        async def searches_through_a_kill() -> tuple[int, list]:
+            client = RemoteSearch(url, backoff=0.05)
+            # 16 connections at once, spread over the two workers' sockets by the kernel: all 16 on the live
+            # one has odds of 1 in 65536
+            tasks = [asyncio.create_task(client.search("Ontario province", 3)) for _ in range(16)]
+            await asyncio.sleep(1.0)
+            waiting = sum(not task.done() for task in tasks)
+            os.kill(victim, signal.SIGKILL)  # their connections are reset: each search tries again
+            return waiting, await asyncio.gather(*tasks)
+
+        waiting, answers = asyncio.run(searches_through_a_kill())
+        assert waiting > 0
+        assert [hits[0].title for hits in answers] == ["Toronto"] * 16
+        assert len(replaced(url, victim, process)) == 2  # the two live workers, the victim not among them
+    finally:
+        code, err = stop_cli(process)
+    assert code == 0
+    assert f"retrieval (bm25, 4 passages, 2 workers): worker {victim} exited with status -9; starting another" in err
+
+
 def test_cli_workers_report_a_taken_port(corpus_file, capsys):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
