@@ -8,7 +8,7 @@ way a user joins a cluster (``RAY_ADDRESS`` and ``cluster.address=auto``). **The
 ``agents.train.train`` with the cpu-demo preset on ``tool-qa`` (search and a sandboxed Python):
 2 trainer ranks and 2 rollout workers spread over the two nodes, the search served by a
 retrieval server with 2 worker processes (``python -m agentenv.serve retrieval --workers 2``),
-a checkpoint every 20 steps.
+a checkpoint every 10 steps.
 
 **The engine.** 100+ steps of the embedded 135M model take over an hour on 2 cores and it rarely
 calls Python, so the workers' engine is a scripted tool-calling policy (:func:`tool_policy`, given
@@ -19,19 +19,26 @@ SmolLM2's vocabulary on those tokens; the weights still go to every worker after
 What is soaked is everything but the model's own generation.
 
 **The faults**, at random times (exponential gaps with mean ``--fault-every`` seconds), in turn
-at random: SIGKILL a rollout worker, SIGKILL a sandbox process, SIGKILL a retrieval-server worker,
-and SIGSTOP a retrieval-server worker for 8 s (its searches hang) before SIGCONT.
+at random: SIGKILL a rollout worker, SIGKILL a sandbox process (an interpreter or its anchor),
+SIGKILL a retrieval-server worker, and SIGSTOP a retrieval-server worker for longer than a search
+may take (RemoteSearch's 15 s) before SIGCONT: a hung tool call. The policy's Python that never
+ends is the other hung tool call, ended by the sandbox's 2 s limit. Every injection is recorded
+(time, step, kind, pid; no pid when nothing of that kind was alive).
 
 **Reported**: steps completed, faults by kind, prompts re-run and worker failures (the run's own
-``cluster/*`` metrics), episodes that ended in an error (``tree/errors``), prompts trained on each
-step (none lost: every step trains on all its prompts), and, at every step, the resources of the
-driver, of the trainer ranks and rollout workers, of the retrieval server, the processes alive
-under the driver, the sandbox processes, ``/dev/shm`` entries and Ray's object-store use. Each
-series' trend is its least-squares slope over the second half of the run (the first half includes
-warm-up: imports, caches, allocator pools); it is **flat** when the growth that slope gives over the
-second half is within the series' tolerance (5% of its median, at least 32 MiB for memory, 8 file
-descriptors, 2 processes or objects): a leak of one object a step, or one descriptor every few
-steps, over 60 steps exceeds it. The figure draws each series against the step.
+``cluster/*`` metrics), turns and prompts that ended in an error (``tree/errors``,
+``tree/prompt_errors``, each with its error as the run said it), prompts without a trained
+episode (none may be lost), sequences trained each step, and, at every step, the RSS and open
+descriptors of the driver, of the rollout workers, of the trainer ranks and of the retrieval
+server (with its workers), the processes alive under the driver (the Ray nodes included), the
+sandbox processes, ``/dev/shm`` entries and Ray's object-store use. Each series' trend is its
+least-squares slope over the second half of the run (the first half includes warm-up: imports,
+caches, allocator pools); it is **flat** when the growth that slope gives over the second half is
+within the series' tolerance: 5% of its median, or at least 32 MiB of memory, 8 descriptors, 2
+processes or objects. Those floors are what one leak a step cannot stay under over 60 steps:
+a step's logits alone are ~90 MiB, a leaked sandbox or search connection a step is 60 processes
+or descriptors; 5% of a median is allocator and restart noise (a replaced worker starts small
+and grows back). The figure draws each series against the step.
 """
 
 from __future__ import annotations
@@ -54,13 +61,18 @@ from typing import Any
 
 import numpy as np
 
+from agentenv.web_search import DEFAULT_TIMEOUT
+
 SERIES = (
     # name, unit, tolerance floor: what a non-leak may move by over the second half
     ("driver_rss_mib", "MiB", 32.0),
     ("driver_fds", "", 8.0),
-    ("workers_rss_mib", "MiB", 32.0),
-    ("workers_fds", "", 8.0),
+    ("rollout_workers_rss_mib", "MiB", 32.0),
+    ("rollout_workers_fds", "", 8.0),
+    ("trainer_ranks_rss_mib", "MiB", 32.0),
+    ("trainer_ranks_fds", "", 8.0),
     ("retrieval_rss_mib", "MiB", 32.0),
+    ("retrieval_fds", "", 8.0),
     ("processes", "", 2.0),
     ("sandbox_processes", "", 2.0),
     ("shm_entries", "", 2.0),
@@ -68,7 +80,23 @@ SERIES = (
     ("object_store_objects", "", 2.0),
 )
 FAULTS = ("kill_rollout_worker", "kill_sandbox", "kill_retrieval_worker", "hang_retrieval_worker")
-HANG_S = 8.0  # a SIGSTOPped retrieval worker's hang: longer than a quick search, shorter than the client's timeout
+# A SIGSTOPped retrieval worker's hang: longer than a search may take (RemoteSearch's timeout), so the searches
+# queued on it fail with "no answer" (an observation, as a real hung server gives) and later ones go elsewhere.
+HANG_S = DEFAULT_TIMEOUT + 5.0
+PER_STEP = (  # the run's metrics kept for each step in the JSON
+    "step",
+    "batch/sequences",
+    "tree/leaves_per_prompt",
+    "tree/errors",
+    "tree/prompt_errors",
+    "tree/tool_calls",
+    "rollout/prompts_without_leaves",
+    "cluster/worker_failures",
+    "cluster/prompts_rerun",
+    "cluster/workers_live",
+    "time/step_s",
+)
+HEARTBEAT_S = 30.0  # a line at least this often while a step runs long
 SEARCH_WORDS = ("river", "capital", "film", "director", "born", "album", "university", "war", "city", "king")
 
 
@@ -81,8 +109,8 @@ def policy_turn(seed: int | None, turn: int, max_tool_calls: int) -> str:
     if turn >= max_tool_calls or rng.random() < 0.15:
         return f"<answer> {rng.choice(SEARCH_WORDS)} </answer>"
     kind = rng.random()
-    if kind < 0.5:
-        return f"<search> {' '.join(rng.sample(SEARCH_WORDS, 3))} </search>"
+    if kind < 0.5:  # the number makes each query new, so it reaches the server rather than the result cache
+        return f"<search> {' '.join(rng.sample(SEARCH_WORDS, 3))} {rng.randrange(10**9)} </search>"
     if kind < 0.75:
         return f"<python>print(sum(range({rng.randrange(10, 10_000)})))</python>"
     if kind < 0.85:
@@ -178,33 +206,62 @@ def sandbox_processes(processes: Sequence[Any]) -> list[Any]:
     return found
 
 
-def object_store_use(address: str) -> tuple[float, float]:
-    """MiB and objects in Ray's object stores, over the cluster.
+class ObjectStore:
+    """MiB and objects in Ray's object stores, over the cluster: ``ObjectStore(address)()``.
 
     Ray's public APIs report this only through the dashboard (off here, as in every run of ours), so
-    this asks a raylet directly, as ``ray memory --stats-only`` does.
+    this asks a raylet directly, as ``ray memory --stats-only`` does, with one connection to the
+    cluster's state kept for the run (a new one for each reading would count in the driver's descriptors).
     """
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    stats = get_memory_info_reply(get_state_from_address(address)).store_stats
-    return stats.object_store_bytes_used / 2**20, float(stats.num_local_objects)
+    def __init__(self, address: str) -> None:
+        from ray._private.internal_api import get_state_from_address
+
+        self.state = get_state_from_address(address)
+
+    def __call__(self) -> tuple[float, float]:
+        from ray._private.internal_api import get_memory_info_reply
+
+        stats = get_memory_info_reply(self.state).store_stats
+        return stats.object_store_bytes_used / 2**20, float(stats.num_local_objects)
 
 
-def sample(server_pid: int, address: str) -> dict[str, float]:
-    """One reading of every series of :data:`SERIES`."""
+def retrieval_workers(server_pid: int) -> list[Any]:
+    """The retrieval server's worker processes (not its multiprocessing resource tracker)."""
+    import psutil
+
+    found = []
+    for process in _tree(psutil.Process(server_pid))[1:]:
+        try:
+            if any("spawn_main" in part for part in process.cmdline()):
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _rss_mib(process: Any) -> float:
+    return float(process.memory_info().rss) / 2**20
+
+
+def sample(server_pid: int, store: Callable[[], tuple[float, float]]) -> dict[str, float]:
+    """One reading of every series of :data:`SERIES`; ``store`` reads the object store (:class:`ObjectStore`)."""
     import psutil
 
     driver = psutil.Process()
     everything = _tree(driver)
-    workers = _named(everything, "ray::RolloutWorker") + _named(everything, "ray::_Rank")
+    workers, ranks = _named(everything, "ray::RolloutWorker"), _named(everything, "ray::_Rank")
     server = _tree(psutil.Process(server_pid))
-    store_mib, store_objects = object_store_use(address)
+    store_mib, store_objects = store()
     return {
-        "driver_rss_mib": driver.memory_info().rss / 2**20,
+        "driver_rss_mib": _rss_mib(driver),
         "driver_fds": float(driver.num_fds()),
-        "workers_rss_mib": _sum(workers, lambda p: p.memory_info().rss / 2**20),
-        "workers_fds": _sum(workers, lambda p: p.num_fds()),
-        "retrieval_rss_mib": _sum(server, lambda p: p.memory_info().rss / 2**20),
+        "rollout_workers_rss_mib": _sum(workers, _rss_mib),
+        "rollout_workers_fds": _sum(workers, lambda p: p.num_fds()),
+        "trainer_ranks_rss_mib": _sum(ranks, _rss_mib),
+        "trainer_ranks_fds": _sum(ranks, lambda p: p.num_fds()),
+        "retrieval_rss_mib": _sum(server, _rss_mib),
+        "retrieval_fds": _sum(server, lambda p: p.num_fds()),
         "processes": float(len(everything)),
         "sandbox_processes": float(len(sandbox_processes(everything))),
         "shm_entries": float(len(os.listdir("/dev/shm"))) if os.path.isdir("/dev/shm") else 0.0,
@@ -234,29 +291,34 @@ def trend(steps: Sequence[float], values: Sequence[float], floor: float) -> Tren
     slope = float(np.polyfit(x, y, 1)[0]) if len(x) >= 2 and np.ptp(x) > 0 else 0.0
     median = float(np.median(y)) if len(y) else 0.0
     growth = slope * float(np.ptp(x)) if len(x) else 0.0
-    return Trend(100.0 * slope, growth, max(floor, 0.05 * abs(median)), median)
+    # rounded: a constant series' slope is 0, not the fit's 1e-13
+    return Trend(round(100.0 * slope, 6), round(growth, 6), max(floor, 0.05 * abs(median)), median)
 
 
 # -- faults ----------------------------------------------------------------------------------------
 
 
 class FaultInjector(threading.Thread):
-    """Injects a fault of a random kind at exponential intervals (mean ``every`` s) until stopped."""
+    """Injects a fault of a random kind at exponential intervals (mean ``every`` s) until stopped.
 
-    def __init__(self, every: float, seed: int, server_pid: int, step: Callable[[], int]) -> None:
+    Each is recorded with its time (seconds since ``start_time``), the step in progress (``step()``),
+    its kind and the pid it hit (None when nothing of that kind was alive).
+    """
+
+    def __init__(self, every: float, seed: int, server_pid: int, step: Callable[[], int], start_time: float) -> None:
         super().__init__(name="fault injector", daemon=True)
         self.every, self.rng, self.server_pid, self.step = every, random.Random(seed), server_pid, step
+        self.start_time = start_time
         self.stopped = threading.Event()
         self.events: list[dict[str, Any]] = []
-        self.start_time = time.monotonic()
 
     def run(self) -> None:
         while not self.stopped.wait(self.rng.expovariate(1.0 / self.every)):
             kind = self.rng.choice(FAULTS)
-            pid = self._inject(kind)
-            event = {"t_s": round(time.monotonic() - self.start_time, 1), "step": self.step(), "kind": kind, "pid": pid}
+            event: dict[str, Any] = {"t_s": round(time.monotonic() - self.start_time, 1), "step": self.step()}
+            event.update(kind=kind, pid=self._inject(kind))
             self.events.append(event)
-            print(f"fault: {kind} pid {pid} during step {event['step']}", flush=True)
+            print(f"fault: {kind} pid {event['pid']} during step {event['step']}", flush=True)
 
     def _inject(self, kind: str) -> int | None:
         import psutil
@@ -266,7 +328,7 @@ class FaultInjector(threading.Thread):
         elif kind == "kill_sandbox":
             victims = sandbox_processes(_tree(psutil.Process()))
         else:
-            victims = _tree(psutil.Process(self.server_pid))[1:]  # the server's workers, not its parent
+            victims = retrieval_workers(self.server_pid)
         if not victims:
             return None  # nothing of that kind alive now (no sandbox between tool calls): recorded as such
         victim = self.rng.choice(victims)
@@ -329,7 +391,7 @@ def run_config(model: str, url: str, steps: int, seed: int) -> Any:
         assignments=[
             f"steps={steps}",
             f"seed={seed}",
-            "checkpoint_every=20",
+            "checkpoint_every=10",
             "keep_checkpoints=2",
             "eval_questions=0",
             "eval_before=false",
@@ -344,7 +406,8 @@ class Said:
     """stdout, passed through, keeping each ``rollout: … failed …`` note with the step it came in."""
 
     def __init__(self, stream: Any) -> None:
-        self.stream, self.errors, self.step = stream, [], 0
+        self.stream, self.step = stream, 0
+        self.errors: list[dict[str, Any]] = []
         self._line = ""
 
     def write(self, text: str) -> int:
@@ -364,65 +427,96 @@ class Said:
         return getattr(self.stream, name)
 
 
+class Steps:
+    """The driver's view of the run: a reading of every resource at each step's line, and a heartbeat.
+
+    ``log`` is the run's ``log`` (one line a step); the heartbeat thread says, at least every
+    :data:`HEARTBEAT_S` seconds, which step is running and for how long, so a long step is not silence.
+    """
+
+    def __init__(self, steps: int, server_pid: int, store: Callable[[], tuple[float, float]]) -> None:
+        self.steps, self.server_pid, self.store = steps, server_pid, store
+        self.step = 0
+        self.readings: list[dict[str, float]] = []
+        self.started = self.last = time.monotonic()
+        self.stopped = threading.Event()
+        self.heartbeat = threading.Thread(target=self._beat, name="soak heartbeat", daemon=True)
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+        if not (line.startswith("step ") and "/" in line.split()[1]):
+            return
+        self.step, self.last = int(line.split()[1].split("/")[0]), time.monotonic()
+        t_s = self.last - self.started
+        self.readings.append({"step": float(self.step), "t_s": t_s, **sample(self.server_pid, self.store)})
+        rate = self.step / t_s
+        print(
+            f"soak: step {self.step}/{self.steps}, {rate * 60:.1f} steps/min, ETA "
+            f"{(self.steps - self.step) / rate / 60:.1f} min",
+            flush=True,
+        )
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_S):
+            quiet = time.monotonic() - self.last
+            if quiet >= HEARTBEAT_S:
+                print(f"soak: step {self.step + 1}/{self.steps} running for {quiet:.0f} s", flush=True)
+
+
+def start_cluster() -> Any:
+    """A head and two nodes on this host, each node with one trainer rank's and one rollout worker's resource."""
+    from ray.cluster_utils import Cluster
+
+    store = 300 * 2**20
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": False, "object_store_memory": store},
+    )
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, resources={"trainer": 1, "rollout": 1}, object_store_memory=store)
+    cluster.wait_for_nodes()
+    return cluster
+
+
 async def soak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The run under faults; returns what it measured."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from agents.cluster.runtime import ensure_ray
     from agents.train import train
     from agents.training.metrics import read_jsonl
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False, "object_store_memory": 300 * 2**20},
-    )
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, resources={"trainer": 1, "rollout": 1}, object_store_memory=300 * 2**20)
-    cluster.wait_for_nodes()
-    os.environ["RAY_ADDRESS"] = cluster.address
+    # The search results' cache of every process (workers inherit it through the nodes): the run's own, not the user's.
+    os.environ["AGENTENV_CACHE"] = str(out / "cache")
+    cluster = start_cluster()
+    os.environ["RAY_ADDRESS"] = cluster.address  # joined as a user joins a cluster: cluster.address=auto
     server, url = start_retrieval_server()
     ensure_ray("auto")
-    readings: list[dict[str, float]] = []
-    state = {"step": 0}
-    started = time.monotonic()
-    heartbeat = [started]
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        if line.startswith("step ") and "/" in line.split()[1]:
-            state["step"] = int(line.split()[1].split("/")[0])
-            readings.append({"step": float(state["step"]), **sample(server.pid, cluster.address)})
-            rate = state["step"] / (time.monotonic() - started)
-            print(
-                f"soak: step {state['step']}/{args.steps}, {rate * 60:.1f} steps/min, ETA "
-                f"{(args.steps - state['step']) / max(rate, 1e-9) / 60:.1f} min",
-                flush=True,
-            )
-            heartbeat[0] = time.monotonic()
-
-    injector = FaultInjector(args.fault_every, args.seed, server.pid, lambda: state["step"])
+    steps = Steps(args.steps, server.pid, ObjectStore(cluster.address))
+    injector = FaultInjector(args.fault_every, args.seed, server.pid, lambda: steps.step + 1, steps.started)
     said = Said(sys.stdout)
     try:
         config = run_config(trainer_model(out / "model"), url, args.steps, args.seed)
         injector.start()
+        steps.heartbeat.start()
         sys.stdout = said  # the run's notes of failed turns and prompts (agents.steps), with their errors
-        result = await train(config, out / "run", progress=False, log=log)
+        result = await train(config, out / "run", progress=False, log=steps.log)
     finally:
         sys.stdout = said.stream
+        steps.stopped.set()
         injector.stopped.set()
         injector.join(timeout=HANG_S + 5)
         server.send_signal(signal.SIGTERM)
         _, server_err = server.communicate(timeout=30)
         ray.shutdown()
         cluster.shutdown()
-    records = read_jsonl(out / "run" / "metrics.jsonl")
     return {
         "steps": result.steps,
-        "seconds": time.monotonic() - started,
+        "seconds": time.monotonic() - steps.started,
         "faults": injector.events,
-        "records": records,
-        "readings": readings,
+        "records": read_jsonl(out / "run" / "metrics.jsonl"),
+        "prompts_per_step": config.prompts_per_step,
+        "readings": steps.readings,
         "errors": said.errors,
         "server_restarts": server_err.count("starting another"),
         "server_exit": server.returncode,
@@ -441,7 +535,9 @@ def summarise(measured: dict[str, Any]) -> dict[str, Any]:
     for event in measured["faults"]:
         entry = faults.setdefault(event["kind"], {"injected": 0, "no_target": 0})
         entry["injected" if event["pid"] is not None else "no_target"] += 1
-    trained = [r["batch/sequences"] for r in records]
+    # Each training sequence is a leaf of one prompt's tree: the prompts a step trained on
+    trained = [round(r["batch/sequences"] / r["tree/leaves_per_prompt"]) for r in records]
+    expected = measured["prompts_per_step"]
     return {
         "steps_completed": measured["steps"],
         "seconds": measured["seconds"],
@@ -450,31 +546,48 @@ def summarise(measured: dict[str, Any]) -> dict[str, Any]:
         "prompts_rerun": sum(r.get("cluster/prompts_rerun", 0.0) for r in records),
         "episode_errors": sum(r.get("tree/errors", 0.0) for r in records),
         "prompts_failed": sum(r.get("tree/prompt_errors", 0.0) for r in records),
-        "sequences_per_step": sorted(set(trained)),
-        "prompts_lost": sum(r.get("rollout/prompts_without_leaves", 0.0) for r in records),
+        "sequences_per_step": sorted({r["batch/sequences"] for r in records}),
+        "prompts_per_step": sorted(set(trained)),
+        "prompts_lost": sum(expected - n for n in trained)
+        + sum(r.get("rollout/prompts_without_leaves", 0.0) for r in records),
         "error_notes": measured["errors"],
         "retrieval_worker_restarts": measured["server_restarts"],
         "retrieval_server_exit": measured["server_exit"],
         "trends": trends,
         "all_flat": all(t["flat"] for t in trends.values()),
+        "per_step": [{key: r.get(key, 0.0) for key in PER_STEP} for r in records],
     }
 
 
-def plot(readings: Sequence[dict[str, float]], trends: dict[str, Any], path: Path) -> None:
+def plot(
+    readings: Sequence[dict[str, float]], trends: dict[str, Any], faults: Sequence[dict[str, Any]], path: Path
+) -> None:
+    """One panel per series against the step: its readings, the judged second half shaded, the faults as ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, 5, figsize=(20, 7), constrained_layout=True)
+    columns = 5
+    rows = -(-len(SERIES) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), constrained_layout=True)
     steps = [r["step"] for r in readings]
+    colours = dict(zip(FAULTS, ("tab:red", "tab:orange", "tab:purple", "tab:green")))
     for axis, (name, unit, _) in zip(axes.flat, SERIES):
-        axis.plot(steps, [r[name] for r in readings], ".", markersize=3)
+        axis.axvspan(steps[len(steps) // 2], steps[-1], color="0.93", zorder=0)
+        for event in faults:
+            if event["pid"] is not None:
+                axis.axvline(event["step"] - 0.5, color=colours[event["kind"]], alpha=0.25, linewidth=0.8)
+        axis.plot(steps, [r[name] for r in readings], ".", markersize=3, color="black")
         verdict = "flat" if trends[name]["flat"] else "GROWS"
         axis.set_title(f"{name} ({verdict}, {trends[name]['slope_per_100_steps']:+.2g}/100 steps)", fontsize=9)
         axis.set_xlabel("step")
         axis.set_ylabel(unit or "count")
-    figure.suptitle("benchmarks.soak: resources at every step under injected faults")
+    for axis in list(axes.flat)[len(SERIES) :]:
+        axis.axis("off")
+    handles = [plt.Line2D([], [], color=c, label=k) for k, c in colours.items()]
+    list(axes.flat)[-1].legend(handles=handles, title="faults (during step)", loc="center", fontsize=8)
+    figure.suptitle("benchmarks.soak: resources at every step under injected faults (shaded: the judged second half)")
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
@@ -496,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         measured = asyncio.run(soak(args, out))
         summary = summarise(measured)
         figure = args.json.with_suffix(".png") if args.json else out / "soak.png"
-        plot(measured["readings"], summary["trends"], figure)
+        plot(measured["readings"], summary["trends"], measured["faults"], figure)
     print_report(summary, figure)
     if args.json:
         command = "python -m benchmarks.soak " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -519,8 +632,9 @@ def print_report(summary: dict[str, Any], figure: Path) -> None:
         f"\n{summary['steps_completed']} steps in {summary['seconds'] / 60:.1f} min; faults: {faults}; "
         f"worker failures {summary['worker_failures']:.0f}, prompts re-run {summary['prompts_rerun']:.0f}, "
         f"turns failed {summary['episode_errors']:.0f} ({len(summary['error_notes'])} notes), prompts failed "
-        f"{summary['prompts_failed']:.0f}, prompts lost {summary['prompts_lost']:.0f}, sequences trained per step "
-        f"{summary['sequences_per_step']}; retrieval workers replaced {summary['retrieval_worker_restarts']}"
+        f"{summary['prompts_failed']:.0f}, prompts lost {summary['prompts_lost']:.0f}, prompts trained per step "
+        f"{summary['prompts_per_step']} (sequences {summary['sequences_per_step']}); retrieval workers replaced "
+        f"{summary['retrieval_worker_restarts']}"
     )
     rows = [
         [
