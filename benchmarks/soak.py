@@ -1,6 +1,7 @@
 """A long run under faults: AT²PO for 100+ steps on a multi-node Ray cluster while processes are killed and hung.
 
-    python -m benchmarks.soak [--steps 120] [--fault-every 15] [--seed 0] [--out DIR] [--json PATH]
+    python -m benchmarks.soak [--steps 120] [--fault-every 15] [--seed 0] [--checkpoint-every 10]
+        [--out DIR] [--json PATH]
 
 **The cluster** is Ray's own on this host (``ray.cluster_utils.Cluster``, as Ray tests itself): a
 head and two nodes, each offering one trainer rank's and one rollout worker's resource, joined the
@@ -8,7 +9,7 @@ way a user joins a cluster (``RAY_ADDRESS`` and ``cluster.address=auto``). **The
 ``agents.train.train`` with the cpu-demo preset on ``tool-qa`` (search and a sandboxed Python):
 2 trainer ranks and 2 rollout workers spread over the two nodes, the search served by a
 retrieval server with 2 worker processes (``python -m agentenv.serve retrieval --workers 2``),
-a checkpoint every 10 steps.
+a checkpoint every ``--checkpoint-every`` steps (10).
 
 **The engine.** 100+ steps of the embedded 135M model take over an hour on 2 cores and it rarely
 calls Python, so the workers' engine is a scripted tool-calling policy (:func:`tool_policy`, given
@@ -94,6 +95,7 @@ PER_STEP = (  # the run's metrics kept for each step in the JSON
     "cluster/worker_failures",
     "cluster/prompts_rerun",
     "cluster/workers_live",
+    "async/staleness_max",
     "time/step_s",
 )
 HEARTBEAT_S = 30.0  # a line at least this often while a step runs long
@@ -281,6 +283,7 @@ class Trend:
 
     @property
     def flat(self) -> bool:
+        """Whether the second half's growth is within the tolerance."""
         return self.growth <= self.tolerance
 
 
@@ -373,7 +376,8 @@ def trainer_model(folder: Path) -> str:
     return str(folder)
 
 
-def run_config(model: str, url: str, steps: int, seed: int) -> Any:
+def run_config(model: str, url: str, args: argparse.Namespace) -> Any:
+    """The run: AT²PO, cpu-demo, tool-qa on the server at ``url``, 2 ranks and 2 scripted workers joining by ``auto``."""
     from agents.config import resolve
 
     cluster = {
@@ -389,9 +393,9 @@ def run_config(model: str, url: str, steps: int, seed: int) -> Any:
         preset_name="cpu-demo",
         values={"algo": "at2po", "env": "tool-qa", "model": model},
         assignments=[
-            f"steps={steps}",
-            f"seed={seed}",
-            "checkpoint_every=10",
+            f"steps={args.steps}",
+            f"seed={args.seed}",
+            f"checkpoint_every={args.checkpoint_every}",
             "keep_checkpoints=2",
             "eval_questions=0",
             "eval_before=false",
@@ -443,6 +447,7 @@ class Steps:
         self.heartbeat = threading.Thread(target=self._beat, name="soak heartbeat", daemon=True)
 
     def log(self, line: str) -> None:
+        """Print the run's ``line``; at a step's line, read the resources and say the pace."""
         print(line, flush=True)
         if not (line.startswith("step ") and "/" in line.split()[1]):
             return
@@ -496,7 +501,7 @@ async def soak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     injector = FaultInjector(args.fault_every, args.seed, server.pid, lambda: steps.step + 1, steps.started)
     said = Said(sys.stdout)
     try:
-        config = run_config(trainer_model(out / "model"), url, args.steps, args.seed)
+        config = run_config(trainer_model(out / "model"), url, args)
         injector.start()
         steps.heartbeat.start()
         sys.stdout = said  # the run's notes of failed turns and prompts (agents.steps), with their errors
@@ -548,6 +553,8 @@ def summarise(measured: dict[str, Any]) -> dict[str, Any]:
         "prompts_failed": sum(r.get("tree/prompt_errors", 0.0) for r in records),
         "sequences_per_step": sorted({r["batch/sequences"] for r in records}),
         "prompts_per_step": sorted(set(trained)),
+        # above 0: a prompt rolled out on weights older than the trainer's (a worker that missed a sync)
+        "staleness_max": max((r.get("async/staleness_max", 0.0) for r in records), default=0.0),
         "prompts_lost": sum(expected - n for n in trained)
         + sum(r.get("rollout/prompts_without_leaves", 0.0) for r in records),
         "error_notes": measured["errors"],
@@ -593,10 +600,12 @@ def plot(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Run the soak, print its report, write the figure and (``--json``) the results with the command line."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
     parser.add_argument("--fault-every", type=float, default=15.0, help="mean seconds between faults (default 15)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the run and of the faults (default 0)")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (default 10)")
     parser.add_argument("--out", type=Path, help="folder for the run (default: a temporary folder)")
     parser.add_argument(
         "--json", type=Path, metavar="PATH", help="write the results as JSON (and the figure beside it)"
@@ -623,6 +632,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def print_report(summary: dict[str, Any], figure: Path) -> None:
+    """The counts in a paragraph, then each series' trend and verdict in a table."""
     from agents.tables import text_table
 
     faults = ", ".join(
@@ -632,7 +642,7 @@ def print_report(summary: dict[str, Any], figure: Path) -> None:
         f"\n{summary['steps_completed']} steps in {summary['seconds'] / 60:.1f} min; faults: {faults}; "
         f"worker failures {summary['worker_failures']:.0f}, prompts re-run {summary['prompts_rerun']:.0f}, "
         f"turns failed {summary['episode_errors']:.0f} ({len(summary['error_notes'])} notes), prompts failed "
-        f"{summary['prompts_failed']:.0f}, prompts lost {summary['prompts_lost']:.0f}, prompts trained per step "
+        f"{summary['prompts_failed']:.0f}, largest staleness {summary['staleness_max']:.0f}, prompts lost {summary['prompts_lost']:.0f}, prompts trained per step "
         f"{summary['prompts_per_step']} (sequences {summary['sequences_per_step']}); retrieval workers replaced "
         f"{summary['retrieval_worker_restarts']}"
     )
