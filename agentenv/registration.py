@@ -40,6 +40,7 @@ __all__ = [
     "OptionError",
     "OptionTypeError",
     "UnknownEnvError",
+    "load_entry_point",
     "make",
     "register",
     "registry",
@@ -47,6 +48,13 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "agentenv.envs"
+
+
+def load_entry_point(name: str) -> Any:
+    """The object a ``"module:attr"`` string names (the module imported); ImportError or AttributeError
+    when there is none."""
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 class UnknownEnvError(KeyError):
@@ -91,8 +99,7 @@ class EnvSpec:
         """The class or factory named by ``entry_point``."""
         if callable(self.entry_point):
             return self.entry_point
-        module, _, attr = self.entry_point.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return load_entry_point(self.entry_point)
 
     def make(self, **overrides: Any) -> Env:
         """Build the environment with the registered defaults updated by ``overrides``.

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import os
 from collections.abc import Callable
@@ -56,6 +55,7 @@ import numpy as np
 import torch
 
 import agentenv
+from agentenv.registration import load_entry_point
 from agentenv.wrappers import TokenEnv
 from agents.cluster.config import ClusterConfig
 from agents.cluster.rollout_workers import RolloutPool, WorkerSpec
@@ -384,9 +384,8 @@ def _make_rollout(
 
 def _load_entry_point(name: str) -> Callable[[], Any]:
     """The function named ``"module:attr"``, or a ValueError saying what is missing."""
-    module, _, attr = name.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        return load_entry_point(name)
     except (ImportError, AttributeError) as error:
         raise ValueError(
             f"cluster.worker_engine={name!r} names no function ({error}); give 'module:attr' of a function "

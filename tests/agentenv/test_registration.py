@@ -137,3 +137,13 @@ def test_command_line_lists_and_checks(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "ok   multihop-qa:2wiki"
     assert out[1].startswith("FAIL multihop_qa: No environment registered as 'multihop_qa'. Did you mean: multihop-qa")
+
+
+def test_an_entry_point_string_names_the_object_in_its_module():
+    from agentenv.registration import load_entry_point
+
+    assert load_entry_point("agentenv.envs.qa:QAEnv").__name__ == "QAEnv"
+    with pytest.raises(AttributeError):
+        load_entry_point("agentenv.envs.qa:NoSuchEnv")
+    with pytest.raises(ModuleNotFoundError):
+        load_entry_point("agentenv.no_such_module:Env")
