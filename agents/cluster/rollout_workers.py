@@ -256,6 +256,11 @@ class WorkerSpec:
     engine: Callable[[], Engine] | None = None
 
 
+class WorkerRestarted(RuntimeError):
+    """A call reached a worker process other than the one the pool knows: Ray restarted it between
+    two calls, so it holds its first weights, not the last sync's (the pool treats it as lost)."""
+
+
 class RolloutWorker:
     """One worker process: its engine, its environment, and the trees of the prompts it is given.
 
@@ -287,6 +292,7 @@ class RolloutWorker:
         self.env = TokenEnv(agentenv.make(spec.config.env, **spec.config.env_kwargs), self.tokenizer)
         self.weights_version = 0
         self.started = time.perf_counter()
+        self.incarnation = os.urandom(8).hex()  # a restarted process draws a new one: see _check
 
     def engine_busy(self) -> tuple[float, float]:
         """Seconds since the engine was built, and those it had a request in flight (its idle time is the rest)."""
@@ -302,14 +308,27 @@ class RolloutWorker:
             **where,
             "weights_version": self.weights_version,
             "supports_sleep": self.engine.supports_sleep,
+            "incarnation": self.incarnation,
         }
 
-    async def rollout(self, index: int, task: int, seed: int, priority: int = 0) -> PromptTrees:
+    def _check(self, incarnation: str | None) -> None:
+        """Refuse a call meant for an earlier process of this worker (``None``: any process will do)."""
+        if incarnation is not None and incarnation != self.incarnation:
+            raise WorkerRestarted(
+                f"rollout worker {self.rank} was restarted since the pool last reached it (process "
+                f"{incarnation} then, {self.incarnation} now) and holds weights version {self.weights_version}"
+            )
+
+    async def rollout(
+        self, index: int, task: int, seed: int, priority: int = 0, incarnation: str | None = None
+    ) -> PromptTrees:
         """The trees of ``task``, the batch's prompt number ``index``, under the rollout ``seed``.
 
         Its requests carry ``priority`` (:data:`REQUEST_PRIORITY`; the pipeline gives each step's
         its step number). Node environments are dropped before the trees leave the process.
+        ``incarnation``: the process the caller expects (:class:`WorkerRestarted` if another).
         """
+        self._check(incarnation)
         mark = REQUEST_PRIORITY.set(priority)  # the tasks of its tree inherit it
         episode = task_episode(self.env, task)
         try:
@@ -355,8 +374,9 @@ class RolloutWorker:
             )
         return weights_digest(model.state_dict(), None if names is None else set(names))
 
-    async def evaluate(self, kwargs: Mapping[str, Any]) -> HeldOut:
-        """:func:`agents.heldout.evaluate_heldout` on this worker's engine."""
+    async def evaluate(self, kwargs: Mapping[str, Any], incarnation: str | None = None) -> HeldOut:
+        """:func:`agents.heldout.evaluate_heldout` on this worker's engine (``incarnation``: as :meth:`rollout`)."""
+        self._check(incarnation)
         return await evaluate_heldout(self.engine, self.tokenizer, **kwargs)
 
     async def sleep(self, level: int) -> None:
@@ -492,7 +512,7 @@ class RolloutPool(RolloutBackend):
                 worker = min((w for w in self.workers if w.live), key=lambda w: (w.prompts.count, w.rank))
                 index, task = pending.pop(0)
                 worker.prompts.enter()
-                ref = worker.handle.rollout.remote(index, task, seed, priority)
+                ref = worker.handle.rollout.remote(index, task, seed, priority, self._incarnation(worker))
                 running[asyncio.ensure_future(_awaited(ref))] = (worker, index, task)
             revivals = [w.reviving for w in self.workers if w.reviving is not None]
             if not running and not revivals:
@@ -565,7 +585,8 @@ class RolloutPool(RolloutBackend):
         """A worker's process died: stop giving it work and bring it back with the current weights."""
         worker.live = False
         self.failures += 1
-        self.log(f"rollout worker {worker.rank} died ({type(error).__name__}); its prompts go to the other workers")
+        what = "was restarted since its last call" if isinstance(error, WorkerRestarted) else "died"
+        self.log(f"rollout worker {worker.rank} {what} ({type(error).__name__}); its prompts go to the other workers")
         worker.reviving = asyncio.ensure_future(self._revive(worker))
 
     async def _revive(self, worker: _Worker, patience_s: float = 600.0) -> None:
@@ -635,13 +656,33 @@ class RolloutPool(RolloutBackend):
         return list(await asyncio.gather(*(_awaited(w.handle.digest.remote(names)) for w in live)))
 
     async def evaluate(self, kwargs: Mapping[str, Any]) -> HeldOut:
-        """The held-out evaluation on the first live worker (no progress bar: it has no terminal)."""
-        worker = next(worker for worker in self.workers if worker.live)
-        worker.prompts.enter()
-        try:
-            return await _awaited(worker.handle.evaluate.remote({**kwargs, "progress": False}))
-        finally:
-            worker.prompts.leave()
+        """The held-out evaluation on the first live worker (no progress bar: it has no terminal); run
+        again on another (or the revived one) if that worker is lost meanwhile."""
+        while True:
+            live = [worker for worker in self.workers if worker.live]
+            revivals = [worker.reviving for worker in self.workers if worker.reviving is not None]
+            if not live:
+                if not revivals:
+                    raise RuntimeError(
+                        f"every rollout worker died ({self.failures} failures), so none can evaluate; raise "
+                        "cluster.worker_restarts or check the workers' logs"
+                    )
+                await asyncio.wait(revivals, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            worker = live[0]
+            worker.prompts.enter()
+            try:
+                return await _awaited(
+                    worker.handle.evaluate.remote({**kwargs, "progress": False}, self._incarnation(worker))
+                )
+            except _lost_worker_errors(self._ray) as error:
+                self._lost(worker, error)
+            finally:
+                worker.prompts.leave()
+
+    def _incarnation(self, worker: _Worker) -> str:
+        """The process of ``worker`` that holds the pool's weights (the one its last ``ready`` reported)."""
+        return str(self.info[worker.rank]["incarnation"])
 
     def pids(self) -> list[int]:
         """The workers' process ids (what a test kills)."""
@@ -661,14 +702,16 @@ class RolloutPool(RolloutBackend):
 
 
 def _lost_worker_errors(ray: Any) -> tuple[type[BaseException], ...]:
-    """What a call raises when its worker's process is gone (killed, out of memory, its node lost); an
-    error raised by the worker's own code (``RayTaskError``) is a real failure and is not among them."""
+    """What a call raises when its worker's process is gone (killed, out of memory, its node lost) or was
+    replaced since the pool last reached it (:class:`WorkerRestarted`: Ray's error for it is also one);
+    any other error raised by the worker's own code (``RayTaskError``) is a real failure and is not among them."""
     exceptions = ray.exceptions
     return (
         exceptions.RayActorError,
         exceptions.OutOfMemoryError,
         exceptions.WorkerCrashedError,
         exceptions.NodeDiedError,
+        WorkerRestarted,
     )
 
 

@@ -171,6 +171,34 @@ async def test_a_worker_killed_during_a_step_loses_no_prompt_and_comes_back_with
     assert await pool.digests() == expected
 
 
+async def test_a_worker_restarted_between_two_calls_is_noticed_and_reloads_the_current_weights(pool, ray_local):
+    # The other worker this time (max_restarts=1 each): killed while idle, Ray restarts it before the
+    # pool's next call, which then reaches a fresh process holding the model's first weights.
+    pool, config, parts = pool
+    expected = await pool.digests()
+    handle = pool.workers[1].handle
+    victim = ray_local.get(handle.ready.remote())["pid"]
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(240):
+        try:
+            if ray_local.get(handle.ready.remote(), timeout=5)["pid"] != victim:
+                break
+        except ray_local.exceptions.RayError:
+            pass  # dead or restarting
+        await asyncio.sleep(0.5)
+    assert ray_local.get(handle.digest.remote()) != expected[1]  # the restarted process's first weights
+    prompts = await pool.rollout([2, 3, 4, 5], seed=3)
+    assert all(len(prompt.leaves) == 4 and not prompt.error for prompt in prompts)
+    metrics = pool.metrics()
+    assert metrics["cluster/worker_failures"] == 1.0 and metrics["cluster/prompts_rerun"] >= 1.0
+    assert any("rollout worker 1 was restarted since its last call" in note for note in pool.notes), pool.notes
+    for _ in range(120):
+        if all(worker.live for worker in pool.workers):
+            break
+        await asyncio.sleep(0.5)
+    assert await pool.digests() == expected
+
+
 @pytest.mark.slow
 async def test_train_on_rollout_workers_writes_the_run_folder_and_resumes_exactly(ray_local, tiny_model, tmp_path):
     config = letters_config(tiny_model, cluster={"rollout_workers": 2}, steps=3, checkpoint_every=2)
