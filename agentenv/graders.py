@@ -148,25 +148,32 @@ def token_cover_exact_match(prediction: str, golds: Iterable[str]) -> float:
     return float(any(f" {gold} " in pred for gold in map(normalize_answer, golds) if gold))
 
 
-def f1_score(prediction: str, golds: Iterable[str], *, f1: F1Variant = "squad") -> float:
+def f1_score(prediction: str, golds: Iterable[str], *, f1: F1Variant = "squad", given: str = "") -> float:
     """Word-level F1 of the normalised prediction against the best-matching gold answer.
 
     Args:
         f1: ``"squad"`` (SQuAD v1.1) or ``"hotpotqa"``, which also scores 0 against a gold when
             either side normalises to one of :data:`HOTPOTQA_SPECIAL_ANSWERS` and they differ
             (``"yes, it is"`` against ``"yes"``: 0, where SQuAD's F1 is 0.5).
+        given: Text whose words earn nothing (the question): they are left out of the prediction
+            and of each gold before counting, so repeating the question scores 0; a gold made of
+            given words only (``"Who is older, A or B?"``: ``"B"``) counts only if matched exactly.
     """
     if f1 not in F1_VARIANTS:
         raise ValueError(f"unknown F1 {f1!r}; choose one of {list(F1_VARIANTS)}")
     pred = normalize_answer(prediction)
-    pred_tokens = pred.split()
+    known = set(normalize_answer(given).split())  # eq. (83) of docs/algorithms.md when given
+    pred_tokens = [word for word in pred.split() if word not in known]
     best = 0.0
     for gold in golds:
         gold_normal = normalize_answer(gold)
         # hotpotqa/hotpot hotpot_evaluate_v1.py f1_score: a yes/no answer is right or wrong, never partly right.
         if f1 == "hotpotqa" and pred != gold_normal and HOTPOTQA_SPECIAL_ANSWERS & {pred, gold_normal}:
             continue
-        gold_tokens = gold_normal.split()
+        gold_tokens = [word for word in gold_normal.split() if word not in known]
+        if not gold_tokens:  # only given words (or none): right or wrong as a whole
+            best = max(best, float(bool(gold_normal) and pred == gold_normal))
+            continue
         common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
         if common == 0:
             continue

@@ -5,6 +5,8 @@ Named schemes (``reward="…"`` in ``make``):
 ===================  ============================================================================
 ``em``               exact match of the last ``\\boxed{}`` (0 or 1); no answer scores 0
 ``f1``               word-level F1 of the answer (the grader's F1, see :mod:`agentenv.graders`)
+``f1_new_words``     F1 over the words the question does not already give: echoing the
+                     question scores 0 (a gold of question words only must match exactly)
 ``cover_em``         1 if a normalised gold is a substring of the answer (FlashRAG, Search-R1)
 ``token_cover_em``   1 if a normalised gold occurs in the answer as whole words
 ``math``             1 if the answer equals the gold mathematically (math-verify; a math grade)
@@ -43,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from agentenv.graders import BOX_RULES, F1_VARIANTS, BoxRule, F1Variant, Grade
+from agentenv.graders import BOX_RULES, F1_VARIANTS, BoxRule, F1Variant, Grade, f1_score
 
 __all__ = [
     "BONUS_CONDITIONS",
@@ -95,6 +97,12 @@ class RewardScheme:
         box: The box rule the environment's grader should apply (see
             :func:`agentenv.graders.extract_boxed`); :class:`agentenv.envs.qa.QAEnv` applies it.
         f1: The F1 the environment's grader should compute (None: the dataset's own).
+        question_words: ``"count"``: the metric as graded; ``"ignore"`` (with the ``f1`` metric):
+            the answer's and the gold's words that the question contains earn nothing
+            (:func:`agentenv.graders.f1_score` with ``given=`` the question). Plain F1 pays an
+            answer that repeats the question for the words it shares with the gold ("New York
+            City"), a reward RL finds: under it six AT²PO steps took the demo's 135M policy from
+            4% to 37% of sampled answers that repeat the question (docs/algorithms.md "Reward hacking").
     """
 
     metric: str = "em"
@@ -110,6 +118,7 @@ class RewardScheme:
     call_tags: tuple[str, ...] = ()
     box: BoxRule = "lenient"
     f1: F1Variant | None = None
+    question_words: Literal["count", "ignore"] = "count"
 
     def __post_init__(self) -> None:
         # A metric is any field of the grade (a grader of its own may grade more); a missing one
@@ -123,10 +132,16 @@ class RewardScheme:
             "answers_in_think": ("count", "ignore"),
             "box": BOX_RULES,
             "f1": (*F1_VARIANTS, None),
+            "question_words": ("count", "ignore"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if self.question_words == "ignore" and (self.metric, self.bonus_metric or "f1") != ("f1", "f1"):
+            raise ValueError(
+                f"question_words='ignore' recomputes F1 without the question's words, so metric (and bonus_metric) "
+                f"must be 'f1'; got metric={self.metric!r}, bonus_metric={self.bonus_metric!r}"
+            )
 
     @property
     def checks_turns(self) -> bool:
@@ -159,11 +174,14 @@ class RewardScheme:
                 return error
         return None
 
-    def __call__(self, grade: Grade, tool_counts: Mapping[str, int], actions: Sequence[str] | None = None) -> float:
-        """The reward of ``grade``, given the calls per tool and the model's turns.
+    def __call__(
+        self, grade: Grade, tool_counts: Mapping[str, int], actions: Sequence[str] | None = None, task: Any = None
+    ) -> float:
+        """The reward of ``grade``, given the calls per tool, the model's turns and the task.
 
-        ``actions`` is needed when :attr:`checks_turns` (the papers' schemes); the environment
-        always passes it.
+        ``actions`` is needed when :attr:`checks_turns` (the papers' schemes), ``task`` (its
+        ``question`` and ``answers``) when ``question_words="ignore"``; the environment always
+        passes both.
         """
         if self.checks_turns and actions is None:
             raise ValueError(
@@ -171,12 +189,18 @@ class RewardScheme:
             )
         if not grade.format_ok or (self.checks_turns and self.format_error(actions or ()) is not None):
             return self.format_penalty if self.format_penalty is not None else 0.0
-        reward = _metric(grade, self.metric)
+        reward = _metric(grade, self.metric) if self.question_words == "count" else self._f1_new_words(grade, task)
         if self.zero_without_overlap and not grade.f1 > 0:
             return 0.0
         if self.bonus and self._bonus_earned(grade) and all(tool_counts.get(t, 0) > 0 for t in self.bonus_tools):
-            return float(_metric(grade, self.bonus_metric or self.metric) + self.bonus)
+            paid_on = self.bonus_metric or self.metric
+            return float((reward if paid_on == self.metric else _metric(grade, paid_on)) + self.bonus)
         return float(reward)
+
+    def _f1_new_words(self, grade: Grade, task: Any) -> float:
+        if task is None:
+            raise ValueError("question_words='ignore' needs the task (its question and answers): pass task=")
+        return f1_score(grade.answer or "", task.answers, f1=self.f1 or "squad", given=task.question)
 
     def _bonus_earned(self, grade: Grade) -> bool:
         if self.bonus_when == "f1_positive":
@@ -237,6 +261,7 @@ _PAPERS_FORMAT: dict[str, Any] = {
 REWARD_SCHEMES: dict[str, RewardScheme] = {
     "em": RewardScheme("em"),
     "f1": RewardScheme("f1"),
+    "f1_new_words": RewardScheme("f1", question_words="ignore"),
     "cover_em": RewardScheme("cover_em"),
     "token_cover_em": RewardScheme("token_cover_em"),
     "math": RewardScheme("math_equal"),

@@ -35,6 +35,9 @@ __all__ = ["EpisodeState", "ToolEnv", "Turn"]
 
 DEFAULT_MAX_TOOL_CALLS = 6  # AT²PO: 6 tool calls per episode (ARPO's reasoning setup: 3)
 DEFAULT_MAX_OBS_CHARS = 6000  # 3 results of ~1000 characters each, with headroom
+# An answer holding this many consecutive words of the question repeats it rather than answers it:
+# 2% of multihop-qa's gold answers do (a comparison's "Big Stone Gap Film Festival"), 3 would flag 7%.
+ECHO_WORDS = 4
 #: What the observation says first when a turn held more than one tool call (only the first runs).
 ONE_CALL_PER_TURN = (
     "Only the first tool call of a turn is run; the other calls in this turn were not. Call one tool per turn."
@@ -356,7 +359,8 @@ class ToolEnv(Env):
                 "actions": actions,
             },
         )
-        graded = {**result.as_dict(), "reward": reward, **self._answer_origin(result.answer, history)}
+        origin = self._answer_origin(result.answer, state.task.question, history)
+        graded = {**result.as_dict(), "reward": reward, **origin}
         # The papers' schemes also judge the format of the turns (a <think> pair, one <answer>):
         # format_ok says what the reward saw, and why.
         scheme = self.reward_fn
@@ -366,17 +370,23 @@ class ToolEnv(Env):
                 graded.update(format_ok=False, format_error=why)
         return replace(state, reward=reward, grade=graded)
 
-    def _answer_origin(self, answer: str | None, history: Sequence[Turn]) -> dict[str, bool]:
-        """Whether the answer was found in what the tools returned, and whether it is the worked example's.
+    def _answer_origin(self, answer: str | None, question: str, history: Sequence[Turn]) -> dict[str, bool]:
+        """Whether the answer was found in what the tools returned, whether it is the worked example's,
+        and whether it repeats the question (:data:`ECHO_WORDS` consecutive words of it).
 
-        Both normalised as EM normalises; found means a whole-word substring of the tool results.
-        They tell an agent that answers from its searches from one that repeats a string.
+        All normalised as EM normalises; found means a whole-word substring of the tool results.
+        They tell an agent that answers from its searches from one that repeats a string (a reward
+        that pays words shared with the gold, such as F1, is hacked by repeating the question).
         """
         said = normalize_answer(answer or "")
         results = normalize_answer(" ".join(t.observation for t in history if t.tool is not None))
+        asked = normalize_answer(question).split()
+        runs = {" ".join(asked[i : i + ECHO_WORDS]) for i in range(len(asked) - ECHO_WORDS + 1)}
+        words = said.split()
         return {
             "in_results": bool(said) and f" {said} " in f" {results} ",
             "equals_example": bool(said) and said == self.example_answer,
+            "echoes_question": any(" ".join(words[i : i + ECHO_WORDS]) in runs for i in range(len(words))),
         }
 
     def _info(self, state: EpisodeState, parsed: Action | None = None) -> dict[str, Any]:

@@ -110,6 +110,7 @@ class Sample:
     judge_detail: str | None = None
     in_results: bool = False  # the answer is in what the episode's tools returned
     equals_example: bool = False  # the answer is the worked example's (the prompt's)
+    echoes_question: bool = False  # the answer repeats words of the question (agentenv.tool_env.ECHO_WORDS)
 
     @property
     def judge_score(self) -> float | None:
@@ -139,6 +140,7 @@ class Sample:
             response_tokens=trajectory.response_length,
             in_results=bool(grade.get("in_results", False)),
             equals_example=bool(grade.get("equals_example", False)),
+            echoes_question=bool(grade.get("echoes_question", False)),
         )
 
 
@@ -255,6 +257,7 @@ class EnvResult:
                 "action_tokens": statistics.fmean(s.action_tokens for s in samples),
                 "in_results": statistics.fmean(s.in_results for s in samples),
                 "equals_example": statistics.fmean(s.equals_example for s in samples),
+                "echoes_question": statistics.fmean(s.echoes_question for s in samples),
                 "repeated_answers": statistics.fmean(repeated_answers(qs)),
             }
         )
@@ -369,6 +372,7 @@ class EvalReport:
             "action tok",
             "in results %",
             "= example %",
+            "echoes q %",
             "repeated %",
         ]
         body = []
@@ -389,7 +393,10 @@ class EvalReport:
                     f"{m['turns']:.2f}",
                     f"{m['tool_calls']:.2f}",
                     f"{m['action_tokens']:.1f}",
-                    *(f"{100 * m[key]:.1f}" for key in ("in_results", "equals_example", "repeated_answers")),
+                    *(
+                        f"{100 * m[key]:.1f}"
+                        for key in ("in_results", "equals_example", "echoes_question", "repeated_answers")
+                    ),
                 ]
             )
         return text_table(head, body)

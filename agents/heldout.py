@@ -74,6 +74,7 @@ SCORES: dict[str, str] = {
     "tool_calls": "tool calls in the episode",
     "in_results": "answer found in what the episode's tools returned",
     "equals_example": "answer equal to the worked example's (copied from the prompt)",
+    "echoes_question": "answer repeating the question (4 consecutive words of it)",
     "repeated": "answer also given to another held-out question",
 }
 #: How each score is drawn in ``heldout.png``: the panel's title, the unit and the score's range,
@@ -86,9 +87,10 @@ SCORE_DISPLAY: dict[str, Display] = {
     "tool_calls": Display("tool calls", "mean per episode", (0.0, math.inf)),
     "in_results": Display("answer in tool results", "fraction of questions", FRACTION),
     "equals_example": Display("answer = worked example's", "fraction of questions", FRACTION),
+    "echoes_question": Display("answer repeats the question", "fraction of questions", FRACTION),
     "repeated": Display("answer given to another question", "fraction of questions", FRACTION),
 }
-PANELS_PER_ROW = 4  # of heldout.png
+PANELS_PER_ROW = 3  # of heldout.png: nine scores, three rows
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 #: The scores :func:`paired_table` compares (the others describe where answers came from).
 PAIRED_SCORES = ("f1", "em", "format_ok", "reward", "tool_calls")
@@ -215,6 +217,7 @@ async def evaluate_heldout(
         "tool_calls": [float(s.tool_calls) for s in samples],
         "in_results": [float(s.in_results) for s in samples],
         "equals_example": [float(s.equals_example) for s in samples],
+        "echoes_question": [float(s.echoes_question) for s in samples],
         "repeated": [float(r) for r in repeated_answers(questions_asked)],
     }
     scores = {name: interval(values, SCORE_DISPLAY[name].bounds) for name, values in columns.items()}

@@ -145,6 +145,8 @@ def qa_reward_and_grader(
             fn = dataclasses.replace(fn, require_think=False, single_answer=False, call_tags=(), box="lenient")
         box, scheme_f1 = fn.box, fn.f1
     variant = f1 or scheme_f1 or (format_f1(data_format) if data_format is not None else dataset_f1(dataset))
+    if isinstance(fn, RewardScheme) and fn.question_words == "ignore":
+        fn = dataclasses.replace(fn, f1=variant)  # it recomputes F1: the grader's
     return fn, functools.partial(grade, require_boxed=require_boxed, box=box, f1=variant)
 
 

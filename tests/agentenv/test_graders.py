@@ -44,6 +44,45 @@ def test_f1_is_word_level_and_takes_the_best_gold():
     assert f1_score("Paris", ["London"]) == 0.0
 
 
+QUESTION = 'The director of the romantic comedy "Big Stone Gap" is based in what New York city?'
+
+
+@pytest.mark.parametrize(
+    "prediction, golds, plain, new_words",
+    [
+        # The question's words earn nothing: an echo of it shares "new york city" with the gold
+        # (P=3/14, R=3/5: plain F1 6/19) but adds no word of its own.
+        (QUESTION, ["Greenwich Village, New York City"], 6 / 19, 0.0),
+        ("Greenwich Village", ["Greenwich Village, New York City"], 4 / 7, 1.0),  # plain: P=1, R=2/5
+        ("Greenwich Village, New York", ["Greenwich Village, New York City"], 8 / 9, 1.0),
+        ("Manhattan village", ["Greenwich Village, New York City"], 2 / 7, 0.5),  # new: P=1/2, R=1/2
+        # A gold of given words only ("Who is older, A or B?") counts only when matched exactly.
+        ("Big Stone Gap", ["Big Stone Gap"], 1.0, 1.0),
+        ("the Big Stone Gap film", ["Big Stone Gap"], 6 / 7, 0.0),
+        ("", ["Greenwich Village"], 0.0, 0.0),
+    ],
+)
+def test_f1_can_leave_out_the_words_the_question_gives(prediction, golds, plain, new_words):
+    assert f1_score(prediction, golds) == pytest.approx(plain)
+    assert f1_score(prediction, golds, given=QUESTION) == pytest.approx(new_words)
+
+
+def test_the_f1_new_words_scheme_pays_nothing_for_an_echo_of_the_question():
+    env = agentenv.make("multihop-qa", reward="f1_new_words", require_boxed=False)
+    assert env.unwrapped.reward_fn.f1 == "hotpotqa"  # it recomputes the grader's F1, the dataset's own
+    _, task = env.reset(options={"index": 2})
+    assert task["question"] == QUESTION
+    _, reward, terminated, _, info = env.step(f"<answer> {QUESTION} </answer>")
+    assert terminated and reward == 0.0 and info["grade"]["f1"] == pytest.approx(6 / 19)  # plain F1 pays the echo
+    env.reset(options={"index": 2})
+    _, reward, _, _, info = env.step("<answer> Greenwich Village </answer>")
+    assert reward == 1.0 and info["grade"]["f1"] == pytest.approx(4 / 7)
+    with pytest.raises(ValueError, match=r"question_words='ignore' needs the task .*: pass task="):
+        REWARD_SCHEMES["f1_new_words"](grade("Rush", ["Rush"], require_boxed=False), {})
+    with pytest.raises(ValueError, match=r"metric \(and bonus_metric\) must be 'f1'; got metric='em'"):
+        RewardScheme("em", question_words="ignore")
+
+
 # -- F1: SQuAD's, and HotpotQA's yes/no rule ------------------------------------------------------
 
 
@@ -245,6 +284,7 @@ SCHEMES = [
     "cover_em",
     "em",
     "f1",
+    "f1_new_words",
     "math",
     "token_cover_em",
 ]

@@ -7,6 +7,7 @@ import pytest
 import agentenv
 from agentenv import ToolError, tool
 from agentenv.testing import check_env
+from agentenv.tool_env import ECHO_WORDS
 
 QUESTION_0 = "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
 
@@ -62,6 +63,7 @@ def test_search_step_then_answer(env):
         "reward": 1.0,
         "in_results": False,  # right, but not from the search: none of its three passages names her office
         "equals_example": False,
+        "echoes_question": False,
     }
     assert "protocol" not in obs_search.lower()
     with pytest.raises(RuntimeError, match="the episode is over"):
@@ -235,6 +237,22 @@ def test_the_grade_says_whether_the_answer_was_found_or_copied_from_the_example(
     assert plain.unwrapped.example_answer == ""  # no example: nothing to copy
     plain.reset(options={"index": 0})
     assert plain.step("<answer> France </answer>")[4]["grade"]["equals_example"] is False
+
+
+def test_the_grade_says_whether_the_answer_repeats_the_question():
+    env = agentenv.make("multihop-qa", require_boxed=False)
+    assert ECHO_WORDS == 4
+
+    def echoes(answer: str) -> bool:
+        env.reset(options={"index": 0})  # QUESTION_0: "What government position was held by the woman who …"
+        return env.step(f"<answer> {answer} </answer>")[4]["grade"]["echoes_question"]
+
+    assert echoes(QUESTION_0)
+    assert echoes("the government position was held by her")  # 4 of its words in a row
+    assert not echoes("government position")  # 2 in a row: a phrase of it, not the question
+    assert not echoes("it was held by")  # 3 in a row
+    assert not echoes("Chief of Protocol")
+    assert not echoes("")
 
 
 def test_observations_are_truncated():

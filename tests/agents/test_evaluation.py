@@ -160,6 +160,9 @@ async def test_em_f1_errors_and_pooled_average_over_two_real_envs(tok):
         "=",
         "example",
         "%",
+        "echoes",
+        "q",
+        "%",
         "repeated",
         "%",
     ]
@@ -280,7 +283,8 @@ async def test_heldout_scores_a_budget_cut_episode_with_the_training_budget_rewa
     assert scores[-1.0]["reward"].mean == pytest.approx(0.0)
     assert scores[-1.0]["em"].mean == pytest.approx(1 / 3) and scores[-1.0]["format_ok"].mean == pytest.approx(2 / 3)
     # No search, so no answer was found in a result; two answers, to two questions, neither repeated.
-    assert [scores[-1.0][name].mean for name in ("tool_calls", "in_results", "equals_example", "repeated")] == [0] * 4
+    names = ("tool_calls", "in_results", "equals_example", "echoes_question", "repeated")
+    assert [scores[-1.0][name].mean for name in names] == [0] * 5
 
 
 def test_sampler_logprob_gap_compares_action_tokens_and_counts_nan_as_infinite():

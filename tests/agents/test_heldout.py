@@ -28,7 +28,8 @@ TITLE = "at2po · multihop-qa · smollm2-135m (runs/demo)"
 def held_out(step: int, em: list[float], f1: list[float], format_ok: list[float], reward: list[float]) -> HeldOut:
     # The answer-origin scores follow the format: an answer given was found in a result, never repeated.
     columns = {"em": em, "f1": f1, "format_ok": format_ok, "reward": reward, "tool_calls": format_ok}
-    columns.update(in_results=format_ok, equals_example=[0.0] * len(em), repeated=[0.0] * len(em))
+    nothing = [0.0] * len(em)
+    columns.update(in_results=format_ok, equals_example=nothing, echoes_question=nothing, repeated=nothing)
     scores = {name: interval(values, SCORE_DISPLAY[name].bounds) for name, values in columns.items()}
     return HeldOut(step, len(em), scores, 1.0, columns, list(range(len(em))))
 
@@ -62,6 +63,7 @@ def test_intervals_stay_inside_the_range_of_the_score():
         "tool_calls": (0.0, math.inf),
         "in_results": (0.0, 1.0),
         "equals_example": (0.0, 1.0),
+        "echoes_question": (0.0, 1.0),
         "repeated": (0.0, 1.0),
     }
 
@@ -76,7 +78,7 @@ def test_heldout_plot_draws_each_evaluation_as_a_point_with_its_interval(tmp_pat
     assert (tmp_path / "heldout.png").is_file()
     figure = log.figure(title=TITLE)
     assert figure.get_suptitle() == f"{TITLE}: held-out scores, 95% intervals"
-    assert len(figure.axes) == 8  # two rows of four
+    assert len(figure.axes) == 9  # three rows of three
     for axis, (name, display) in zip(figure.axes, SCORE_DISPLAY.items()):
         assert (axis.get_title(), axis.get_ylabel(), axis.get_xlabel()) == (display.name, display.unit, "training step")
         assert visible_ticks(axis) == [0.0, 1.0, 2.0, 3.0]
@@ -105,7 +107,7 @@ def test_one_evaluation_draws_a_readable_figure_without_warnings(tmp_path):
         figure = log.figure()
     assert path.is_file()
     assert figure.get_suptitle() == "held-out scores, 95% intervals"
-    assert [visible_ticks(axis) for axis in figure.axes] == [[0.0]] * 8
+    assert [visible_ticks(axis) for axis in figure.axes] == [[0.0]] * 9
 
 
 def test_the_comparison_table_has_a_row_per_score_and_a_column_per_evaluation():
@@ -127,6 +129,7 @@ def test_the_comparison_table_has_a_row_per_score_and_a_column_per_evaluation():
         "tool calls",
         "answer in tool results %",
         "answer = worked example's %",
+        "answer repeats the question %",
         "answer given to another question %",
     ]
     assert cells["questions"] == ["4", "4", "4"]
