@@ -220,8 +220,15 @@ class SynchronousSteps:
         config = self.config
         tasks = self.order.take(config.prompts_per_step)
         total = None if self.planned is None else self.planned * len(tasks)
-        refill = Refill(self.order.take, config.sampled_prompts) if config.dynamic_sampling else None
         with progress_bar(f"rollout step {step}", total, unit="leaves", leave=False, show=self.progress) as bar:
+
+            def take(count: int) -> list[int]:  # dynamic sampling's further prompts: their leaves join the total
+                more = self.order.take(count)
+                if bar.total is not None and self.planned is not None:
+                    bar.total += self.planned * len(more)
+                return more
+
+            refill = Refill(take, config.sampled_prompts) if config.dynamic_sampling else None
             paths, metrics = await rollout_step(
                 self.rollout,
                 self.parts,
@@ -276,6 +283,7 @@ class PipelinedSteps:
         self.running: dict[int, asyncio.Future[_Rolled]] = {}
         self.arrivals: dict[int, asyncio.Queue[PromptTrees]] = {}  # each running step's trees back so far
         self.leaves: dict[int, int] = {}  # each running step's leaves back so far
+        self.prompts: dict[int, int] = {}  # each running step's prompts sent so far (dynamic sampling adds some)
         self.bars: dict[int, Any] = {}  # the progress bar of the step the trainer waits for
         self.positions: dict[int, dict[str, int]] = {}
         self.next_step: int | None = None  # the next step to send to the pool
@@ -291,7 +299,7 @@ class PipelinedSteps:
             step = self.next_step
             tasks = self.order.take(self.config.prompts_per_step)
             self.positions[step] = self.order.position()
-            self.leaves[step] = 0
+            self.leaves[step], self.prompts[step] = 0, len(tasks)
             self.arrivals[step] = asyncio.Queue()
             self.running[step] = asyncio.ensure_future(self._roll(step, tasks))
             self.next_step += 1
@@ -312,9 +320,17 @@ class PipelinedSteps:
             return await self.pool.rollout(batch, round_seed(seed, round), back, priority=step, on_prompt=on_prompt)
 
         start = time.perf_counter()
+
         # At η = 0 (dynamic sampling needs it) no later step has taken tasks yet, so the replacements are
         # the order's next tasks, as in a synchronous run.
-        refill = Refill(self.order.take, self.config.sampled_prompts) if self.config.dynamic_sampling else None
+        def take(count: int) -> list[int]:  # dynamic sampling's further prompts: their leaves join the bar's total
+            more = self.order.take(count)
+            self.prompts[step] += len(more)
+            if step in self.bars and self.planned is not None:
+                self.bars[step].total = self.planned * self.prompts[step]
+            return more
+
+        refill = Refill(take, self.config.sampled_prompts) if self.config.dynamic_sampling else None
         prompts, sampling = await _sample(roll, tasks, refill, self.config.budget_reward)
         if refill is not None:
             self.positions[step] = self.order.position()
@@ -332,14 +348,14 @@ class PipelinedSteps:
         version = self.pool.version  # the trainer's weights: the pool's latest sync
         taken = _Taken()
         wait_start = time.perf_counter()
-        total = None if self.planned is None else self.planned * self.config.prompts_per_step
+        total = None if self.planned is None else self.planned * self.prompts[step]
         with progress_bar(
             f"rollout step {step}", total, unit="leaves", initial=self.leaves[step], leave=False, show=self.progress
         ) as self.bars[step]:
             busy = await self._stream(step, version, taken) if self.accumulate is not None else 0.0
             rolled = await self.running.pop(step)
         tasks, prompts, seconds = rolled.tasks, rolled.prompts, rolled.seconds
-        del self.bars[step], self.leaves[step]
+        del self.bars[step], self.leaves[step], self.prompts[step]
         arrivals = self.arrivals.pop(step)
         ready = time.perf_counter()
         if self.accumulate is None:

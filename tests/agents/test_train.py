@@ -349,6 +349,38 @@ async def test_dynamic_sampling_trains_only_on_prompts_with_signal_and_resumes_e
     assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
 
 
+async def test_the_rollout_bar_counts_the_leaves_of_every_prompt_dynamic_sampling_rolls_out(
+    tiny_model, tmp_path, monkeypatch
+):
+    class Bar:  # what progress_bar returns, recording where each step's bar ended
+        def __init__(self, desc, total, **_):
+            self.desc, self.total, self.n = desc, total, 0
+
+        def update(self, n=1):
+            self.n += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            ended.append((self.desc, self.n, self.total))
+
+    ended: list[tuple[str, int, int]] = []
+    monkeypatch.setattr("agents.steps.progress_bar", Bar)
+    config = letters_config(
+        tiny_model,
+        steps=2,
+        eval_questions=0,
+        dynamic_sampling=True,
+        max_sampled_prompts=6,
+        env_kwargs={"signal_every": 3},
+    )
+    result = await train(config, tmp_path / "a", progress=False, log=lambda note: None)
+    sampled = [int(record["sampling/prompts"]) for record in result.history]
+    assert max(sampled) > 2  # prompts were dropped and replaced
+    assert ended == [(f"rollout step {s + 1}", 6 * n, 6 * n) for s, n in enumerate(sampled)]  # 6 chains each
+
+
 async def test_a_rollout_token_budget_ends_the_run_after_the_step_that_reaches_it(tiny_model, tmp_path):
     # 2 prompts × 6 chains of at most 6 tokens: at most 72 tokens a step, so 100 is reached in step 2.
     notes: list[str] = []
