@@ -43,17 +43,20 @@ endif
 # gold answer) and keeps those whose search returned the answer; `agents sft` fine-tunes on them for
 # one epoch (a light cold start: it leaves the policy 1.3x the entropy of two epochs) and scores 96
 # held-out questions before and after; `agents train` runs AT2PO from there (the cpu-demo preset
-# without its worked example, F1 as the reward, sampling at T 1, dynamic sampling: every step trains
-# on prompts whose leaves' rewards differ) and scores them after; `agents compare` gives the RL
-# stage's paired difference to the cold start on the same questions; `agents eval` prints the first
-# held-out question's episode before (the untrained model) and after.
+# without its worked example; as the reward, F1 of the words the question does not give, since plain
+# F1 pays an answer that repeats the question; sampling at T 1; dynamic sampling: every step trains on
+# prompts whose leaves' rewards differ; a KL anchor to the cold start, k3 at 0.1: without it six steps
+# drift the policy towards repeating the question even under this reward) and scores them after;
+# `agents compare` gives the RL stage's paired difference to the cold start on the same questions;
+# `agents eval` prints the first held-out question's episode before (the untrained model) and after.
 DEMO_RUN := runs/demo
-DEMO_SETTINGS := --preset cpu-demo --set env_kwargs.example=false --set env_kwargs.reward=f1 --set budget_reward=null \
+DEMO_SETTINGS := --preset cpu-demo --set env_kwargs.example=false --set env_kwargs.reward=f1_new_words --set budget_reward=null \
   --holdout 100 --eval-questions 96
-DEMO_RL := --steps 6 --checkpoint-every 6 --dynamic-sampling --max-sampled-prompts 12 --set sampling.temperature=1.0 --set eval_before=false
+DEMO_RL := --steps 6 --checkpoint-every 6 --dynamic-sampling --max-sampled-prompts 12 --set sampling.temperature=1.0 \
+  --set loss.kl_coef=0.1 --set eval_before=false
 # The same episode settings for agents eval, which takes environment options one by one.
 DEMO_EVAL := --env multihop-qa --limit 1 --transcripts 1 --max-new-tokens 48 --max-response-tokens 256 \
-  --env-arg reward=f1 --env-arg max_tool_calls=2 --env-arg topk=1 --env-arg result_chars=300 \
+  --env-arg reward=f1_new_words --env-arg max_tool_calls=2 --env-arg topk=1 --env-arg result_chars=300 \
   --env-arg require_boxed=false
 demo: $(STAMP)
 	rm -rf $(DEMO_RUN)
