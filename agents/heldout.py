@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agentenv.tool_env import ECHO_WORDS
 from agents.engines.base import Engine, SamplingParams
 from agents.evaluation import evaluate, repeated_answers
 from agents.rollout import RolloutConfig
@@ -74,7 +75,7 @@ SCORES: dict[str, str] = {
     "tool_calls": "tool calls in the episode",
     "in_results": "answer found in what the episode's tools returned",
     "equals_example": "answer equal to the worked example's (copied from the prompt)",
-    "echoes_question": "answer repeating the question (4 consecutive words of it)",
+    "echoes_question": f"answer repeating the question ({ECHO_WORDS} consecutive words of it)",
     "repeated": "answer also given to another held-out question",
 }
 #: How each score is drawn in ``heldout.png``: the panel's title, the unit and the score's range,

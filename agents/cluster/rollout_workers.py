@@ -516,10 +516,7 @@ class RolloutPool(RolloutBackend):
                 running[asyncio.ensure_future(_awaited(ref))] = (worker, index, task)
             revivals = [w.reviving for w in self.workers if w.reviving is not None]
             if not running and not revivals:
-                raise RuntimeError(
-                    f"every rollout worker died ({self.failures} failures); the prompts {[i for i, _ in pending]} "
-                    "have no worker left; raise cluster.worker_restarts or check the workers' logs"
-                )
+                raise self._none_left(f"the prompts {[i for i, _ in pending]} have no worker left")
             done, _ = await asyncio.wait([*running, *revivals], return_when=asyncio.FIRST_COMPLETED)
             for future in done:
                 if future not in running:
@@ -663,10 +660,7 @@ class RolloutPool(RolloutBackend):
             revivals = [worker.reviving for worker in self.workers if worker.reviving is not None]
             if not live:
                 if not revivals:
-                    raise RuntimeError(
-                        f"every rollout worker died ({self.failures} failures), so none can evaluate; raise "
-                        "cluster.worker_restarts or check the workers' logs"
-                    )
+                    raise self._none_left("none can evaluate")
                 await asyncio.wait(revivals, return_when=asyncio.FIRST_COMPLETED)
                 continue
             worker = live[0]
@@ -679,6 +673,13 @@ class RolloutPool(RolloutBackend):
                 self._lost(worker, error)
             finally:
                 worker.prompts.leave()
+
+    def _none_left(self, what: str) -> RuntimeError:
+        """The error when no worker is live or reviving: ``what`` could not be done."""
+        return RuntimeError(
+            f"every rollout worker died ({self.failures} failures); {what}; raise cluster.worker_restarts or "
+            "check the workers' logs"
+        )
 
     def _incarnation(self, worker: _Worker) -> str:
         """The process of ``worker`` that holds the pool's weights (the one its last ``ready`` reported)."""
