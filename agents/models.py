@@ -12,8 +12,10 @@ weights everywhere. Three kinds of name resolve:
   access, or a copy already in the Hugging Face cache).
 
 The cache folder is ``$AGENTENV_CACHE/models`` or ``~/.cache/agentenv/models``. Conversions are
-written to a temporary folder that is renamed into place, so a crash never leaves half a
-checkpoint behind, and a file lock keeps two processes from converting at the same time.
+built by :func:`agentenv.cache.build_once`: written to a temporary folder, checked (the weights
+load as the model converted), marked and renamed into place, in whichever process asks first
+(the driver, any trainer rank, a Ray worker); a file lock keeps two processes from converting at
+the same time, and a folder whose files no longer load is rebuilt.
 """
 
 from __future__ import annotations
@@ -24,13 +26,10 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from filelock import FileLock
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +92,7 @@ def resolve_model(name: str = DEFAULT_MODEL) -> Path:
     directory is returned as it is; any other name is downloaded as a Hugging Face id.
     """
     if name in EMBEDDED_MODELS:
-        return _cached(name, lambda tmp: _convert_checkpoint(name, tmp))
+        return _cached(name, name, lambda tmp: _convert_checkpoint(name, tmp), _check_checkpoint)
     return _local_or_hub(name)
 
 
@@ -106,8 +105,10 @@ def resolve_tokenizer(name: str = DEFAULT_MODEL) -> Path:
     if name in EMBEDDED_MODELS:
         checkpoint = cache_root() / name
         if (checkpoint / _CONVERSION_RECORD).is_file():
-            return checkpoint
-        return _cached(f"{name}-tokenizer", lambda tmp: _convert_tokenizer(name, tmp))
+            with contextlib.suppress(Exception):  # a checkpoint that fails its check is rebuilt by resolve_model
+                _check_checkpoint(checkpoint)
+                return checkpoint
+        return _cached(name, f"{name}-tokenizer", lambda tmp: _convert_tokenizer(name, tmp), _check_tokenizer)
     return _local_or_hub(name)
 
 
@@ -210,53 +211,67 @@ def _convert_tokenizer(name: str, target: Path) -> None:
     gguf = _gguf_file(name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(target)
-    _write_record(target, name, gguf)
 
 
 def _convert_checkpoint(name: str, target: Path) -> None:
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     gguf = _gguf_file(name)
     logger.info("converting %s from %s to a float32 checkpoint (once)", name, gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses a model that still claims GGUF quantisation; the weights are
-    # already dequantised, so the claim is dropped.
+    # The weights are already dequantised: the config's GGUF quantisation claim is dropped.
     del model.config.quantization_config
-    # PreTrainedModel does not declare the attribute from_pretrained sets, so torch's Module.__setattr__ types it
-    model.hf_quantizer = None  # type: ignore[assignment]
-    model.save_pretrained(target)
+    # Written here, not by model.save_pretrained: transformers 5.19 writes nothing from a
+    # torch.distributed rank other than 0, and the first load may happen on any rank.
+    tensors: dict[str, torch.Tensor] = {}
+    stored: set[int] = set()
+    for key, tensor in model.state_dict().items():  # a tied tensor is stored once, under its first name
+        if tensor.data_ptr() not in stored:
+            stored.add(tensor.data_ptr())
+            tensors[key] = tensor.contiguous()
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    model.config.to_json_file(target / "config.json")
+    model.generation_config.to_json_file(target / "generation_config.json")
     # The tokenizer folder may exist already (converted on its own, which is faster).
-    tokenizer_dir = resolve_tokenizer(name)
-    for item in tokenizer_dir.iterdir():
+    for item in resolve_tokenizer(name).iterdir():
         if item.name != _CONVERSION_RECORD:
             shutil.copy2(item, target / item.name)
-    _write_record(target, name, gguf)
+    # The folder must load as the model it was converted from, before it is marked done.
+    loaded = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).state_dict()
+    expected = model.state_dict()
+    if loaded.keys() != expected.keys() or any(not torch.equal(loaded[k], v) for k, v in expected.items()):
+        raise RuntimeError(f"the checkpoint written to {target} does not load as the model converted from {gguf}")
 
 
-def _write_record(target: Path, name: str, gguf: Path) -> None:
-    record = {"name": name, "source": str(gguf), "description": EMBEDDED_MODELS[name].description}
-    (target / _CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+def _check_tokenizer(folder: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        json.loads((folder / name).read_text())  # a missing or truncated file raises
 
 
-def _cached(folder: str, build: Callable[[Path], None]) -> Path:
-    """``cache_root()/folder``, built once by ``build(tmp)`` into a temp folder renamed into place."""
-    target = cache_root() / folder
-    if (target / _CONVERSION_RECORD).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
-        if (target / _CONVERSION_RECORD).is_file():  # another process finished meanwhile
-            return target
-        if target.exists():  # left by an older layout without a record: rebuild it
-            shutil.rmtree(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder}.", dir=target.parent))
-        try:
-            build(tmp)
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+def _check_checkpoint(folder: Path) -> None:
+    from safetensors import safe_open
+
+    _check_tokenizer(folder)
+    config = json.loads((folder / "config.json").read_text())
+    if "model_type" not in config:
+        raise ValueError(f"{folder / 'config.json'} has no model_type")
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as weights:  # numpy: no torch import
+        if not list(weights.keys()):
+            raise ValueError(f"{folder / 'model.safetensors'} holds no tensors")
+
+
+def _record(name: str) -> str:
+    record = {"name": name, "source": str(_gguf_file(name)), "description": EMBEDDED_MODELS[name].description}
+    return json.dumps(record, indent=2) + "\n"
+
+
+def _cached(name: str, folder: str, build: Callable[[Path], None], check: Callable[[Path], None]) -> Path:
+    """``cache_root()/folder``, built once from the embedded model ``name`` (:func:`agentenv.cache.build_once`)."""
+    from agentenv.cache import build_once
+
+    return build_once(cache_root() / folder, build, check, marker=_CONVERSION_RECORD, record=_record(name))
 
 
 def _local_or_hub(name: str) -> Path:

@@ -57,6 +57,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentenv.cache import build_once
 from agents.config import TrainConfig, build, resolve
 from agents.heldout import (
     SCORE_DISPLAY,
@@ -171,18 +172,23 @@ def trl_folder() -> Path:
 
 def install_trl() -> Path:
     """Install :data:`TRL_PACKAGES` without dependencies into :func:`trl_folder` (once); returns it."""
-    folder = trl_folder()
-    if (folder / ".complete").is_file():
-        return folder
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder), *TRL_PACKAGES],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"pip could not install {' '.join(TRL_PACKAGES)}: {done.stderr.strip()[-400:]}")
-    (folder / ".complete").write_text("\n".join(TRL_PACKAGES) + "\n")
-    return folder
+
+    def install(folder: Path) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder), *TRL_PACKAGES],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"pip could not install {' '.join(TRL_PACKAGES)}: {done.stderr.strip()[-400:]}")
+
+    def check(folder: Path) -> None:  # every package's metadata at its pinned version
+        for package in TRL_PACKAGES:
+            name, version = package.split("==")
+            if not (folder / f"{name.replace('-', '_')}-{version}.dist-info" / "RECORD").is_file():
+                raise FileNotFoundError(f"{folder} holds no {package}")
+
+    return build_once(trl_folder(), install, check, record="\n".join(TRL_PACKAGES) + "\n")
 
 
 def trl_job(config: TrainConfig, steps: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import tempfile
 import threading
@@ -25,6 +26,8 @@ from agentenv.search import BM25Search, Passage, SearchBackend, top_k
 __all__ = ["DenseSearch", "default_model_path"]
 
 DEFAULT_BATCH_SIZE = 64  # passages per encoder forward pass
+
+logger = logging.getLogger(__name__)
 
 
 def default_model_path() -> Path:
@@ -76,9 +79,10 @@ class DenseSearch(SearchBackend):
         digest = hashlib.sha256(f"{model_path.resolve()}\x00{BM25Search.content_key(self.passages)}".encode())
         self.key = digest.hexdigest()[:32]
         path = cache_dir("dense") / f"{self.key}.npy" if cache else None
-        self.loaded_from_cache = path is not None and path.is_file()
-        if path is not None and self.loaded_from_cache:
-            self.embeddings = np.load(path, mmap_mode="r" if mmap else None)
+        cached = _load_checked(path, len(self.passages), mmap) if path is not None else None
+        self.loaded_from_cache = cached is not None
+        if cached is not None:
+            self.embeddings = cached
         else:
             texts = [f"{p.title}\n{p.text}" for p in self.passages]
             self.embeddings = self._encode(texts, batch_size)
@@ -117,8 +121,30 @@ class DenseSearch(SearchBackend):
         return await asyncio.to_thread(self.search_sync, query, topk)
 
 
+def _load_checked(path: Path, rows: int, mmap: bool) -> np.ndarray | None:
+    """The embeddings cached at ``path``, or None (with a log line if a file was there) unless they load as ``rows`` vectors."""
+    if not path.is_file():
+        return None
+    try:
+        embeddings = np.load(path, mmap_mode="r" if mmap else None)
+    except (OSError, ValueError) as error:
+        logger.warning("re-encoding the corpus: %s does not load (%s)", path, error)
+        return None
+    if embeddings.ndim != 2 or embeddings.shape[0] != rows:
+        logger.warning("re-encoding the corpus: %s holds %s vectors, not %d", path, embeddings.shape, rows)
+        return None
+    return embeddings
+
+
 def _save_atomically(path: Path, array: np.ndarray) -> None:
+    """Write ``array`` to a temporary file, check it loads back equal, then rename it into place."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy")
-    with os.fdopen(fd, "wb") as f:
-        np.save(f, array)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        if not np.array_equal(np.load(tmp), array):
+            raise OSError(f"the embeddings written to {tmp} do not load back as written")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -43,6 +43,15 @@ def test_index_is_cached_on_disk_by_content(tmp_path, monkeypatch):
     assert second.search_sync("Toronto drummer", 3) == first.search_sync("Toronto drummer", 3)
     assert BM25Search(CORPUS[:2]).key != first.key
     assert BM25Search.for_corpus(CORPUS) is BM25Search.for_corpus(list(CORPUS))
+    assert sorted(p.name for p in index_dir.iterdir() if not p.name.endswith(".npy")) == [
+        ".complete",
+        "params.index.json",
+        "vocab.index.json",
+    ]
+    (index_dir / "vocab.index.json").unlink()  # an index that lost a file is built again, not loaded
+    third = BM25Search(CORPUS)
+    assert (index_dir / "vocab.index.json").is_file() and (index_dir / "params.index.json").stat().st_mtime_ns != stamp
+    assert third.search_sync("Toronto drummer", 3) == first.search_sync("Toronto drummer", 3)
 
 
 def test_passages_without_a_searchable_word_are_refused_with_what_was_given(tmp_path, monkeypatch):

@@ -1,6 +1,10 @@
 """The embedded model resolves, converts and loads offline; other names resolve or fail clearly."""
 
+import json
+import logging
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -86,21 +90,88 @@ def test_cache_root_follows_agentenv_cache(monkeypatch, tmp_path):
     assert models.cache_root() == models.Path.home() / ".cache" / "agentenv" / "models"
 
 
-def test_crashed_conversion_leaves_no_checkpoint(monkeypatch, tmp_path):
+@pytest.mark.slow
+def test_a_first_load_on_trainer_rank_1_converts_a_checkpoint_every_rank_loads(tmp_path):
+    # transformers 5.19's save_pretrained writes nothing on a torch.distributed rank other than 0: a
+    # conversion through it left a folder marked done with no config and no weights (issue 46).
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        "from agents.models import load_model\n"
+        "rank = int(sys.argv[1])\n"
+        "dist.init_process_group('gloo', init_method='file://' + sys.argv[2], rank=rank, world_size=2)\n"
+        "if rank == 1:\n"
+        "    load_model()  # the first load of an empty cache, on rank 1 alone\n"
+        "dist.barrier()\n"
+        "model = load_model()\n"
+        "print(sum(p.numel() for p in model.parameters()), model.model.embed_tokens.weight.double().sum().item())\n"
+        "dist.barrier()\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {**os.environ, "AGENTENV_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank), str(tmp_path / "rendezvous")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    first, second = (out.split() for out, _ in outputs)
+    assert first == second and first[0] == "134515008"
+    folder = tmp_path / "cache" / "models" / DEFAULT_MODEL
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "agentenv_conversion.json",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+
+
+def test_a_converted_folder_that_lost_its_weights_is_rebuilt(monkeypatch, tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    def write_tokenizer(folder):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / name).write_text("{}")
+
+    def convert(name, folder):  # the files the check reads, as a real conversion writes them
+        write_tokenizer(folder)
+        (folder / "config.json").write_text('{"model_type": "llama"}')
+        save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
+
     monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path))
+    folder = tmp_path / "models" / DEFAULT_MODEL
+    folder.mkdir(parents=True)
+    write_tokenizer(folder)
+    (folder / "agentenv_conversion.json").write_text("{}")  # what a rank-1 conversion left: no config, no weights
+    monkeypatch.setattr(models, "_convert_checkpoint", convert)
+    assert models.resolve_tokenizer(DEFAULT_MODEL) == tmp_path / "models" / f"{DEFAULT_MODEL}-tokenizer"
+    with caplog.at_level(logging.WARNING, logger="agentenv.cache"):
+        assert models.resolve_model(DEFAULT_MODEL) == folder
+    assert caplog.text.count("rebuilding") == 1 and "config.json" in caplog.text
+    assert json.loads((folder / "agentenv_conversion.json").read_text())["name"] == DEFAULT_MODEL
+    assert models.resolve_tokenizer(DEFAULT_MODEL) == folder
 
-    def half_then_crash(folder):
-        (folder / "model.safetensors").write_bytes(b"half")
-        raise RuntimeError("killed mid-conversion")
 
-    with pytest.raises(RuntimeError, match="killed mid-conversion"):
-        models._cached("some-model", half_then_crash)
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["some-model.lock"]
-
-    built = []
-    folder = models._cached("some-model", lambda f: (built.append(f), models._write_record(f, DEFAULT_MODEL, f)))
-    assert folder == tmp_path / "models" / "some-model" and len(built) == 1
-    assert models._cached("some-model", lambda f: built.append(f)) == folder and len(built) == 1
+def test_the_checkpoint_check_names_what_is_missing(tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        models._check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match="config.json has no model_type"):
+        models._check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(Exception, match="model.safetensors"):
+        models._check_checkpoint(tmp_path)
 
 
 @pytest.mark.slow

@@ -481,6 +481,28 @@ def worker_pids(url: str, workers: int) -> set[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def listening_children(parent: int, url: str) -> set[int]:
+    """The child processes of ``parent`` that hold a socket listening on ``url``'s port (from /proc)."""
+    port = f"{int(url.rsplit(':', 1)[1]):04X}"
+    listening = {  # /proc/net/tcp rows: local address (hex ip:port), state (0A: LISTEN), ..., inode
+        f"socket:[{fields[9]}]"
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+        if (fields := line.split())[1].endswith(f":{port}") and fields[3] == "0A"
+    }
+    children = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"PPid:\t{parent}\n" in status.read_text():
+                pid = int(status.parent.name)
+                if any(os.readlink(fd) in listening for fd in (status.parent / "fd").iterdir()):
+                    children.add(pid)
+        except OSError:  # a process that ended meanwhile
+            continue
+    return children
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads process states and sockets from /proc")
 @pytest.mark.parametrize("reuse_port", [True, False], ids=["own-sockets", "shared-socket"])
 def test_cli_workers_share_the_port_and_stop_together(corpus_file, tmp_path, reuse_port):
     # Without SO_REUSEPORT balancing (not Linux) the workers accept from the parent's socket.
@@ -496,8 +518,15 @@ def test_cli_workers_share_the_port_and_stop_together(corpus_file, tmp_path, reu
         python=("-m", "agentenv.serve") if reuse_port else ("-c", serve),
     )
     try:
-        pids = worker_pids(url, 2)
+        # Both workers listen on the port. Which one a new connection reaches is the kernel's choice:
+        # SO_REUSEPORT spreads fresh connections over the sockets by their addresses; from a shared
+        # socket the worker that is idle when it arrives takes it (and asyncio takes all that wait).
+        pids = listening_children(process.pid, url)
         assert len(pids) == 2 and process.pid not in pids
+        if reuse_port:
+            assert worker_pids(url, 2) == pids
+        health = asyncio.run(get_json(f"{url}/health"))
+        assert health["workers"] == 2 and health["pid"] in pids
         hits = asyncio.run(RemoteSearch(url).search("Ontario province", 3))
         assert [h.title for h in hits] == ["Toronto"]
         assert_limits_apply(url)  # the worker that answers has the options the CLI was given
@@ -627,6 +656,11 @@ async def test_dense_retrieval_finds_meaning_not_words(serve, tmp_path, monkeypa
     assert [h.title for h in hits] == ["Cats", "Cars"] and hits[0].score > hits[1].score
     again = DenseSearch(passages)  # embedded once, then read from disk
     assert again.loaded_from_cache and (again.embeddings == dense.embeddings).all()
+    [cached] = (tmp_path / "dense").iterdir()
+    cached.write_bytes(cached.read_bytes()[:200])  # a file cut short is encoded again, not served
+    rebuilt = DenseSearch(passages)
+    assert not rebuilt.loaded_from_cache and (rebuilt.embeddings == dense.embeddings).all()
+    assert DenseSearch(passages).loaded_from_cache
 
     service = RetrievalService(passages, index=dense, batch_window_ms=50)
     url = await serve(service.make_app())
