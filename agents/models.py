@@ -232,6 +232,7 @@ def _convert_checkpoint(name: str, target: Path) -> None:
             stored.add(tensor.data_ptr())
             tensors[key] = tensor.contiguous()
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it (TRL reads it)
     model.config.to_json_file(target / "config.json")
     model.generation_config.to_json_file(target / "generation_config.json")
     # The tokenizer folder may exist already (converted on its own, which is faster).

@@ -123,7 +123,8 @@ def test_a_first_load_on_trainer_rank_1_converts_a_checkpoint_every_rank_loads(t
     first, second = (out.split() for out, _ in outputs)
     assert first == second and first[0] == "134515008"
     folder = tmp_path / "cache" / "models" / DEFAULT_MODEL
-    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("llama", ["LlamaForCausalLM"])
     assert sorted(p.name for p in folder.iterdir()) == [
         "agentenv_conversion.json",
         "chat_template.jinja",
