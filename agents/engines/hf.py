@@ -26,13 +26,14 @@ prefix cache.
 On CPU the engine switches a model that uses ``sdpa`` attention to :data:`CPU_GQA_ATTENTION`:
 the same function, except that under no-grad it lets torch's kernel read the shared KV heads of
 grouped-query attention instead of copying them per query head (identical results; see
-:func:`_sdpa_cpu_gqa`), and its forward passes compute linear layers on inputs of 2 to 32 rows
+:func:`_sdpa_cpu_gqa`), and its float32 forward passes compute linear layers on inputs of 2 to 32 rows
 (decode steps) as weight times input (see :class:`WeightFirstLinear`). The trainer's forward passes, which need gradients, are unchanged.
 
-On a GPU a model whose dtype is not ``compute_dtype`` (the trainer's float32 one) generates from a
-:class:`ComputeCopy` of its weights in ``compute_dtype`` (bfloat16), copied again before the first
-forward pass after any change of the weights; autocast would cast every weight again at every step
-(issue 37's H200 profile counted 579 casts among the ~2,300 operations of a SmolLM2 decode step). A decode step waits for the GPU once: the
+A model whose dtype is not ``compute_dtype`` (the trainer's float32 one, generating in bfloat16)
+generates from a :class:`ComputeCopy` of its weights in ``compute_dtype``, copied again before the
+first forward pass after any change of the weights, on a GPU or a CPU; autocast would cast every
+weight again at every step (issue 37's H200 profile counted 579 casts among the ~2,300 operations of
+a SmolLM2 decode step). A decode step waits for the GPU once: the
 rows' sampling parameters live on it (:class:`~agents.engines.sampling.RowSampler`, built when rows
 join or leave), the sampled ids, log-probs and entropies come back in one transfer, the KV cache
 keeps its lengths on the host too, and the attention mask is passed whole (transformers would read
@@ -234,9 +235,9 @@ class HFEngine(Engine):
     ``prefix_cache_tokens`` bounds the tokens whose KV the prefix cache keeps (0 turns it off;
     the default holds 32 SmolLM2 episodes of 1,000 tokens in 1.5 GB). ``compute_dtype`` is what the
     forward passes and the KV cache use: by default bfloat16 on a GPU and the model's own dtype on
-    a CPU. On a GPU a model in another dtype generates from a :class:`ComputeCopy` in it (memory
-    for one more copy of the weights in ``compute_dtype``); on a CPU from its own weights under
-    autocast.
+    a CPU. A model in another dtype generates from a :class:`ComputeCopy` in it (memory for one
+    more copy of the weights in ``compute_dtype``); the sampled tokens' log-probs and entropies are
+    computed from float32 logits either way.
     """
 
     supports_entropy = True
@@ -272,24 +273,16 @@ class HFEngine(Engine):
         if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(CPU_GQA_ATTENTION)
         # A float32 model (the trainer's, shared) generates in bfloat16 on a GPU: half the KV cache, the
-        # tensor cores' speed. On a CPU bfloat16 is inexact and slow, so the model's own dtype.
+        # tensor cores' speed. On a CPU the model's own dtype unless asked (see cpu_bfloat16_speedup).
         if compute_dtype is None:
             compute_dtype = torch.bfloat16 if model.device.type == "cuda" else model.dtype
         self.compute_dtype: torch.dtype = compute_dtype
         on_gpu = model.device.type == "cuda"
-        #: The copy in compute_dtype that the forward passes run on a GPU (None: they run the model itself).
-        self.compute_copy = ComputeCopy(model, compute_dtype) if on_gpu and compute_dtype != model.dtype else None
-        autocast = compute_dtype != model.dtype and self.compute_copy is None
-        linear = WeightFirstLinear if model.device.type == "cpu" and not autocast else contextlib.nullcontext
-
-        def forward_mode() -> contextlib.ExitStack:
-            stack = contextlib.ExitStack()
-            stack.enter_context(linear())
-            if autocast:
-                stack.enter_context(torch.autocast(model.device.type, dtype=compute_dtype))
-            return stack
-
-        self._forward_mode = forward_mode
+        #: The copy in compute_dtype that the forward passes run (None: they run the model itself).
+        self.compute_copy = ComputeCopy(model, compute_dtype) if compute_dtype != model.dtype else None
+        # Weight-first products pay off for float32 on MKL only (see WeightFirstLinear).
+        weight_first = model.device.type == "cpu" and compute_dtype == torch.float32
+        self._forward_mode = WeightFirstLinear if weight_first else contextlib.nullcontext
         # A whole [rows, 1, 1, columns] mask for sdpa on a GPU: from a padding mask transformers would build it
         # after reading whether it masks anything, a wait for the GPU. On a CPU no wait; the padding mask as ever.
         self._whole_mask = on_gpu and model.config._attn_implementation == "sdpa"

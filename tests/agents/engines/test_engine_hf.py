@@ -459,7 +459,7 @@ def test_weight_first_linear_keeps_the_models_logits(tokenizer):
     assert torch.equal(weight_first.argmax(-1), stock.argmax(-1))
 
 
-async def test_a_float32_model_generates_with_a_bfloat16_kv_cache_under_autocast(model, tokenizer, prompts):
+async def test_a_float32_model_generates_from_a_bfloat16_copy_with_a_bfloat16_kv_cache(model, tokenizer, prompts):
     # What a float32 trainer model shared with the engine does on a GPU by default, here asked for on CPU.
     assert HFEngine(model=model, tokenizer=tokenizer).compute_dtype == torch.float32  # CPU default: the model's
     exact = HFEngine(model=model, tokenizer=tokenizer)
@@ -475,7 +475,10 @@ async def test_a_float32_model_generates_with_a_bfloat16_kv_cache_under_autocast
         # bfloat16 keeps 8 significant bits: over SmolLM2's 30 layers the first log-prob moves by about 0.1
         # (0.1001 in one run, depending on the thread count's summation order); a broken cache moves it by nats
         assert abs(got.logprobs[0] - reference.logprobs[0]) < 0.25
-        assert next(model.parameters()).dtype == torch.float32  # autocast: the weights are untouched
+        assert next(model.parameters()).dtype == torch.float32  # the model's weights are untouched
+        assert half.compute_copy is not None and {p.dtype for p in half.compute_copy.model.parameters()} == {
+            torch.bfloat16
+        }
     finally:
         await exact.close()
         await half.close()
