@@ -1,0 +1,310 @@
+"""The CPU against its own limits: matmul peaks and memory bandwidth beside decode and update rates.
+
+    python -m benchmarks.cpu_bench [--sections matmul,bandwidth,decode,update] [--requests 1,16,64]
+                                   [--new-tokens 64] [--json PATH]
+
+Everything on SmolLM2-135M's shapes, with torch's threads (one per core), in one run, so each rate
+is given as a fraction of a peak measured minutes before on the same machine:
+
+- ``matmul``: GFLOP/s of ``x @ W`` with ``W`` 576 × 1536 (the MLP's up projection) at 1 to 1,024
+  rows of ``x``, float32 and bfloat16 (bfloat16 runs on the CPU's matrix units where it has
+  them: AMX or AVX512-BF16), the best of ``--repeats`` timings;
+- ``bandwidth``: GB/s of reading a 512 MB tensor (a sum), the bound of a one-row decode step,
+  which reads every weight once: 540 MB in float32, 270 MB in bfloat16;
+- ``gemv``: one row through each linear layer of a decode step (a product that streams its weight
+  once), eager ``F.linear`` beside ``torch.compile(mode="max-autotune")`` with frozen weights
+  (inductor's C++ GEMM kernels instead of the BLAS call), in GB/s of weights read;
+- ``decode``: HFEngine's tokens/s at each of ``--requests`` concurrent requests (the prompts of
+  ``benchmarks.engine_bench``, ``--new-tokens`` each, temperature 1, seeded), with its forward
+  passes in float32 and from a bfloat16 copy of the weights; model GFLOP/s (2 × 134.5 M FLOPs a
+  token) and their fraction of the matmul peak at that many rows; the largest difference of a
+  sampled log-prob to a float32 forward pass over the same tokens;
+- ``update``: forward and backward with the full-vocabulary loss over 8 × 512 tokens, float32 and
+  under bfloat16 autocast (6 × 134.5 M FLOPs a token), against the 1,024-row matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+
+from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
+from benchmarks.engine_bench import logprob_mismatch, requests, timed
+
+SECTIONS = ("matmul", "bandwidth", "gemv", "decode", "update")
+#: The linear layers of a SmolLM2-135M decode step, (out, in): q and o, k and v, gate and up, down, the output layer.
+LINEARS = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+HIDDEN, INTERMEDIATE = 576, 1536  # SmolLM2-135M
+PARAMETERS = 134_515_008  # its weights, the tied embedding counted once (it is the output layer's too)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def cpu_features() -> dict[str, Any]:
+    """What the CPU is and which of its bfloat16 units torch sees."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return {
+        "cpu": name,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "amx": torch.cpu._is_amx_tile_supported(),
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+        "torch": torch.__version__,
+    }
+
+
+def best_seconds(run, repeats: int) -> float:
+    """The fastest of ``repeats`` timings of ``run()`` after one warm-up (these machines are shared)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_peaks(rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    out = []
+    for dtype_name, dtype in DTYPES.items():
+        weight = torch.randn(HIDDEN, INTERMEDIATE).to(dtype)
+        for n in rows:
+            x = torch.randn(n, HIDDEN).to(dtype)
+            inner = max(1, 4096 // n)  # enough work per timing to see past the clock
+            seconds = best_seconds(lambda x=x, w=weight, k=inner: [x @ w for _ in range(k)], repeats) / inner
+            out.append(dict(dtype=dtype_name, rows=n, gflops=2 * n * HIDDEN * INTERMEDIATE / seconds / 1e9))
+    return out
+
+
+def bandwidth(repeats: int) -> float:
+    """GB/s of reading 512 MB once."""
+    data = torch.ones(128 * 2**20)  # 512 MB of float32
+    return data.numel() * 4 / best_seconds(data.sum, repeats) / 1e9
+
+
+class Fanout(torch.nn.Module):
+    """``count`` distinct linear layers of one shape, each applied to the same input (one graph to compile)."""
+
+    def __init__(self, rows_in: int, rows_out: int, count: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(rows_in, rows_out, bias=False).to(dtype) for _ in range(count)
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(layer(x) for layer in self.layers)
+
+
+def gemv_rates(repeats: int) -> list[dict[str, Any]]:
+    """One row through each of the step's linear layers: eager ``F.linear`` beside inductor's own GEMM kernels.
+
+    At one row a product streams its weight once, so its rate is given in GB/s of weights read.
+    The alternative is ``torch.compile(mode="max-autotune")`` with frozen weights, which lets
+    inductor's C++ GEMM template replace the BLAS call (its compile time is reported too).
+    """
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True  # weights are constants: packed once
+    out = []
+    for dtype_name, dtype in DTYPES.items():
+        for name, (rows_out, rows_in) in LINEARS.items():
+            # Distinct layers, as a step's 30 are, over more memory than the caches hold: each weight comes from memory.
+            count = min(64, max(1, 2**27 // (rows_out * rows_in * DTYPE_BYTES[dtype_name])))
+            layers = Fanout(rows_in, rows_out, count, dtype)
+            x = torch.randn(1, rows_in).to(dtype)
+            with torch.no_grad():
+                eager = best_seconds(lambda layers=layers, x=x: layers(x), repeats) / count
+                torch._dynamo.reset()  # a fresh compile for each shape, never a fallback past the recompile limit
+                start = time.perf_counter()
+                compiled = torch.compile(layers, mode="max-autotune", dynamic=False)
+                compiled(x)
+                compile_s = time.perf_counter() - start
+                fast = best_seconds(lambda compiled=compiled, x=x: compiled(x), repeats) / count
+            megabytes = rows_out * rows_in * x.element_size() / 1e6
+            out.append(
+                dict(
+                    dtype=dtype_name,
+                    layer=name,
+                    eager_us=eager * 1e6,
+                    eager_gbs=megabytes / eager / 1e3,
+                    inductor_us=fast * 1e6,
+                    inductor_gbs=megabytes / fast / 1e3,
+                    compile_s=compile_s,
+                )
+            )
+            print(f"  gemv {dtype_name} {name}: eager {eager * 1e6:.0f} us, inductor {fast * 1e6:.0f} us", flush=True)
+    return out
+
+
+def peak(matmul: list[dict[str, Any]], dtype: str, rows: int) -> float | None:
+    """The measured matmul GFLOP/s of ``dtype`` at the measured row count nearest ``rows``."""
+    candidates = [r for r in matmul if r["dtype"] == dtype]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda r: abs(r["rows"] - rows))["gflops"]
+
+
+async def decode_rates(concurrency: list[int], new_tokens: int, reference_model, tokenizer) -> list[dict[str, Any]]:
+    from agents.engines.hf import HFEngine
+
+    rows = []
+    for dtype_name, dtype in DTYPES.items():
+        model = load_model(DEFAULT_MODEL)
+        engine = HFEngine(model=model, tokenizer=tokenizer, compute_dtype=dtype, max_batch_size=max(concurrency))
+        try:
+            await engine.generate(*requests(tokenizer, 1, 4)[0])  # warm-up
+            for n in concurrency:
+                batch = requests(tokenizer, n, new_tokens)
+                done, seconds = await timed(engine, batch, concurrent=True)
+                tokens = sum(len(c.token_ids) for c in done)
+                rows.append(
+                    dict(
+                        dtype=dtype_name,
+                        requests=n,
+                        tokens=tokens,
+                        seconds=seconds,
+                        tokens_per_s=tokens / seconds,
+                        gflops=2 * PARAMETERS * tokens / seconds / 1e9,
+                        max_abs_logprob_diff=logprob_mismatch(reference_model, batch, done),
+                    )
+                )
+                print(f"  decode {dtype_name} {n:>3} requests: {tokens / seconds:7.1f} tok/s", flush=True)
+        finally:
+            await engine.close()
+    return rows
+
+
+def update_rates(repeats: int) -> list[dict[str, Any]]:
+    from agents.training.scoring import score_tokens
+
+    model = load_model(DEFAULT_MODEL).train()
+    ids = torch.randint(0, model.config.vocab_size, (8, 512), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for dtype_name, dtype in DTYPES.items():
+
+        def step(dtype=dtype) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                logprobs = score_tokens(model(ids).logits, ids)[0]
+            (-logprobs.mean()).backward()
+            model.zero_grad(set_to_none=True)
+
+        seconds = best_seconds(step, repeats)
+        tokens = ids.numel()
+        rows.append(
+            dict(
+                dtype=dtype_name,
+                tokens=tokens,
+                seconds=seconds,
+                tokens_per_s=tokens / seconds,
+                gflops=6 * PARAMETERS * tokens / seconds / 1e9,
+            )
+        )
+        print(f"  update {dtype_name}: {tokens / seconds:7.1f} tok/s", flush=True)
+    return rows
+
+
+def percent(value: float, of: float | None) -> str:
+    return f"{100 * value / of:5.1f}%" if of else "    -"
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    matmul = result.get("matmul", [])
+    print(
+        f"cpu: {result['cpu']['cpu']}, {result['cpu']['torch_threads']} threads, "
+        f"AMX {result['cpu']['amx']}, AVX512-BF16 {result['cpu']['avx512_bf16']}, torch {result['cpu']['torch']}"
+    )
+    if matmul:
+        print(f"\nmatmul x[rows, {HIDDEN}] @ W[{HIDDEN}, {INTERMEDIATE}], GFLOP/s (best of the repeats)")
+        print(f"{'rows':>6} {'float32':>9} {'bfloat16':>9} {'bf16/f32':>9}")
+        for n in sorted({r["rows"] for r in matmul}):
+            f32, bf16 = peak(matmul, "float32", n), peak(matmul, "bfloat16", n)
+            assert f32 is not None and bf16 is not None
+            print(f"{n:>6} {f32:>9.1f} {bf16:>9.1f} {bf16 / f32:>9.2f}")
+    if "bandwidth_gbs" in result:
+        gbs = result["bandwidth_gbs"]
+        print(
+            f"\nmemory read: {gbs:.1f} GB/s; a one-row decode step reads every weight once: at most "
+            f"{gbs * 1e9 / (4 * PARAMETERS):.0f} tok/s in float32, {gbs * 1e9 / (2 * PARAMETERS):.0f} in bfloat16"
+        )
+    if result.get("gemv"):
+        print("\none row through each linear layer of a decode step: GB/s of weights read (eager F.linear, inductor)")
+        print(
+            f"{'dtype':<9} {'layer':<8} {'eager us':>9} {'GB/s':>6} {'inductor us':>12} {'GB/s':>6} {'ratio':>6} {'compile s':>10}"
+        )
+        for r in result["gemv"]:
+            print(
+                f"{r['dtype']:<9} {r['layer']:<8} {r['eager_us']:>9.1f} {r['eager_gbs']:>6.1f} {r['inductor_us']:>12.1f} "
+                f"{r['inductor_gbs']:>6.1f} {r['eager_us'] / r['inductor_us']:>6.2f} {r['compile_s']:>10.1f}"
+            )
+    if result.get("decode"):
+        print("\nHFEngine decode (tokens/s; GFLOP/s at 2N a token; % of the matmul peak at as many rows)")
+        print(f"{'dtype':<9} {'requests':>8} {'tok/s':>8} {'GFLOP/s':>8} {'% peak':>7} {'max |Δ logprob|':>16}")
+        for r in result["decode"]:
+            print(
+                f"{r['dtype']:<9} {r['requests']:>8} {r['tokens_per_s']:>8.1f} {r['gflops']:>8.1f} "
+                f"{percent(r['gflops'], peak(matmul, r['dtype'], r['requests'])):>7} {r['max_abs_logprob_diff']:>16.2e}"
+            )
+        by = {(r["dtype"], r["requests"]): r["tokens_per_s"] for r in result["decode"]}
+        for n in sorted({r["requests"] for r in result["decode"]}):
+            if ("float32", n) in by and ("bfloat16", n) in by:
+                print(f"  bfloat16 / float32 at {n} requests: {by['bfloat16', n] / by['float32', n]:.2f}x")
+    if result.get("update"):
+        print("\nforward + backward, 8 x 512 tokens, full-vocabulary loss (GFLOP/s at 6N a token)")
+        print(f"{'dtype':<9} {'tok/s':>8} {'GFLOP/s':>8} {'% peak':>7}")
+        for r in result["update"]:
+            print(
+                f"{r['dtype']:<9} {r['tokens_per_s']:>8.1f} {r['gflops']:>8.1f} "
+                f"{percent(r['gflops'], peak(matmul, r['dtype'], 1024)):>7}"
+            )
+    print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+    parser.add_argument("--rows", default="1,16,64,1024", help="matmul row counts")
+    parser.add_argument("--requests", default="1,16,64", help="decode: concurrent requests")
+    parser.add_argument("--new-tokens", type=int, default=64, help="decode: new tokens a request")
+    parser.add_argument("--repeats", type=int, default=5, help="timings of each matmul, bandwidth and update")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sections = args.sections.split(",")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
+    result: dict[str, Any] = {"cpu": cpu_features(), "args": vars(args)}
+    if "matmul" in sections:
+        result["matmul"] = matmul_peaks([int(n) for n in args.rows.split(",")], args.repeats)
+    if "bandwidth" in sections:
+        result["bandwidth_gbs"] = bandwidth(args.repeats)
+    if "gemv" in sections:
+        result["gemv"] = gemv_rates(args.repeats)
+    if "decode" in sections:
+        tokenizer = load_tokenizer(DEFAULT_MODEL)
+        reference = load_model(DEFAULT_MODEL)
+        concurrency = [int(n) for n in args.requests.split(",")]
+        result["decode"] = asyncio.run(decode_rates(concurrency, args.new_tokens, reference, tokenizer))
+    if "update" in sections:
+        result["update"] = update_rates(max(2, args.repeats // 2))
+    result["load_average_1min"] = os.getloadavg()[0]
+    print_tables(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
