@@ -536,7 +536,11 @@ async def test_a_workers_rollout_gives_its_requests_its_priority_behind_a_gate_a
     config = run_config(tiny_model)
     parts = build(config)
     spec = WorkerSpec(config, agentenv.spec(config.env), parts.learner.strategy, parts.tree, engine=PriorityRecorder)
-    worker = RolloutWorker(spec, rank=0)
+    threads = torch.get_num_threads()
+    try:
+        worker = RolloutWorker(spec, rank=0)  # in this process: it sets this process's torch threads to its share
+    finally:
+        torch.set_num_threads(threads)  # later tests, in any order, compute with the threads they started with
     assert worker.engine.capacity == 2
     prompt = await worker.rollout(0, task=5, seed=1, priority=7)
     recorder = worker.engine.engine

@@ -6,6 +6,7 @@ ranks' counts unequal in the first (rank 1 runs a pass that contributes nothing)
 second.
 """
 
+import os
 import random
 
 import pytest
@@ -69,6 +70,16 @@ def assert_same_record(record, expected, grad_norm_rel=1e-6):
     for name, value in expected.items():
         if not name.startswith(("time/", "throughput/", "optim/grad_norm")):
             assert record[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+
+
+@pytest.fixture(autouse=True)
+def threads_of_a_rank():
+    """The single-process trainer computes with one rank's threads (TrainerGroup gives each of 2 ranks half the
+    cores): sums over another thread count differ in their last bits, past the records' 1e-6."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
