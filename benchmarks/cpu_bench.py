@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
-from benchmarks.engine_bench import logprob_mismatch, requests, timed
+from benchmarks.engine_bench import concurrent_rate, requests
 
 SECTIONS = ("matmul", "bandwidth", "gemv", "decode", "update")
 #: The linear layers of a SmolLM2-135M decode step, (out, in): q and o, k and v, gate and up, down, the output layer.
@@ -166,21 +166,9 @@ async def decode_rates(concurrency: list[int], new_tokens: int, reference_model,
         try:
             await engine.generate(*requests(tokenizer, 1, 4)[0])  # warm-up
             for n in concurrency:
-                batch = requests(tokenizer, n, new_tokens)
-                done, seconds = await timed(engine, batch, concurrent=True)
-                tokens = sum(len(c.token_ids) for c in done)
-                rows.append(
-                    dict(
-                        dtype=dtype_name,
-                        requests=n,
-                        tokens=tokens,
-                        seconds=seconds,
-                        tokens_per_s=tokens / seconds,
-                        gflops=2 * PARAMETERS * tokens / seconds / 1e9,
-                        max_abs_logprob_diff=logprob_mismatch(reference_model, batch, done),
-                    )
-                )
-                print(f"  decode {dtype_name} {n:>3} requests: {tokens / seconds:7.1f} tok/s", flush=True)
+                row = await concurrent_rate(engine, tokenizer, n, new_tokens, reference_model)
+                rows.append(dict(dtype=dtype_name, **row, gflops=2 * PARAMETERS * row["tokens_per_s"] / 1e9))
+                print(f"  decode {dtype_name} {n:>3} requests: {row['tokens_per_s']:7.1f} tok/s", flush=True)
         finally:
             await engine.close()
     return rows

@@ -64,6 +64,20 @@ def logprob_mismatch(model, batch, completions: list[Completion]) -> float:
     return worst
 
 
+async def concurrent_rate(engine: Engine, tokenizer, n: int, new_tokens: int, reference_model) -> dict:
+    """``n`` requests at once on ``engine``: tokens, seconds, tokens/s and the log-prob mismatch to ``reference_model``."""
+    batch = requests(tokenizer, n, new_tokens)
+    done, seconds = await timed(engine, batch, concurrent=True)
+    tokens = sum(len(c.token_ids) for c in done)
+    return dict(
+        requests=n,
+        tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds,
+        max_abs_logprob_diff=logprob_mismatch(reference_model, batch, done),
+    )
+
+
 async def bench_engine(
     name: str, concurrency: list[int], new_tokens: int, sequential_requests: int, trainer_model, tokenizer
 ):
@@ -90,20 +104,9 @@ async def bench_engine(
             )
         )
         for n in concurrency:
-            batch = requests(tokenizer, n, new_tokens)
-            done, seconds = await timed(engine, batch, concurrent=True)
-            tokens = sum(len(c.token_ids) for c in done)
+            row = await concurrent_rate(engine, tokenizer, n, new_tokens, trainer_model)
             rows.append(
-                dict(
-                    engine=name,
-                    mode=f"{n} concurrent",
-                    requests=n,
-                    tokens=tokens,
-                    seconds=seconds,
-                    tokens_per_s=tokens / seconds,
-                    vs_sequential=tokens / seconds / sequential_rate,
-                    max_abs_logprob_diff=logprob_mismatch(trainer_model, batch, done),
-                )
+                dict(engine=name, mode=f"{n} concurrent", **row, vs_sequential=row["tokens_per_s"] / sequential_rate)
             )
     finally:
         await engine.close()
