@@ -256,8 +256,9 @@ def _check_checkpoint(folder: Path) -> None:
 
     _check_tokenizer(folder)
     config = json.loads((folder / "config.json").read_text())
-    if "model_type" not in config:
-        raise ValueError(f"{folder / 'config.json'} has no model_type")
+    for key in ("model_type", "architectures"):  # what loading needs, and what TRL reads
+        if not config.get(key):
+            raise ValueError(f"{folder / 'config.json'} has no {key}")
     with safe_open(str(folder / "model.safetensors"), framework="numpy") as weights:  # numpy: no torch import
         if not list(weights.keys()):
             raise ValueError(f"{folder / 'model.safetensors'} holds no tensors")

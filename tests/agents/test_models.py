@@ -145,7 +145,7 @@ def test_a_converted_folder_that_lost_its_weights_is_rebuilt(monkeypatch, tmp_pa
 
     def convert(name, folder):  # the files the check reads, as a real conversion writes them
         write_tokenizer(folder)
-        (folder / "config.json").write_text('{"model_type": "llama"}')
+        (folder / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
         save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
 
     monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path))
@@ -171,6 +171,9 @@ def test_the_checkpoint_check_names_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match="config.json has no model_type"):
         models._check_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="config.json has no architectures"):
+        models._check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(Exception, match="model.safetensors"):
         models._check_checkpoint(tmp_path)
 
