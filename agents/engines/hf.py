@@ -273,7 +273,8 @@ class HFEngine(Engine):
         if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(CPU_GQA_ATTENTION)
         # A float32 model (the trainer's, shared) generates in bfloat16 on a GPU: half the KV cache, the
-        # tensor cores' speed. On a CPU the model's own dtype unless asked (see cpu_bfloat16_speedup).
+        # tensor cores' speed. On a CPU the model's own dtype unless asked: a bfloat16 copy gains 1.2-1.7x and moves
+        # log-probs by up to 0.48 (docs/benchmarks.md, "The CPU against its limits").
         if compute_dtype is None:
             compute_dtype = torch.bfloat16 if model.device.type == "cuda" else model.dtype
         self.compute_dtype: torch.dtype = compute_dtype
