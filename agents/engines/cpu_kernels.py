@@ -43,6 +43,8 @@ def _sdpa_cpu_gqa(
         or kwargs.get("position_bias") is not None
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if query.dtype == torch.bfloat16 and query.shape[2] == 1 and not kwargs.get("dropout"):
+        return _decode_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
     output = F.scaled_dot_product_attention(
         query,
         key,
@@ -53,6 +55,31 @@ def _sdpa_cpu_gqa(
         enable_gqa=True,
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+def _decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """A bfloat16 decode step's attention ([rows, heads, 1, dim] queries) as two batched products.
+
+    torch's CPU flash kernel spends most of its time on block bookkeeping when a row has one
+    query: at 64 rows x 100 cached positions of SmolLM2 it took 3.1 ms a layer against 0.31 ms
+    here, 16 rows x 300 positions 2.4 ms against 0.24 (AVX512-BF16, 2 cores). A KV head's query
+    heads are one [group, dim] matrix, so the grouped KV is read as it is stored. Scores and the
+    softmax are float32; the probabilities go into the second product in bfloat16, as flash
+    attention on a GPU does (outputs within a bfloat16 rounding or two of float32 attention).
+    """
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    scores = torch.matmul(query.view(rows, kv_heads, heads // kv_heads, dim), key.transpose(-1, -2)).float()
+    scores *= dim**-0.5 if scale is None else scale
+    if mask.dtype == torch.bool:  # [rows, 1, 1, columns]: True where a row may attend
+        scores.masked_fill_(~mask, float("-inf"))
+    else:  # additive
+        scores += mask
+    probabilities = scores.softmax(-1).to(value.dtype)
+    output = torch.matmul(probabilities, value)  # [rows, kv heads, group, dim]
+    return output.view(rows, heads, 1, dim).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(CPU_GQA_ATTENTION, _sdpa_cpu_gqa)

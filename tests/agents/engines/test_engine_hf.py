@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from agents.engines import HFEngine, SamplingParams
-from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear
+from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, _sdpa_cpu_gqa
 from agents.engines.hf import shared_prefix_order
 from agents.engines.kv_cache import GROWTH, PrefixCache, SlotCache
 from agents.engines.sampling import sample_next_tokens
@@ -425,6 +425,42 @@ async def test_engine_attention_is_stock_sdpa_without_the_kv_copy(tokenizer):
     loss.backward()
     assert switched.model.layers[0].self_attn.k_proj.weight.grad.abs().sum() > 0
     await engine.close()
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_bfloat16_decode_attention_is_grouped_query_attention(additive):
+    torch.manual_seed(0)
+    rows, heads, kv_heads, width, dim = 5, 9, 3, 40, 64
+    query = torch.randn(rows, heads, 1, dim).bfloat16()
+    key, value = (torch.randn(rows, kv_heads, width, dim).bfloat16() for _ in "kv")
+    allowed = torch.arange(width)[None] < torch.tensor([40, 33, 1, 17, 25])[:, None]  # rows of their own lengths
+    mask = allowed[:, None, None, :]
+    if additive:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    expected = F.scaled_dot_product_attention(
+        query.double(), key.double(), value.double(), attn_mask=allowed[:, None, None, :], enable_gqa=True
+    ).transpose(1, 2)
+    with torch.inference_mode():
+        out, weights = _sdpa_cpu_gqa(torch.nn.Module(), query, key, value, mask, scaling=dim**-0.5)
+    assert weights is None and out.dtype == torch.bfloat16 and out.shape == (rows, 1, heads, dim)
+    # float32 scores and softmax; bfloat16 probabilities into the second product: a few bfloat16 roundings
+    assert (out.double() - expected).abs().max() < 2e-2
+    # row 2 sees its one position only: its output is that position's value, per query head's KV head
+    assert torch.allclose(out[2, 0].double(), value[2, :, 0].double().repeat_interleave(3, 0), atol=1e-2)
+
+
+async def test_a_prefill_hands_the_output_layer_contiguous_rows(model, tokenizer, prompts):
+    # A strided [rows, 1, hidden] view made torch expand the output layer's weight once per row (6 s at 64 rows).
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    engine = HFEngine(model=model, tokenizer=tokenizer, batch_window_s=0.05)
+    try:
+        await asyncio.gather(*(engine.generate(p, greedy(1)) for p in prompts))
+    finally:
+        hook.remove()
+        await engine.close()
+    assert engine.stats.prefill_passes == 1
+    assert seen[0].shape == (4, 1, 576) and seen[0].is_contiguous()
 
 
 def test_weight_first_linear_is_the_same_product():
