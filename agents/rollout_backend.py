@@ -8,11 +8,13 @@ else of either. :func:`run_engine` builds a run's engine, here or on a worker.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agents.engines.base import Engine
+from agents.engines.base import BatchStats, Engine
 from agents.engines.factory import ColocatedTrainer, make_engine
 from agents.heldout import HeldOut, evaluate_heldout
 from agents.rollout.episodes import task_episode
@@ -77,6 +79,8 @@ class LocalRollout(RolloutBackend):
 
     def __init__(self, env: TokenEnv, engine: Engine, tokenizer: Any, parts: RunParts) -> None:
         self.env, self._engine, self.tokenizer, self.parts = env, engine, tokenizer, parts
+        # The engine's counts and the wall time of the rollouts since metrics() was last read (an engine with stats).
+        self._usage: tuple[BatchStats, float] | None = None
 
     @property
     def engine(self) -> Engine:
@@ -90,6 +94,8 @@ class LocalRollout(RolloutBackend):
         self, tasks: Sequence[int], seed: int, on_branches: Callable[[int], None] | None = None
     ) -> list[PromptTrees]:
         episodes = [task_episode(self.env, task) for task in tasks]
+        stats: BatchStats | None = getattr(self._engine, "stats", None)
+        before, start = copy.copy(stats), time.perf_counter()
         try:
             tree = dataclasses.replace(self.parts.tree, seed=seed)
             return await rollout_trees(
@@ -98,12 +104,20 @@ class LocalRollout(RolloutBackend):
         finally:
             for episode in episodes:
                 episode.env.close()
+            if isinstance(stats, BatchStats) and before is not None:  # only these rollouts, not evaluations between
+                counts, seconds = stats.since(before), time.perf_counter() - start
+                if self._usage is not None:  # an earlier rollout of the same step (dynamic sampling's rounds)
+                    counts, seconds = counts.plus(self._usage[0]), self._usage[1] + seconds
+                self._usage = counts, seconds
 
     async def evaluate(self, kwargs: Mapping[str, Any]) -> HeldOut:
         return await evaluate_heldout(self._engine, self.tokenizer, **kwargs)
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        """``engine/*`` of the rollouts since the last call (:meth:`~agents.engines.base.BatchStats.usage`), for an
+        engine that keeps :class:`~agents.engines.base.BatchStats` (HFEngine); else none."""
+        usage, self._usage = self._usage, None
+        return {} if usage is None else usage[0].usage(usage[1])
 
     def set_version(self, version: int) -> None:
         pass  # no versions here: see the class docstring

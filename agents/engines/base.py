@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
+    "BatchStats",
     "Completion",
     "Engine",
     "FinishReason",
@@ -132,6 +133,45 @@ class Completion:
             values = getattr(self, name)
             if values is not None and len(values) != len(self.token_ids):
                 raise ValueError(f"{len(values)} {name} for {len(self.token_ids)} tokens")
+
+
+@dataclass
+class BatchStats:
+    """Counters of an engine's forward passes (HFEngine's ``stats``): whether requests were batched, how busy it was."""
+
+    prefill_passes: int = 0
+    decode_passes: int = 0
+    generated_tokens: int = 0
+    largest_batch: int = 0  # most rows decoded together in one forward pass
+    prompt_tokens: int = 0  # prompt tokens of all requests
+    prefix_cache_hit_tokens: int = 0  # of those, the ones whose KV came from the prefix cache
+    prefill_seconds: float = 0.0  # wall time in prefill passes (KV copies included)
+    decode_seconds: float = 0.0  # wall time in decode steps (sampling, settling finished rows, the pass)
+    decode_rows: int = 0  # rows of all decode passes (per pass: the batch's size)
+
+    def since(self, earlier: BatchStats) -> BatchStats:
+        """The counts between ``earlier`` (a copy of these stats) and now; ``largest_batch`` is the largest so far."""
+        counts = {name: getattr(self, name) - getattr(earlier, name) for name in self.__dataclass_fields__}
+        return BatchStats(**{**counts, "largest_batch": self.largest_batch})
+
+    def plus(self, other: BatchStats) -> BatchStats:
+        """These counts and ``other``'s added (``largest_batch``: the larger)."""
+        counts = {name: getattr(self, name) + getattr(other, name) for name in self.__dataclass_fields__}
+        return BatchStats(**{**counts, "largest_batch": max(self.largest_batch, other.largest_batch)})
+
+    def usage(self, seconds: float) -> dict[str, float]:
+        """``engine/*`` metrics of counts over ``seconds`` of wall time (a rollout's).
+
+        ``engine/busy_frac``: the fraction of the time the worker ran forward passes or sampled;
+        ``engine/mean_rows``: rows per decode pass (how full it kept its batches); ``engine/busy_tokens_per_s``:
+        generated tokens per busy second (the engine's own rate at those rows).
+        """
+        busy = self.prefill_seconds + self.decode_seconds
+        return {
+            "engine/busy_frac": busy / seconds if seconds > 0 else 0.0,
+            "engine/mean_rows": self.decode_rows / self.decode_passes if self.decode_passes else 0.0,
+            "engine/busy_tokens_per_s": self.generated_tokens / busy if busy > 0 else 0.0,
+        }
 
 
 class Engine(abc.ABC):

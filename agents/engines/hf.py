@@ -68,7 +68,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from agents.engines.base import Completion, Engine, FinishReason, SamplingParams, find_stop
+from agents.engines.base import BatchStats, Completion, Engine, FinishReason, SamplingParams, find_stop
 from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear
 from agents.engines.kv_cache import PrefixCache, SlotCache
 from agents.engines.sampling import RowSampler, to_device
@@ -77,21 +77,7 @@ from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
 if TYPE_CHECKING:
     from peft import PeftModel
 
-__all__ = ["SHARED_PREFIX_TOKENS", "BatchStats", "ComputeCopy", "HFEngine", "completion_stop", "shared_prefix_order"]
-
-
-@dataclass
-class BatchStats:
-    """Counters of the worker's forward passes (they show whether requests were batched)."""
-
-    prefill_passes: int = 0
-    decode_passes: int = 0
-    generated_tokens: int = 0
-    largest_batch: int = 0  # most rows decoded together in one forward pass
-    prompt_tokens: int = 0  # prompt tokens of all requests
-    prefix_cache_hit_tokens: int = 0  # of those, the ones whose KV came from the prefix cache
-    prefill_seconds: float = 0.0  # wall time in prefill passes (KV copies included)
-    decode_seconds: float = 0.0  # wall time in decode passes
+__all__ = ["SHARED_PREFIX_TOKENS", "ComputeCopy", "HFEngine", "completion_stop", "shared_prefix_order"]
 
 
 @dataclass(eq=False)
@@ -521,6 +507,7 @@ class HFEngine(Engine):
 
     def _step(self, batch: _Batch) -> _Batch | None:
         """Sample one token for every row, settle finished rows, and run the next decode pass."""
+        start = time.perf_counter()
         sampled = batch.sampler.sample(batch.logits).to_host()  # the step's one wait for the device
         self.stats.generated_tokens += len(batch.requests)  # before settling: a woken caller may read it
         leaving = []
@@ -547,10 +534,10 @@ class HFEngine(Engine):
             batch.requests[row] = batch.requests[-1]
             batch.requests.pop()
         if not batch.requests:
+            self.stats.decode_seconds += time.perf_counter() - start
             return None
         if leaving:
             self._set_sampler_rows(batch)
-        start = time.perf_counter()
         next_tokens = to_device([[r.token_ids[-1]] for r in batch.requests], torch.long, self.model.device)
         attention_mask, position_ids = batch.cache.decode_inputs()
         if self._whole_mask:
@@ -568,6 +555,7 @@ class HFEngine(Engine):
             request.next_version = self._inflight_version
         self.stats.decode_seconds += time.perf_counter() - start
         self.stats.decode_passes += 1
+        self.stats.decode_rows += len(batch.requests)
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch.requests))
         return batch
 

@@ -20,7 +20,9 @@ A record is a flat ``{name: float}`` dict. Names are ``group/quantity``; the tra
   SDPA call, one FlexAttention call, or one varlen flash call a layer on a GPU, rather than per path);
 - ``time/old_logprobs_s``, ``time/update_s``, ``time/sync_s``, ``time/step_s``;
 - ``throughput/update_tokens_per_s`` and, from the caller's numbers,
-  ``throughput/rollout_tokens_per_s``.
+  ``throughput/rollout_tokens_per_s``;
+- from a rollout on an engine that keeps :class:`~agents.engines.base.BatchStats`, ``engine/busy_frac``,
+  ``engine/mean_rows`` and ``engine/busy_tokens_per_s`` (:meth:`~agents.engines.base.BatchStats.usage`).
 
 The rollout side is the caller's: it passes its own numbers, for instance
 :data:`ROLLOUT_TIME` (``time/rollout_s``), :data:`GENERATED_TOKENS` (``tokens/generated``) and
@@ -71,6 +73,7 @@ PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grad norm", ("optim/grad_norm",)),
     ("seconds per step", ("time/rollout_s", "time/old_logprobs_s", "time/update_s", "time/sync_s")),
     ("tokens/s", ("throughput/update_tokens_per_s", "throughput/rollout_tokens_per_s")),
+    ("engine busy", ("engine/busy_frac",)),
 )
 
 
@@ -104,6 +107,7 @@ METRIC_DISPLAY: dict[str, Display] = {
     "time/sync_s": Display("weight sync", "seconds"),
     "throughput/update_tokens_per_s": Display("update (all tokens)", "tokens/s"),
     "throughput/rollout_tokens_per_s": Display("rollout (generated)", "tokens/s"),
+    "engine/busy_frac": Display("during the rollout", "fraction of the time", FRACTION),
 }
 
 _JSONL = "metrics.jsonl"

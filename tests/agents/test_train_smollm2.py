@@ -48,6 +48,8 @@ def test_agents_train_writes_a_run_resumes_it_exactly_and_agents_eval_loads_the_
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["tree/leaves_per_prompt"] == 3 and r["batch/sequences"] == 3 for r in records)  # M + L·K
     assert all(r["mismatch/max_abs"] < 2e-3 for r in records)  # sampler and trainer agree (float32)
+    # The engine's share of the rollout and its rows per decode pass (1 prompt of 3 leaves: at most 3 rows).
+    assert all(0 < r["engine/busy_frac"] <= 1 and 1 <= r["engine/mean_rows"] <= 3 for r in records)
     assert [r["step"] for r in read_jsonl(straight / "heldout" / "metrics.jsonl")] == [0, 2]
     for image in ("curves.png", "heldout.png"):
         assert (straight / image).read_bytes()[:4] == b"\x89PNG"

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from agents.engines import HFEngine, SamplingParams
+from agents.engines.base import BatchStats
 from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, _sdpa_cpu_gqa
 from agents.engines.hf import shared_prefix_order
 from agents.engines.kv_cache import GROWTH, PrefixCache, SlotCache
@@ -123,6 +124,27 @@ async def test_concurrent_requests_share_forward_passes(engine, prompts):
     assert engine.stats.prefill_passes == 1 and engine.stats.largest_batch == 8
     assert engine.stats.decode_passes == max(len(c.token_ids) for c in done) - 1
     assert engine.stats.generated_tokens == generated
+    assert engine.stats.decode_rows == generated - 8  # each request's first token comes from its prefill
+
+
+def test_batch_stats_give_a_rollouts_engine_usage():
+    before = BatchStats(decode_passes=10, generated_tokens=50, decode_rows=40, prefill_seconds=1.0, largest_batch=4)
+    now = BatchStats(decode_passes=30, generated_tokens=170, decode_rows=140, prefill_seconds=2.0, decode_seconds=5.0)
+    now.largest_batch = 6
+    counts = now.since(before)
+    assert (counts.decode_passes, counts.decode_rows, counts.largest_batch) == (20, 100, 6)
+    assert counts.usage(8.0) == {
+        "engine/busy_frac": 0.75,  # (1 s prefill + 5 s decode) of 8 s
+        "engine/mean_rows": 5.0,  # 100 rows over 20 passes
+        "engine/busy_tokens_per_s": 20.0,  # 120 tokens over 6 busy seconds
+    }
+    both = counts.plus(BatchStats(decode_passes=5, decode_rows=5, largest_batch=9))
+    assert (both.decode_passes, both.decode_rows, both.largest_batch) == (25, 105, 9)
+    assert BatchStats().usage(0.0) == {
+        "engine/busy_frac": 0.0,
+        "engine/mean_rows": 0.0,
+        "engine/busy_tokens_per_s": 0.0,
+    }
 
 
 @pytest.mark.slow
