@@ -469,6 +469,17 @@ def test_bfloat16_decode_attention_is_grouped_query_attention(additive):
     assert (out.double() - expected).abs().max() < 2e-2
     # row 2 sees its one position only: its output is that position's value, per query head's KV head
     assert torch.allclose(out[2, 0].double(), value[2, :, 0].double().repeat_interleave(3, 0), atol=1e-2)
+    # The first columns of a wider room (HFEngine's KV cache): the columns past them, here NaN-free junk, are
+    # never attended; rows of equal length come without a mask.
+    room_keys, room_values = (
+        torch.cat([t, torch.full((rows, kv_heads, 24, dim), 7.0).bfloat16()], 2) for t in (key, value)
+    )
+    with torch.inference_mode():
+        wide, _ = _sdpa_cpu_gqa(torch.nn.Module(), query, room_keys[:, :, :width], room_values[:, :, :width], mask)
+        unmasked, _ = _sdpa_cpu_gqa(torch.nn.Module(), query, room_keys[:, :, :width], room_values[:, :, :width], None)
+    assert (wide.float() - out.float()).abs().max() < 1e-2  # attending a 7.0 would move outputs by units
+    everything = F.scaled_dot_product_attention(query.double(), key.double(), value.double(), enable_gqa=True)
+    assert (unmasked.double() - everything.transpose(1, 2)).abs().max() < 2e-2
 
 
 async def test_a_prefill_hands_the_output_layer_contiguous_rows(model, tokenizer, prompts):
