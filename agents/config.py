@@ -305,9 +305,9 @@ class TrainConfig:
 #: - ``cpu-demo``: what two CPU cores train in minutes with the embedded 135M model on
 #:   ``multihop-qa``: 2 prompts per step, 6 leaves per prompt for every learner (one rollout
 #:   budget for all), 2 tool calls, one short search result, turns of at most 48 tokens, 256
-#:   response tokens, a learning rate 50× the papers' so that a few steps move the policy, and
-#:   the sampler's log-probs as π_old (HFEngine shares the trainer's float32 model, so they are
-#:   the policy's own; the mismatch is still measured), which saves a forward pass per step.
+#:   response tokens, and a learning rate 50× the papers' so that a few steps move the policy
+#:   (π_old recomputed, the default: HFEngine samples from a bfloat16 copy of the trainer's model
+#:   on a CPU with bfloat16 units, whose log-probs differ by up to ~0.5 nats).
 #:   The prompt shows one worked episode and asks for a plain ``<answer> … </answer>``
 #:   (Search-R1's format) and sampling runs at temperature 0.6: at the papers' temperature 1.0
 #:   and boxed answers, none of 32 sampled episodes of the 135M model ended in the answer format
@@ -333,7 +333,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "eval_questions": 8,
             "checkpoint_every": 2,
             "budget_reward": -1.0,
-            "trainer": {"lr": 5e-5, "mini_batches": 1, "micro_batch_size": 4, "old_logprobs": "sampler"},
+            "trainer": {"lr": 5e-5, "mini_batches": 1, "micro_batch_size": 4},
             "sampling": {"temperature": 0.6, "max_new_tokens": 48},
             "rollout": {"max_response_tokens": 256, "concurrency": 16},
             "env_kwargs": {

@@ -1,5 +1,12 @@
 """Fixtures shared by the test packages."""
 
+import os
+
+# The suite checks the sampler's log-probs against float32 forward passes to 1e-5: HFEngine generates in float32
+# here, as on a CPU without bfloat16 units, in this process and those it starts (Ray workers, the CLI); the tests
+# of the bfloat16 default set it themselves.
+os.environ["AGENTENV_CPU_BFLOAT16"] = "0"
+
 import gymnasium
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers

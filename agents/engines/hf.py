@@ -69,7 +69,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from agents.engines.base import BatchStats, Completion, Engine, FinishReason, SamplingParams, find_stop
-from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear
+from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, cpu_compute_dtype
 from agents.engines.kv_cache import PrefixCache, SlotCache
 from agents.engines.sampling import RowSampler, to_device
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
@@ -221,8 +221,9 @@ class HFEngine(Engine):
     before starting a batch; ``seed`` seeds the generator of requests without their own seed;
     ``prefix_cache_tokens`` bounds the tokens whose KV the prefix cache keeps (0 turns it off;
     the default holds 32 SmolLM2 episodes of 1,000 tokens in 1.5 GB). ``compute_dtype`` is what the
-    forward passes and the KV cache use: by default bfloat16 on a GPU and the model's own dtype on
-    a CPU. A model in another dtype generates from a :class:`ComputeCopy` in it (memory for one
+    forward passes and the KV cache use: by default bfloat16 on a GPU; on a CPU, for a float32 model,
+    :func:`~agents.engines.cpu_kernels.cpu_compute_dtype` (bfloat16 where the CPU has AMX or AVX512-BF16),
+    else the model's own dtype. A model in another dtype generates from a :class:`ComputeCopy` in it (memory for one
     more copy of the weights in ``compute_dtype``); the sampled tokens' log-probs and entropies are
     computed from float32 logits either way.
     """
@@ -259,11 +260,14 @@ class HFEngine(Engine):
             )
         if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(CPU_GQA_ATTENTION)
-        # A float32 model (the trainer's, shared) generates in bfloat16 on a GPU: half the KV cache, the
-        # tensor cores' speed. On a CPU the model's own dtype unless asked: a bfloat16 copy gains 1.2-1.7x and moves
-        # log-probs by up to 0.48 (docs/benchmarks.md, "The CPU against its limits").
+        # A float32 model (the trainer's, shared) generates in bfloat16 on a GPU (half the KV cache, the tensor
+        # cores' speed) and on a CPU that multiplies bfloat16 in hardware (docs/benchmarks.md, "The CPU against its
+        # limits"); its log-probs then differ from the float32 model's, which the trainer recomputes.
         if compute_dtype is None:
-            compute_dtype = torch.bfloat16 if model.device.type == "cuda" else model.dtype
+            if model.device.type == "cuda":
+                compute_dtype = torch.bfloat16
+            else:
+                compute_dtype = cpu_compute_dtype() if model.dtype == torch.float32 else model.dtype
         self.compute_dtype: torch.dtype = compute_dtype
         on_gpu = model.device.type == "cuda"
         #: The copy in compute_dtype that the forward passes run (None: they run the model itself).

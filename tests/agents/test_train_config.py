@@ -44,7 +44,7 @@ def test_presets_layer_over_the_defaults_per_algorithm():
     assert parts.learner.strategy == Chain(6) and parts.learner.kl_coef == 0.001
     assert (demo.steps, demo.prompts_per_step, demo.budget_reward) == (3, 2, -1.0)
     assert (parts.trainer.lr, parts.trainer.mini_batches, parts.tree.rollout.max_response_tokens) == (5e-5, 1, 256)
-    assert parts.trainer.old_logprobs == "sampler" and parts.tree.rollout.sampling.temperature == 0.6
+    assert parts.trainer.old_logprobs == "recompute" and parts.tree.rollout.sampling.temperature == 0.6
     assert demo.env_kwargs == {
         "reward": "at2po",
         "max_tool_calls": 2,
@@ -273,7 +273,6 @@ def test_resolve_layers_defaults_preset_file_flags_and_set_in_that_order(tmp_pat
         "mini_batches": 1,
         "micro_batch_size": 2,
         "lr": 4e-5,  # --set over everything
-        "old_logprobs": "sampler",
     }
     resumed = resolve(base=config.to_dict(), values={"steps": 12})
     assert resumed.changed(config) == ["steps"]
@@ -440,9 +439,9 @@ def test_the_decoupled_objective_is_a_trainer_setting_with_its_cap_a_loss_settin
     parts = build(resolve(assignments=["trainer.decoupled=true", "loss.behaviour_weight_cap=5"]))
     assert parts.trainer.decoupled is True
     assert parts.trainer.loss == "atpo" and parts.trainer.loss_kwargs["behaviour_weight_cap"] == 5
-    # cpu-demo reuses the sampler's log-probs, so there is no proximal policy to clip around
+    # the sampler's log-probs as π_old leave no proximal policy to clip around
     with pytest.raises(ValueError, match="decoupled=True needs old_logprobs='recompute'"):
-        build(resolve(preset_name="cpu-demo", assignments=["trainer.decoupled=true"]))
+        build(resolve(assignments=["trainer.decoupled=true", "trainer.old_logprobs=sampler"]))
 
 
 @pytest.mark.parametrize(("switch", "reporters"), [(True, ("tensorboard",)), (False, ("none",))])

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 
 from agents.engines import HFEngine, SamplingParams
 from agents.engines.base import BatchStats
-from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, _sdpa_cpu_gqa
+from agents.engines.cpu_kernels import (
+    CPU_BFLOAT16_VARIABLE,
+    CPU_GQA_ATTENTION,
+    WeightFirstLinear,
+    _sdpa_cpu_gqa,
+    cpu_compute_dtype,
+)
 from agents.engines.hf import shared_prefix_order
 from agents.engines.kv_cache import GROWTH, PrefixCache, SlotCache
 from agents.engines.sampling import sample_next_tokens
@@ -528,9 +534,39 @@ def test_weight_first_linear_keeps_the_models_logits(tokenizer):
     assert torch.equal(weight_first.argmax(-1), stock.argmax(-1))
 
 
+def test_cpu_compute_dtype_is_detected_and_can_be_forced(monkeypatch):
+    monkeypatch.delenv(CPU_BFLOAT16_VARIABLE)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert cpu_compute_dtype() == torch.float32  # bfloat16 emulated: slower than float32
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert cpu_compute_dtype() == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert cpu_compute_dtype() == torch.bfloat16
+    monkeypatch.setenv(CPU_BFLOAT16_VARIABLE, "0")
+    assert cpu_compute_dtype() == torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setenv(CPU_BFLOAT16_VARIABLE, "1")
+    assert cpu_compute_dtype() == torch.bfloat16
+    monkeypatch.setenv(CPU_BFLOAT16_VARIABLE, "yes")
+    with pytest.raises(ValueError, match=r"\$AGENTENV_CPU_BFLOAT16='yes': set it to 1 \(bfloat16\), 0"):
+        cpu_compute_dtype()
+
+
+def test_the_cpu_default_follows_the_cpu_and_a_bfloat16_model_keeps_its_dtype(model, tokenizer, monkeypatch):
+    monkeypatch.setenv(CPU_BFLOAT16_VARIABLE, "1")  # a CPU with bfloat16 units
+    engine = HFEngine(model=model, tokenizer=tokenizer)
+    assert engine.compute_dtype == torch.bfloat16 and engine.compute_copy is not None
+    monkeypatch.setenv(CPU_BFLOAT16_VARIABLE, "0")  # one without (the suite's setting)
+    engine = HFEngine(model=model, tokenizer=tokenizer)
+    assert engine.compute_dtype == torch.float32 and engine.compute_copy is None
+    half = HFEngine(model=load_model(DEFAULT_MODEL, dtype=torch.bfloat16), tokenizer=tokenizer)
+    assert half.compute_dtype == torch.bfloat16 and half.compute_copy is None
+
+
 async def test_a_float32_model_generates_from_a_bfloat16_copy_with_a_bfloat16_kv_cache(model, tokenizer, prompts):
-    # What a float32 trainer model shared with the engine does on a GPU by default, here asked for on CPU.
-    assert HFEngine(model=model, tokenizer=tokenizer).compute_dtype == torch.float32  # CPU default: the model's
+    # What a float32 trainer model shared with the engine does on a GPU, or a CPU with bfloat16 units, by default.
     exact = HFEngine(model=model, tokenizer=tokenizer)
     half = HFEngine(model=model, tokenizer=tokenizer, compute_dtype=torch.bfloat16)
     try:
