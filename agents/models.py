@@ -36,10 +36,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "CPU_BFLOAT16_VARIABLE",
     "DEFAULT_MODEL",
     "EMBEDDED_MODELS",
     "ModelNotAvailableError",
     "cache_root",
+    "cpu_compute_dtype",
     "load_model",
     "load_tokenizer",
     "resolve_model",
@@ -162,6 +164,33 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype or torch.float32)
         # transformers wraps `to` with functools.wraps, whose typeshed type does not bind `self` on instances
         return model.to(device).eval()  # type: ignore[arg-type]
+
+
+#: The environment variable that overrides :func:`cpu_compute_dtype`'s detection: ``1`` bfloat16, ``0`` float32.
+CPU_BFLOAT16_VARIABLE = "AGENTENV_CPU_BFLOAT16"
+
+
+def cpu_compute_dtype() -> torch.dtype:
+    """What a float32 model computes in on this CPU (HFEngine's forward passes, the trainer's under "auto"): bfloat16 where the CPU multiplies bfloat16 in hardware
+    (AMX tiles or AVX512-BF16, as torch reports them), float32 elsewhere.
+
+    On such a CPU bfloat16 products run 2-3x faster than float32 ones (AVX512-BF16 on a 2-core AMD EPYC: 360
+    against 157 GFLOP/s at 64 rows; AMX: 953 against 263) and read half the bytes. Elsewhere bfloat16 is emulated
+    and slower than float32. ``$AGENTENV_CPU_BFLOAT16`` overrides the detection: ``0`` float32 (exact
+    sampler log-probs; the test suite runs so), ``1`` bfloat16.
+    """
+    import torch
+
+    setting = os.environ.get(CPU_BFLOAT16_VARIABLE, "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(
+            f"${CPU_BFLOAT16_VARIABLE}={setting!r}: set it to 1 (bfloat16), 0 (float32) or leave it unset "
+            "(bfloat16 where the CPU has AMX or AVX512-BF16)"
+        )
+    if setting:
+        return torch.bfloat16 if setting == "1" else torch.float32
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    return torch.bfloat16 if native else torch.float32
 
 
 def tiny_llama(seed: int = 0, **config: Any) -> PreTrainedModel:

@@ -1,13 +1,10 @@
-"""CPU kernels for HFEngine's no-grad forward passes: grouped-query attention without KV copies, weight-first linear
-layers; and the dtype its forward passes use on this CPU (:func:`cpu_compute_dtype`).
+"""CPU kernels for HFEngine's no-grad forward passes: grouped-query attention without KV copies, weight-first linear layers.
 
 Both are exact up to float32 summation order and apply only under no-grad on CPU, so the
 trainer's forward passes (which need gradients) never see them.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -16,32 +13,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-__all__ = ["CPU_BFLOAT16_VARIABLE", "CPU_GQA_ATTENTION", "WeightFirstLinear", "cpu_compute_dtype"]
-
-#: The environment variable that overrides :func:`cpu_compute_dtype`'s detection: ``1`` bfloat16, ``0`` float32.
-CPU_BFLOAT16_VARIABLE = "AGENTENV_CPU_BFLOAT16"
-
-
-def cpu_compute_dtype() -> torch.dtype:
-    """What a float32 model generates in on this CPU: bfloat16 where the CPU multiplies bfloat16 in hardware
-    (AMX tiles or AVX512-BF16, as torch reports them), float32 elsewhere.
-
-    On such a CPU bfloat16 products run 2-3x faster than float32 ones (AVX512-BF16 on a 2-core AMD EPYC: 360
-    against 157 GFLOP/s at 64 rows; AMX: 953 against 263) and read half the bytes. Elsewhere bfloat16 is emulated
-    and slower than float32. ``$AGENTENV_CPU_BFLOAT16`` overrides the detection: ``0`` float32 (exact
-    sampler log-probs; the test suite runs so), ``1`` bfloat16.
-    """
-    setting = os.environ.get(CPU_BFLOAT16_VARIABLE, "")
-    if setting not in ("", "0", "1"):
-        raise ValueError(
-            f"${CPU_BFLOAT16_VARIABLE}={setting!r}: set it to 1 (bfloat16), 0 (float32) or leave it unset "
-            "(bfloat16 where the CPU has AMX or AVX512-BF16)"
-        )
-    if setting:
-        return torch.bfloat16 if setting == "1" else torch.float32
-    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    return torch.bfloat16 if native else torch.float32
-
+__all__ = ["CPU_GQA_ATTENTION", "WeightFirstLinear"]
 
 #: The attention implementation HFEngine gives an ``sdpa`` model on CPU (see :func:`_sdpa_cpu_gqa`).
 CPU_GQA_ATTENTION = "sdpa-cpu-gqa"

@@ -69,10 +69,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from agents.engines.base import BatchStats, Completion, Engine, FinishReason, SamplingParams, find_stop
-from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, cpu_compute_dtype
+from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear
 from agents.engines.kv_cache import PrefixCache, SlotCache
 from agents.engines.sampling import RowSampler, to_device
-from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
+from agents.models import DEFAULT_MODEL, cpu_compute_dtype, load_model, load_tokenizer
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -222,7 +222,7 @@ class HFEngine(Engine):
     ``prefix_cache_tokens`` bounds the tokens whose KV the prefix cache keeps (0 turns it off;
     the default holds 32 SmolLM2 episodes of 1,000 tokens in 1.5 GB). ``compute_dtype`` is what the
     forward passes and the KV cache use: by default bfloat16 on a GPU; on a CPU, for a float32 model,
-    :func:`~agents.engines.cpu_kernels.cpu_compute_dtype` (bfloat16 where the CPU has AMX or AVX512-BF16),
+    :func:`~agents.models.cpu_compute_dtype` (bfloat16 where the CPU has AMX or AVX512-BF16),
     else the model's own dtype. A model in another dtype generates from a :class:`ComputeCopy` in it (memory for one
     more copy of the weights in ``compute_dtype``); the sampled tokens' log-probs and entropies are
     computed from float32 logits either way.

@@ -49,7 +49,7 @@ import torch
 from torch import distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from agents.models import load_model, load_tokenizer
+from agents.models import cpu_compute_dtype, load_model, load_tokenizer
 from agents.progress import progress_bar, transformers_bars
 from agents.rollout.tree import TrainingPath
 from agents.training.batch import PathBatch, collate
@@ -561,7 +561,7 @@ class Trainer:
 
 def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else cpu_compute_dtype()
     return getattr(torch, name)
 
 

@@ -108,7 +108,8 @@ class TrainerConfig:
     lora_target_modules: str | list[str] = "all-linear"  # verl default
 
     # Precision. Trained parameters and optimiser state stay float32; "auto" computes in bfloat16
-    # (autocast) on a GPU and in float32 on a CPU (bfloat16 is inexact and slow on these CPUs).
+    # (autocast) on a GPU and on a CPU with bfloat16 units (AMX or AVX512-BF16: agents.models.cpu_compute_dtype,
+    # which $AGENTENV_CPU_BFLOAT16 overrides), in float32 on other CPUs (where bfloat16 is emulated and slow).
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # The dtype a model loaded by name keeps its weights in. "bfloat16" only under LoRA: the frozen
     # base then takes half the memory (a 14B model 28 instead of 55 GiB) while the adapters and

@@ -171,6 +171,10 @@ def tree_attention_forward(
             )
     if dropout:
         raise ValueError("tree attention has no dropout (the trainer runs the policy in eval mode)")
+    # Under autocast queries and keys leave the rotary embedding in float32 and values come out of their projection
+    # in the compute dtype; torch's attention kernels take one dtype (on a GPU autocast casts them, on a CPU not).
+    dtype = value.dtype
+    query, key = query.to(dtype), key.to(dtype)
     run = {"batched": _batched, "flex": _flex, "varlen": _varlen}.get(kernel, _per_path)
     out = run(packed, query, key, value, scaling, query.shape[1] != key.shape[1])  # grouped-query attention
     return out.transpose(1, 2).contiguous(), None
@@ -248,9 +252,8 @@ def _varlen(
     assert varlen is not None, "choose_kernel and TrainerConfig checks offer varlen only where torch has it"
     attend, options, takes_gqa = varlen
     cu_queries, cu_keys, longest_own, longest, key_places = _varlen_layout(packed, query.device)
-    dtype = value.dtype  # a projection's output: the compute dtype under autocast
-    q = query[0].transpose(0, 1).to(dtype)  # [P, heads, dim]: every place is some path's own query, in row order
-    k, v = (t[0].transpose(0, 1)[key_places].to(dtype) for t in (key, value))  # [Σ lengths, kv heads, dim]
+    q = query[0].transpose(0, 1)  # [P, heads, dim]: every place is some path's own query, in row order
+    k, v = (t[0].transpose(0, 1)[key_places] for t in (key, value))  # [Σ lengths, kv heads, dim]
     if gqa and not takes_gqa:  # a torch whose varlen has no enable_gqa: each key-value head to its query heads
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     elif gqa:

@@ -14,17 +14,11 @@ import torch.nn.functional as F
 
 from agents.engines import HFEngine, SamplingParams
 from agents.engines.base import BatchStats
-from agents.engines.cpu_kernels import (
-    CPU_BFLOAT16_VARIABLE,
-    CPU_GQA_ATTENTION,
-    WeightFirstLinear,
-    _sdpa_cpu_gqa,
-    cpu_compute_dtype,
-)
+from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, _sdpa_cpu_gqa
 from agents.engines.hf import shared_prefix_order
 from agents.engines.kv_cache import GROWTH, PrefixCache, SlotCache
 from agents.engines.sampling import sample_next_tokens
-from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
+from agents.models import CPU_BFLOAT16_VARIABLE, DEFAULT_MODEL, cpu_compute_dtype, load_model, load_tokenizer
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
 

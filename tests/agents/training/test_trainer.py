@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import agents.progress
-from agents.models import tiny_llama
+from agents.models import CPU_BFLOAT16_VARIABLE, tiny_llama
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
 from agents.training.forward import _decoder_and_head
@@ -410,10 +410,12 @@ async def test_a_callable_loss_trains_with_sequence_weighted_accumulation():
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4)
 
 
-async def test_bfloat16_compute_keeps_float32_weights_and_close_logprobs():
+async def test_bfloat16_compute_keeps_float32_weights_and_close_logprobs(monkeypatch):
     paths = make_paths()
     exact = Trainer(tiny_model(), config()).compute_logprobs(paths)
-    trainer = Trainer(tiny_model(), config(compute_dtype="bfloat16"))  # autocast, as on a GPU
+    assert Trainer(tiny_model(), config()).compute_dtype == torch.float32  # "auto" on a CPU without bfloat16 units
+    monkeypatch.setenv(CPU_BFLOAT16_VARIABLE, "1")  # "auto" on one with them: autocast, as on a GPU
+    trainer = Trainer(tiny_model(), config())
     assert trainer.compute_dtype == torch.bfloat16
     approximate = trainer.compute_logprobs(paths)
     assert approximate.dtype == torch.float32

@@ -359,6 +359,28 @@ async def test_every_loss_aggregation_kl_and_entropy_bonus_gives_the_padded_loss
         torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-5 * scale, rtol=1e-4)
 
 
+async def test_under_bfloat16_compute_on_a_cpu_the_packed_tree_gives_the_padded_update_to_bfloat16s_precision():
+    # "auto" on a CPU with bfloat16 units: autocast over float32 weights, as on a GPU.
+    paths = tree_paths(7, 3, 3)
+    results = {}
+    for packing in ("padded", "tree"):
+        trainer = Trainer(tiny_model(), config(packing=packing, loss="atpo", compute_dtype="bfloat16"))
+        scores = trainer.compute_logprobs(paths)
+        metrics = await trainer.step(paths)
+        results[packing] = (scores, metrics, gradients(trainer))
+    (tree_scores, tree_metrics, tree_grads), (padded_scores, padded_metrics, padded_grads) = (
+        results["tree"],
+        results["padded"],
+    )
+    # bfloat16 keeps 8 bits: products summed in another order (one packed row, or padded rows) differ by a few
+    # of its roundings, 2^-8 relative each
+    torch.testing.assert_close(tree_scores, padded_scores, atol=2e-2, rtol=1e-2)
+    assert tree_metrics["policy/loss"] == pytest.approx(padded_metrics["policy/loss"], rel=1e-2, abs=1e-3)
+    for name in padded_grads:
+        scale = max(1.0, padded_grads[name].abs().max().item())
+        torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=2e-2 * scale, rtol=5e-2)
+
+
 async def test_a_step_packs_each_micro_batch_once_for_all_its_passes(monkeypatch):
     # Recomputed old log-probs, a KL reference and two epochs over two mini-batches: four passes over
     # every micro-batch, all on the one packing the step planned.
