@@ -416,6 +416,7 @@ _TRAIN_FLAGS = (
     "max_staleness",
     "dynamic_sampling",
     "max_sampled_prompts",
+    "min_round_prompts",
     "max_rollout_tokens",
 )
 # The names of agents.learners.LEARNERS, written out because importing that module loads torch, which
@@ -506,6 +507,13 @@ def _add_train_schedule(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="the most prompts a step rolls out under --dynamic-sampling (default 3 × --prompts-per-step)",
+    )
+    p.add_argument(
+        "--min-round-prompts",
+        type=int,
+        metavar="N",
+        help="the fewest prompts a round of --dynamic-sampling rolls out at once, the order's next tasks after the "
+        "step's (fills the engine's batches; default 1: only what the signal rate asks)",
     )
     p.add_argument(
         "--max-rollout-tokens",

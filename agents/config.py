@@ -167,6 +167,12 @@ class TrainConfig:
         max_sampled_prompts: The most prompts one step rolls out under ``dynamic_sampling``; ``None``:
             3 × ``prompts_per_step``, the over-sampling of verl's DAPO recipe (``gen_prompt_bsz`` =
             3 × ``train_prompt_bsz``).
+        min_round_prompts: The fewest prompts a round of ``dynamic_sampling`` rolls out while
+            ``max_sampled_prompts`` allows: round 0 the step's own and then the order's next tasks, later
+            rounds more than eq. 82 asks when it asks fewer (docs/algorithms.md eq. 83). More prompts in
+            one round fill an engine's batches that a round of few prompts leaves short, and save the
+            rounds after it when they bring the signal; the prompts kept are still the first with signal
+            in task order. 1 (the default): eq. 82 alone.
         max_rollout_tokens: End the run after the step whose rollouts bring the tokens sampled
             so far (``sampling/tokens``: every prompt rolled out, dropped ones included) to this
             many, or after ``steps`` steps, whichever comes first; ``None``: ``steps`` steps. Runs of
@@ -196,6 +202,7 @@ class TrainConfig:
     stream_update: bool = True
     dynamic_sampling: bool = False
     max_sampled_prompts: int | None = None
+    min_round_prompts: int = 1
     max_rollout_tokens: int | None = None
     strategy: dict[str, Any] = field(default_factory=dict)
     credit: dict[str, Any] = field(default_factory=dict)
@@ -258,6 +265,7 @@ class TrainConfig:
                 f"max_sampled_prompts must be an int >= prompts_per_step ({self.prompts_per_step}): a step rolls out "
                 f"at least its own prompts; got {most!r} (None: 3 × prompts_per_step)"
             )
+        _require_int("min_round_prompts", self.min_round_prompts, minimum=1)
         if self.dynamic_sampling and self.max_staleness:
             raise ValueError(
                 f"dynamic_sampling replaces a step's prompts after its rollout, but max_staleness="

@@ -66,10 +66,12 @@ def round_seed(seed: int, round: int) -> int:
 @dataclass(frozen=True)
 class Refill:
     """Dynamic sampling's side of a step (``TrainConfig.dynamic_sampling``): ``take(n)`` gives the next
-    ``n`` tasks of the run's order; at most ``most`` prompts are rolled out for the step."""
+    ``n`` tasks of the run's order; at most ``most`` prompts are rolled out for the step, at least ``least``
+    a round while that many are left."""
 
     take: Callable[[int], list[int]]
     most: int
+    least: int = 1
 
 
 async def rollout_step(
@@ -103,7 +105,9 @@ async def _sample(
     if refill is None:
         prompts = await roll(tasks, 0)
         return prompts, {"sampling/prompts": float(len(prompts)), "sampling/tokens": float(_tokens(prompts))}
-    return await sample_with_signal(roll, tasks, refill.take, most=refill.most, budget_reward=budget_reward)
+    return await sample_with_signal(
+        roll, tasks, refill.take, most=refill.most, budget_reward=budget_reward, least=refill.least
+    )
 
 
 def _tokens(prompts: list[PromptTrees]) -> int:
@@ -117,7 +121,13 @@ def has_signal(prompt: PromptTrees) -> bool:
 
 
 async def sample_with_signal(
-    roll: Roll, tasks: list[int], take: Callable[[int], list[int]], *, most: int, budget_reward: float | None
+    roll: Roll,
+    tasks: list[int],
+    take: Callable[[int], list[int]],
+    *,
+    most: int,
+    budget_reward: float | None,
+    least: int = 1,
 ) -> tuple[list[PromptTrees], dict[str, float]]:
     """DAPO's dynamic sampling (Yu et al. 2025, §3.2): the trees of ``tasks``, each prompt without
     signal (:func:`has_signal`) dropped and replaced by further tasks from ``take(n)`` until
@@ -128,12 +138,19 @@ async def sample_with_signal(
     Prompts with signal beyond ``len(tasks)`` are dropped too, so every step trains on the same number
     of prompts. When none has signal after ``most``, the step keeps its first ``len(tasks)`` prompts
     (its loss is 0; the step's log line says so). The metrics count what it cost, in ``sampling/*``.
+
+    A round rolls out at least ``least`` prompts while ``most`` allows (round 0: the step's tasks, then the
+    order's next): a round's rollout runs until its longest tree ends, so on an engine whose batches a round
+    leaves a few rows short, prompts rolled out together cost little more time than the first of them, and
+    the next round's wait is saved when they bring the signal (eq. 83).
     """
     want = len(tasks)
-    sampled = _score_budget_cut(await roll(tasks, 0), budget_reward)
+    first = list(tasks) + take(min(most, max(least, want)) - want)  # eq. 83
+    sampled = _score_budget_cut(await roll(first, 0), budget_reward)
     rounds = 1
     while (with_signal := sum(map(has_signal, sampled))) < want and len(sampled) < most:
-        more = min(most - len(sampled), math.ceil((want - with_signal) * len(sampled) / max(with_signal, 1)))  # eq. 82
+        more = math.ceil((want - with_signal) * len(sampled) / max(with_signal, 1))  # eq. 82
+        more = min(most - len(sampled), max(least, more))  # eq. 83
         sampled += _score_budget_cut(await roll(take(more), rounds), budget_reward)
         rounds += 1
     kept = [prompt for prompt in sampled if has_signal(prompt)][:want] or sampled[:want]
@@ -228,7 +245,7 @@ class SynchronousSteps:
                     bar.total += self.planned * len(more)
                 return more
 
-            refill = Refill(take, config.sampled_prompts) if config.dynamic_sampling else None
+            refill = Refill(take, config.sampled_prompts, config.min_round_prompts) if config.dynamic_sampling else None
             paths, metrics = await rollout_step(
                 self.rollout,
                 self.parts,
@@ -330,7 +347,11 @@ class PipelinedSteps:
                 self.bars[step].total = self.planned * self.prompts[step]
             return more
 
-        refill = Refill(take, self.config.sampled_prompts) if self.config.dynamic_sampling else None
+        refill = (
+            Refill(take, self.config.sampled_prompts, self.config.min_round_prompts)
+            if self.config.dynamic_sampling
+            else None
+        )
         prompts, sampling = await _sample(roll, tasks, refill, self.config.budget_reward)
         if refill is not None:
             self.positions[step] = self.order.position()

@@ -90,6 +90,22 @@ def test_without_any_signal_the_step_stops_at_the_cap_and_keeps_its_first_prompt
     assert metrics["sampling/signal_frac"] == 0.0 and metrics["sampling/prompts_dropped"] == 3.0
 
 
+def test_rounds_of_at_least_min_round_prompts_take_the_orders_next_tasks():
+    roll, order = Script(signal={3, 5}), Order(2)
+    kept, metrics = asyncio.run(sample_with_signal(roll, [0, 1], order.take, most=7, budget_reward=None, least=4))
+    # Round 0: the step's 2 tasks and the order's next 2; 1 of 4 with signal, 1 missing → 1 × 4/1 = 4 ≥ 4 more,
+    # capped at 7 − 4 = 3 (eq. 83). The kept prompts are the first with signal in task order.
+    assert roll.calls == [([0, 1, 2, 3], 0), ([4, 5, 6], 1)]
+    assert [p.key for p in kept] == [3, 5] and order.next == 7 and metrics["sampling/rounds"] == 2.0
+    roll, order = Script(signal={0, 1}), Order(2)
+    kept, _ = asyncio.run(sample_with_signal(roll, [0, 1], order.take, most=6, budget_reward=None, least=3))
+    assert roll.calls == [([0, 1, 2], 0)] and [p.key for p in kept] == [0, 1]  # the surplus prompt is dropped
+    roll, order = Script(signal={2}), Order(2)
+    asyncio.run(sample_with_signal(roll, [0, 1], order.take, most=8, budget_reward=None, least=2))
+    # 0 of 2, then eq. 82 asks 2 × 2/1 = 4 (more than least): least only raises a round, never lowers it
+    assert roll.calls == [([0, 1], 0), ([2, 3, 4, 5], 1), ([6, 7], 2)]
+
+
 def test_the_budget_reward_counts_before_the_signal_is_judged():
     cut = prompt(0, [0.0, 0.0], statuses=["budget", "done"])  # one leaf ran out of tokens, one answered wrong
     assert not has_signal(cut)
@@ -117,6 +133,8 @@ def test_dynamic_sampling_settings_are_checked():
     assert TrainConfig(prompts_per_step=4, max_sampled_prompts=5).sampled_prompts == 5
     with pytest.raises(ValueError, match=r"max_sampled_prompts must be an int >= prompts_per_step \(4\).*got 3"):
         TrainConfig(prompts_per_step=4, max_sampled_prompts=3)
+    with pytest.raises(ValueError, match="min_round_prompts must be an int >= 1, got 0"):
+        TrainConfig(min_round_prompts=0)
     with pytest.raises(ValueError, match="dynamic_sampling must be true or false, got 'yes'"):
         TrainConfig(dynamic_sampling="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_staleness=1 has later steps take their tasks.*set max_staleness=0"):
