@@ -359,18 +359,22 @@ async def test_every_loss_aggregation_kl_and_entropy_bonus_gives_the_padded_loss
         torch.testing.assert_close(tree_grads[name], padded_grads[name], atol=1e-5 * scale, rtol=1e-4)
 
 
-async def test_under_bfloat16_compute_on_a_cpu_the_packed_tree_gives_the_padded_update_to_bfloat16s_precision():
-    # "auto" on a CPU with bfloat16 units: autocast over float32 weights, as on a GPU.
-    paths = tree_paths(7, 3, 3)
+async def tree_and_padded(make_model, paths, **settings):
+    """An AT²PO step on ``paths`` packed as a tree and padded, each on a fresh model: (log-probs, metrics, gradients)."""
     results = {}
-    for packing in ("padded", "tree"):
-        trainer = Trainer(tiny_model(), config(packing=packing, loss="atpo", compute_dtype="bfloat16"))
+    for packing in ("tree", "padded"):
+        trainer = Trainer(make_model(), config(packing=packing, loss="atpo", **settings))
         scores = trainer.compute_logprobs(paths)
         metrics = await trainer.step(paths)
         results[packing] = (scores, metrics, gradients(trainer))
-    (tree_scores, tree_metrics, tree_grads), (padded_scores, padded_metrics, padded_grads) = (
-        results["tree"],
-        results["padded"],
+    return results["tree"], results["padded"]
+
+
+async def test_under_bfloat16_compute_on_a_cpu_the_packed_tree_gives_the_padded_update_to_bfloat16s_precision():
+    # "auto" on a CPU with bfloat16 units: autocast over float32 weights, as on a GPU.
+    paths = tree_paths(7, 3, 3)
+    (tree_scores, tree_metrics, tree_grads), (padded_scores, padded_metrics, padded_grads) = await tree_and_padded(
+        tiny_model, paths, compute_dtype="bfloat16"
     )
     # bfloat16 keeps 8 bits: products summed in another order (one packed row, or padded rows) differ by a few
     # of its roundings, 2^-8 relative each
@@ -491,15 +495,8 @@ async def test_smollm2_packed_tree_gives_the_padded_logprobs_loss_and_gradients(
 
     model = load_model("smollm2-135m")
     paths = tree_paths(2, 3, 3, trees=1, vocab=model.config.vocab_size)
-    results = {}
-    for packing in ("padded", "tree"):
-        trainer = Trainer(copy.deepcopy(model), config(packing=packing, loss="atpo"))
-        scores = trainer.compute_logprobs(paths)
-        metrics = await trainer.step(paths)
-        results[packing] = (scores, metrics, gradients(trainer))
-    (tree_scores, tree_metrics, tree_grads), (padded_scores, padded_metrics, padded_grads) = (
-        results["tree"],
-        results["padded"],
+    (tree_scores, tree_metrics, tree_grads), (padded_scores, padded_metrics, padded_grads) = await tree_and_padded(
+        lambda: copy.deepcopy(model), paths
     )
     # Random ids make log-probs of about -14, where float32 over 30 layers keeps about 6 digits.
     torch.testing.assert_close(tree_scores, padded_scores, atol=1e-5, rtol=2e-6)
