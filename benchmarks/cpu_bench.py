@@ -1,7 +1,7 @@
 """The CPU against its own limits: matmul peaks and memory bandwidth beside decode and update rates.
 
     python -m benchmarks.cpu_bench [--sections matmul,bandwidth,decode,update] [--requests 1,16,64]
-                                   [--new-tokens 64] [--json PATH]
+                                   [--new-tokens 64] [--engines hf,vllm] [--json PATH]
 
 Everything on SmolLM2-135M's shapes, with torch's threads (one per core), in one run, so each rate
 is given as a fraction of a peak measured minutes before on the same machine:
@@ -15,10 +15,13 @@ is given as a fraction of a peak measured minutes before on the same machine:
   once), eager ``F.linear`` beside ``torch.compile(mode="max-autotune")`` with frozen weights
   (inductor's C++ GEMM kernels instead of the BLAS call), in GB/s of weights read;
 - ``decode``: HFEngine's tokens/s at each of ``--requests`` concurrent requests (the prompts of
-  ``benchmarks.engine_bench``, ``--new-tokens`` each, temperature 1, seeded), with its forward
+  ``benchmarks.engine_bench``, exactly ``--new-tokens`` each (``ignore_eos``; runs before issue 47's
+  third part stopped at end-of-sequence: one request then sampled 8 tokens), temperature 1, seeded), with its forward
   passes in float32 and from a bfloat16 copy of the weights; model GFLOP/s (2 × 134.5 M FLOPs a
   token) and their fraction of the matmul peak at that many rows; the largest difference of a
-  sampled log-prob to a float32 forward pass over the same tokens;
+  sampled log-prob to a float32 forward pass over the same tokens; the same for vLLM's CPU engine
+  (``--engines hf,vllm``, the model in float32 and in bfloat16), the inference a CPU user would
+  otherwise pick;
 - ``update``: forward and backward with the full-vocabulary loss over 8 × 512 tokens, float32 and
   under bfloat16 autocast (6 × 134.5 M FLOPs a token), against the 1,024-row matmul peak.
 """
@@ -156,19 +159,41 @@ def peak(matmul: list[dict[str, Any]], dtype: str, rows: int) -> float | None:
     return min(candidates, key=lambda r: abs(r["rows"] - rows))["gflops"]
 
 
-async def decode_rates(concurrency: list[int], new_tokens: int, reference_model, tokenizer) -> list[dict[str, Any]]:
+async def decode_rates(
+    engine_name: str, concurrency: list[int], new_tokens: int, reference_model, tokenizer
+) -> list[dict[str, Any]]:
+    """``hf``: HFEngine generating from the float32 model and from its bfloat16 copy; ``vllm``: vLLM's CPU engine
+    with the model in float32 and in bfloat16."""
+    from agents.engines import make_engine
     from agents.engines.hf import HFEngine
 
     rows = []
     for dtype_name, dtype in DTYPES.items():
-        model = load_model(DEFAULT_MODEL)
-        engine = HFEngine(model=model, tokenizer=tokenizer, compute_dtype=dtype, max_batch_size=max(concurrency))
+        if engine_name == "hf":
+            engine = HFEngine(
+                model=load_model(DEFAULT_MODEL),
+                tokenizer=tokenizer,
+                compute_dtype=dtype,
+                max_batch_size=max(concurrency),
+            )
+        else:
+            engine = make_engine(
+                "vllm",
+                DEFAULT_MODEL,
+                concurrency=max(concurrency),
+                max_model_len=2048,
+                engine_kwargs={"dtype": dtype_name},
+            )
         try:
             await engine.generate(*requests(tokenizer, 1, 4)[0])  # warm-up
             for n in concurrency:
-                row = await concurrent_rate(engine, tokenizer, n, new_tokens, reference_model)
-                rows.append(dict(dtype=dtype_name, **row, gflops=2 * PARAMETERS * row["tokens_per_s"] / 1e9))
-                print(f"  decode {dtype_name} {n:>3} requests: {row['tokens_per_s']:7.1f} tok/s", flush=True)
+                row = await concurrent_rate(engine, tokenizer, n, new_tokens, reference_model, ignore_eos=True)
+                rows.append(
+                    dict(engine=engine_name, dtype=dtype_name, **row, gflops=2 * PARAMETERS * row["tokens_per_s"] / 1e9)
+                )
+                print(
+                    f"  decode {engine_name} {dtype_name} {n:>3} requests: {row['tokens_per_s']:7.1f} tok/s", flush=True
+                )
         finally:
             await engine.close()
     return rows
@@ -237,17 +262,26 @@ def print_tables(result: dict[str, Any]) -> None:
                 f"{r['inductor_gbs']:>6.1f} {r['eager_us'] / r['inductor_us']:>6.2f} {r['compile_s']:>10.1f}"
             )
     if result.get("decode"):
-        print("\nHFEngine decode (tokens/s; GFLOP/s at 2N a token; % of the matmul peak at as many rows)")
-        print(f"{'dtype':<9} {'requests':>8} {'tok/s':>8} {'GFLOP/s':>8} {'% peak':>7} {'max |Δ logprob|':>16}")
+        print("\ndecode (tokens/s; GFLOP/s at 2N a token; % of the matmul peak at as many rows)")
+        print(
+            f"{'engine':<6} {'dtype':<9} {'requests':>8} {'tok/s':>8} {'GFLOP/s':>8} {'% peak':>7} {'max |Δ logprob|':>16}"
+        )
         for r in result["decode"]:
             print(
-                f"{r['dtype']:<9} {r['requests']:>8} {r['tokens_per_s']:>8.1f} {r['gflops']:>8.1f} "
+                f"{r.get('engine', 'hf'):<6} {r['dtype']:<9} {r['requests']:>8} {r['tokens_per_s']:>8.1f} {r['gflops']:>8.1f} "
                 f"{percent(r['gflops'], peak(matmul, r['dtype'], r['requests'])):>7} {r['max_abs_logprob_diff']:>16.2e}"
             )
-        by = {(r["dtype"], r["requests"]): r["tokens_per_s"] for r in result["decode"]}
+        by = {(r.get("engine", "hf"), r["dtype"], r["requests"]): r["tokens_per_s"] for r in result["decode"]}
         for n in sorted({r["requests"] for r in result["decode"]}):
-            if ("float32", n) in by and ("bfloat16", n) in by:
-                print(f"  bfloat16 / float32 at {n} requests: {by['bfloat16', n] / by['float32', n]:.2f}x")
+            if ("hf", "float32", n) in by and ("hf", "bfloat16", n) in by:
+                print(
+                    f"  HFEngine bfloat16 / float32 at {n} requests: {by['hf', 'bfloat16', n] / by['hf', 'float32', n]:.2f}x"
+                )
+            for dtype in DTYPES:
+                if ("hf", dtype, n) in by and ("vllm", dtype, n) in by:
+                    print(
+                        f"  HFEngine / vLLM, {dtype}, at {n} requests: {by['hf', dtype, n] / by['vllm', dtype, n]:.2f}x"
+                    )
     if result.get("update"):
         print("\nforward + backward, 8 x 512 tokens, full-vocabulary loss (GFLOP/s at 6N a token)")
         print(f"{'dtype':<9} {'tok/s':>8} {'GFLOP/s':>8} {'% peak':>7}")
@@ -265,6 +299,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,1024", help="matmul row counts")
     parser.add_argument("--requests", default="1,16,64", help="decode: concurrent requests")
     parser.add_argument("--new-tokens", type=int, default=64, help="decode: new tokens a request")
+    parser.add_argument("--engines", default="hf,vllm", help="decode: hf (HFEngine), vllm (vLLM's CPU engine)")
     parser.add_argument("--repeats", type=int, default=5, help="timings of each matmul, bandwidth and update")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
@@ -273,6 +308,8 @@ def main() -> None:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         parser.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
+    if not set(args.engines.split(",")) <= {"hf", "vllm"}:
+        parser.error(f"--engines takes hf and/or vllm, got {args.engines!r}")
     result: dict[str, Any] = {"cpu": cpu_features(), "args": vars(args)}
     if "matmul" in sections:
         result["matmul"] = matmul_peaks([int(n) for n in args.rows.split(",")], args.repeats)
@@ -284,7 +321,11 @@ def main() -> None:
         tokenizer = load_tokenizer(DEFAULT_MODEL)
         reference = load_model(DEFAULT_MODEL)
         concurrency = [int(n) for n in args.requests.split(",")]
-        result["decode"] = asyncio.run(decode_rates(concurrency, args.new_tokens, reference, tokenizer))
+        result["decode"] = []
+        for engine_name in args.engines.split(","):
+            result["decode"] += asyncio.run(
+                decode_rates(engine_name, concurrency, args.new_tokens, reference, tokenizer)
+            )
     if "update" in sections:
         result["update"] = update_rates(max(2, args.repeats // 2))
     result["load_average_1min"] = os.getloadavg()[0]

@@ -35,12 +35,14 @@ QUESTIONS = [
 ]
 
 
-def requests(tokenizer, n: int, new_tokens: int) -> list[tuple[list[int], SamplingParams]]:
+def requests(tokenizer, n: int, new_tokens: int, ignore_eos: bool = False) -> list[tuple[list[int], SamplingParams]]:
+    """``n`` chat prompts, sampled at temperature 1 with a seed each; ``ignore_eos``: exactly ``new_tokens`` each."""
     out = []
     for i in range(n):
         chat = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
         prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
-        out.append((prompt, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=1000 + i)))
+        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=1000 + i, ignore_eos=ignore_eos)
+        out.append((prompt, params))
     return out
 
 
@@ -64,9 +66,11 @@ def logprob_mismatch(model, batch, completions: list[Completion]) -> float:
     return worst
 
 
-async def concurrent_rate(engine: Engine, tokenizer, n: int, new_tokens: int, reference_model) -> dict:
+async def concurrent_rate(
+    engine: Engine, tokenizer, n: int, new_tokens: int, reference_model, ignore_eos: bool = False
+) -> dict:
     """``n`` requests at once on ``engine``: tokens, seconds, tokens/s and the log-prob mismatch to ``reference_model``."""
-    batch = requests(tokenizer, n, new_tokens)
+    batch = requests(tokenizer, n, new_tokens, ignore_eos)
     done, seconds = await timed(engine, batch, concurrent=True)
     tokens = sum(len(c.token_ids) for c in done)
     return dict(

@@ -27,9 +27,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +62,8 @@ class SamplingParams:
     docstring); ``seed`` makes a sample reproducible on the same engine; ``logprobs_topk`` asks
     for that many top log-probs per position; ``return_entropy`` asks for the entropy of the full
     temperature-scaled next-token distribution per position (engines with
-    ``supports_entropy``).
+    ``supports_entropy``); ``ignore_eos`` goes on past end-of-sequence tokens up to ``max_new_tokens``
+    or a stop (vLLM's ``ignore_eos``: fixed-length generations for benchmarks).
     """
 
     temperature: float = 1.0
@@ -73,6 +75,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs_topk: int = 0
     return_entropy: bool = False
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
@@ -151,13 +154,15 @@ class BatchStats:
 
     def since(self, earlier: BatchStats) -> BatchStats:
         """The counts between ``earlier`` (a copy of these stats) and now; ``largest_batch`` is the largest so far."""
-        counts = {name: getattr(self, name) - getattr(earlier, name) for name in self.__dataclass_fields__}
-        return BatchStats(**{**counts, "largest_batch": self.largest_batch})
+        return self._combined(earlier, operator.sub, self.largest_batch)
 
     def plus(self, other: BatchStats) -> BatchStats:
         """These counts and ``other``'s added (``largest_batch``: the larger)."""
-        counts = {name: getattr(self, name) + getattr(other, name) for name in self.__dataclass_fields__}
-        return BatchStats(**{**counts, "largest_batch": max(self.largest_batch, other.largest_batch)})
+        return self._combined(other, operator.add, max(self.largest_batch, other.largest_batch))
+
+    def _combined(self, other: BatchStats, op: Callable[[Any, Any], Any], largest_batch: int) -> BatchStats:
+        counts = {name: op(getattr(self, name), getattr(other, name)) for name in self.__dataclass_fields__}
+        return BatchStats(**{**counts, "largest_batch": largest_batch})
 
     def usage(self, seconds: float) -> dict[str, float]:
         """``engine/*`` metrics of counts over ``seconds`` of wall time (a rollout's).

@@ -69,10 +69,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from agents.engines.base import BatchStats, Completion, Engine, FinishReason, SamplingParams, find_stop
-from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear
+from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, pack_linear_layers, packed_linear_supported
 from agents.engines.kv_cache import PrefixCache, SlotCache
 from agents.engines.sampling import RowSampler, to_device
-from agents.models import DEFAULT_MODEL, cpu_compute_dtype, load_model, load_tokenizer
+from agents.models import DEFAULT_MODEL, cpu_compute_dtype, load_model, load_tokenizer, release_openmp_threads
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -140,7 +140,9 @@ class ComputeCopy:
     :meth:`refresh` copies the model's weights into it again if they changed since (an optimiser
     step on a shared model, a load); it sees that from the parameters' version counters, which every
     in-place change bumps. The copy is made without a full-precision copy of the weights on the way;
-    buffers (the rotary frequencies) keep their dtype, as a model loaded in ``dtype`` keeps them.
+    buffers (the rotary frequencies) keep their dtype, as a model loaded in ``dtype`` keeps them. A bfloat16
+    copy on a CPU multiplies by prepacked weights (:func:`~agents.engines.cpu_kernels.pack_linear_layers`;
+    ``packed_layers`` counts them).
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -152,6 +154,9 @@ class ComputeCopy:
         }
         self.model = copy.deepcopy(model, memo).eval()
         self._targets = list(self.model.parameters())
+        # On a CPU its bfloat16 linear layers run oneDNN on prepacked weights, packed again after each refresh.
+        cpu_bfloat16 = dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu"
+        self.packed_layers = pack_linear_layers(self.model) if cpu_bfloat16 and packed_linear_supported() else 0
         self.version = _weights_version(self._sources)
 
     def refresh(self) -> bool:
@@ -319,6 +324,7 @@ class HFEngine(Engine):
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         request = _Request(ids, params, concurrent.futures.Future(), generator)
+        self._release_threads()  # this thread's OpenMP team would slow the worker's (a model loaded here)
         self._inbox.put(request)
         # Cancelling this coroutine cancels the future; the worker drops the row at its next step.
         return await asyncio.wrap_future(request.future)
@@ -340,6 +346,7 @@ class HFEngine(Engine):
             if version is not None:
                 self._inflight_version = version
                 self._inflight_loads += 1
+        self._release_threads()  # an executor thread's
         if result.unexpected_keys:
             raise KeyError(f"weights the model does not have: {result.unexpected_keys[:5]}")
 
@@ -351,6 +358,11 @@ class HFEngine(Engine):
             self._thread = None
 
     # ---- the worker thread -------------------------------------------------------------
+
+    def _release_threads(self) -> None:
+        """On CPU, end the calling thread's OpenMP helpers (:func:`~agents.models.release_openmp_threads`)."""
+        if self.model.device.type == "cpu":
+            release_openmp_threads()
 
     def _start_worker(self) -> None:
         with self._start_lock:
@@ -392,6 +404,7 @@ class HFEngine(Engine):
         """Move arrived requests to ``waiting``; when ``block``, wait for one plus the batch window."""
         try:
             if block:
+                self._release_threads()  # idle: the trainer or the caller may compute now
                 item = self._inbox.get()
                 if item is _CLOSE:
                     return False
@@ -571,7 +584,7 @@ class HFEngine(Engine):
         overshoot = ""
         if token in params.stop_token_ids:
             reason, stop_reason = "stop", token
-        elif token in self.eos_token_ids:
+        elif token in self.eos_token_ids and not params.ignore_eos:
             reason = "eos"
         elif params.stop:
             match = completion_stop(self.tokenizer, request.token_ids, params.stop)

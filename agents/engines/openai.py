@@ -87,6 +87,8 @@ class OpenAIEngine(Engine):
         }
         if params.top_k != -1:
             body["top_k"] = params.top_k
+        if params.ignore_eos:  # a vLLM (and SGLang) extension, sent only when asked for
+            body["ignore_eos"] = True
         if params.seed is not None:
             body["seed"] = params.seed
         return self._parse(await self._post(body), params)

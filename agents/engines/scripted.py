@@ -93,7 +93,12 @@ class ScriptedEngine(Engine):
         # wins. The prefixes' texts only grow, so the first prefix holding a stop string is found
         # by bisection: O(log n) decodes instead of one per token.
         first_token = next(
-            (n for n, t in enumerate(token_ids[:end], 1) if t in params.stop_token_ids or t in self.eos_token_ids), None
+            (
+                n
+                for n, t in enumerate(token_ids[:end], 1)
+                if t in params.stop_token_ids or (t in self.eos_token_ids and not params.ignore_eos)
+            ),
+            None,
         )
         text_end = end if first_token is None else first_token - 1
         match = None

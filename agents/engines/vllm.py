@@ -299,6 +299,7 @@ class VLLMEngine(Engine):
             max_tokens=params.max_new_tokens,
             stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
             seed=params.seed,
             logprobs=params.logprobs_topk,
             include_stop_str_in_output=True,

@@ -5,6 +5,9 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -13,7 +16,7 @@ import pytest
 import torch
 
 from agents import models
-from agents.models import DEFAULT_MODEL, ModelNotAvailableError
+from agents.models import DEFAULT_MODEL, ModelNotAvailableError, release_openmp_threads, torch_libgomp
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -220,3 +223,33 @@ def test_tiny_llama_is_a_seeded_two_layer_llama_whose_config_can_be_changed():
     assert (a.config.num_hidden_layers, a.config.vocab_size, a.config.tie_word_embeddings) == (2, 50, True)
     assert (other.config.vocab_size, len(other.model.layers), a.training) == (40, 1, False)
     assert sum(p.numel() for p in a.parameters()) < 40_000
+
+
+def _process_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(torch_libgomp() is None or torch.get_num_threads() < 2, reason="torch on GNU OpenMP, 2+ threads")
+def test_release_openmp_threads_ends_the_calling_threads_helpers():
+    # torch's own libgomp, not the copy scikit-learn ships (loaded with transformers)
+    path = torch_libgomp()
+    assert path is not None and (Path(torch.__file__).parent in path.parents or "-packages" not in str(path))
+    counts = {}
+
+    def work():
+        torch.ones(1 << 22).add_(1)  # a parallel region: this thread gets a team of helper threads
+        counts["team"] = _process_threads()
+        release_openmp_threads()
+        deadline = time.monotonic() + 5
+        while _process_threads() >= counts["team"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        counts["released"] = _process_threads()
+        torch.ones(1 << 22).add_(1)  # and a new team when it computes again
+        counts["again"] = _process_threads()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    helpers = torch.get_num_threads() - 1
+    assert counts["released"] == counts["team"] - helpers
+    assert counts["again"] == counts["team"]

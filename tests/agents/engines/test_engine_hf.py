@@ -14,7 +14,13 @@ import torch.nn.functional as F
 
 from agents.engines import HFEngine, SamplingParams
 from agents.engines.base import BatchStats
-from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, _sdpa_cpu_gqa
+from agents.engines.cpu_kernels import (
+    CPU_GQA_ATTENTION,
+    WeightFirstLinear,
+    _sdpa_cpu_gqa,
+    pack_linear_layers,
+    packed_linear_supported,
+)
 from agents.engines.hf import shared_prefix_order
 from agents.engines.kv_cache import GROWTH, PrefixCache, SlotCache
 from agents.engines.sampling import sample_next_tokens
@@ -526,6 +532,57 @@ def test_weight_first_linear_keeps_the_models_logits(tokenizer):
             weight_first = model(input_ids=ids).logits
     assert (weight_first - stock).abs().max() < 1e-4
     assert torch.equal(weight_first.argmax(-1), stock.argmax(-1))
+
+
+needs_packed_linear = pytest.mark.skipif(not packed_linear_supported(), reason="torch without oneDNN bfloat16")
+
+
+@needs_packed_linear
+def test_packed_linear_layers_compute_the_same_products_and_pack_again_after_a_change():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 32).bfloat16()
+    plain = torch.nn.Linear(64, 32).bfloat16()
+    plain.load_state_dict(layer.state_dict())
+    assert pack_linear_layers(torch.nn.Sequential(layer, torch.nn.Linear(4, 4)), max_rows=6) == 1  # bfloat16 only
+    x = torch.randn(2, 3, 64).bfloat16()
+    with torch.inference_mode():
+        packed, expected = layer(x), plain(x)
+        packs = layer.forward.packed
+        assert layer(x[0]) is not None and layer.forward.packed is packs  # packed once
+        wide = layer(torch.randn(7, 64).bfloat16())  # more than max_rows: F.linear
+    assert packed.shape == (2, 3, 32) and packed.dtype == torch.bfloat16 and wide.shape == (7, 32)
+    # the same oneDNN products: bit-identical on AVX512-BF16; within a bfloat16 rounding anywhere
+    assert torch.allclose(packed.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    with torch.no_grad():
+        layer.weight.mul_(-1)  # an in-place change (a ComputeCopy refresh, a load) moves the version counter
+        plain.weight.mul_(-1)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x).float(), plain(x).float(), rtol=1e-2, atol=1e-2)
+    loss = layer(x.float().bfloat16().requires_grad_()).sum()  # with gradients: F.linear, differentiable
+    loss.backward()
+    assert layer.weight.grad is not None
+
+
+@needs_packed_linear
+async def test_a_bfloat16_copy_packs_its_linear_layers_and_follows_weight_changes(tokenizer, prompts):
+    model = load_model(DEFAULT_MODEL)
+    engine = HFEngine(model=model, tokenizer=tokenizer, compute_dtype=torch.bfloat16, prefix_cache_tokens=0)
+    try:
+        before = await engine.generate(prompts[0], greedy(3))
+        assert engine.compute_copy is not None and engine.compute_copy.packed_layers == 30 * 7 + 1  # lm_head too
+        with engine.forward_lock, torch.no_grad():
+            model.model.layers[3].mlp.down_proj.weight.mul_(3.0)  # the trainer's shared model, changed in place
+        after = await engine.generate(prompts[0], greedy(3))
+    finally:
+        await engine.close()
+    fresh = HFEngine(model=model, tokenizer=tokenizer, compute_dtype=torch.bfloat16, prefix_cache_tokens=0)
+    try:
+        expected = await fresh.generate(prompts[0], greedy(3))
+    finally:
+        await fresh.close()
+    # the copy was refreshed and the changed layer packed again: the old engine computes what a new one does
+    assert after.logprobs == expected.logprobs and after.token_ids == expected.token_ids
+    assert after.logprobs != before.logprobs
 
 
 def test_cpu_compute_dtype_is_detected_and_can_be_forced(monkeypatch):

@@ -52,6 +52,8 @@ async def test_stop_ids_eos_and_length():
     assert (eos.token_ids, eos.finish_reason, eos.stop_reason) == ([3, 4, 9], "eos", None)
     cut = await engine.generate([1], SamplingParams(max_new_tokens=2))
     assert (cut.token_ids, cut.finish_reason) == ([3, 4], "length")
+    past = await engine.generate([1], SamplingParams(ignore_eos=True, max_new_tokens=4))
+    assert (past.token_ids, past.finish_reason) == ([3, 4, 9, 5], "length")
 
 
 async def test_entropies_and_top_logprobs_only_when_scripted():

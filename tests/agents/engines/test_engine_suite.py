@@ -78,6 +78,7 @@ class CompletionsServer:
             stop_token_ids=tuple(body["stop_token_ids"]),
             seed=body.get("seed"),
             logprobs_topk=body["logprobs"],
+            ignore_eos=body.get("ignore_eos", False),
         )
         done = await self.engine.generate(body["prompt"], params)
         choice = {
@@ -219,6 +220,9 @@ async def test_stops_end_generation_at_the_completing_token(engine, prompts, gre
     )
     done = await engine.generate(prompts[0], SamplingParams(**greedy))
     assert (done.token_ids[-1], done.finish_reason, done.stop_reason) == (2, "eos", None)
+    eos = len(done.token_ids)
+    done = await engine.generate(prompts[0], SamplingParams(**greedy, ignore_eos=True))  # on past it
+    assert (len(done.token_ids), done.finish_reason) == (16, "length") and done.token_ids[:eos] == reference[:eos]
     done = await engine.generate(prompts[0], SamplingParams(temperature=0, max_new_tokens=3))
     assert (done.token_ids, done.finish_reason) == (reference[:3], "length")
 
@@ -323,6 +327,7 @@ async def test_openai_engine_sends_vllm_fields(tokenizer):
     try:
         engine = OpenAIEngine(server.url + "/v1/", "served-name", tokenizer=tokenizer)
         done = await engine.generate([1, 2, 3], SamplingParams(top_k=4, seed=9, stop=("x",), stop_token_ids=(7,)))
+        await engine.generate([1, 2, 3], SamplingParams(ignore_eos=True))
         await engine.close()
     finally:
         server.close()
@@ -331,6 +336,7 @@ async def test_openai_engine_sends_vllm_fields(tokenizer):
     assert body["prompt"] == [1, 2, 3] and body["model"] == "served-name"
     assert (body["top_k"], body["seed"], body["stop"], body["stop_token_ids"]) == (4, 9, ["x"], [7])
     assert body["return_token_ids"] and body["return_tokens_as_token_ids"]
+    assert "ignore_eos" not in body and server.bodies[1]["ignore_eos"] is True  # vLLM's extension, only when asked
 
 
 async def test_openai_engine_retries_then_gives_up_clearly(tokenizer):
