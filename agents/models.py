@@ -44,6 +44,7 @@ __all__ = [
     "ModelNotAvailableError",
     "cache_root",
     "cpu_compute_dtype",
+    "embedded_gguf_file",
     "load_model",
     "load_tokenizer",
     "release_openmp_threads",
@@ -272,8 +273,9 @@ def tiny_llama(seed: int = 0, **config: Any) -> PreTrainedModel:
     return LlamaForCausalLM(LlamaConfig(**values)).eval()
 
 
-def _gguf_file(name: str) -> Path:
-    """The GGUF file of an embedded model, found through its package's installed files."""
+def embedded_gguf_file(name: str) -> Path:
+    """The GGUF file of an embedded model (``smollm2-135m``: the Q4_1 file its package ships), found through the
+    package's installed files; what the model's float32 checkpoint is converted from, and what llama.cpp runs."""
     spec = EMBEDDED_MODELS[name]
     try:
         path = Path(str(importlib.metadata.distribution(spec.distribution).locate_file(spec.gguf_path)))
@@ -290,7 +292,7 @@ def _gguf_file(name: str) -> Path:
 def _convert_tokenizer(name: str, target: Path) -> None:
     from transformers import AutoTokenizer
 
-    gguf = _gguf_file(name)
+    gguf = embedded_gguf_file(name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(target)
 
@@ -300,7 +302,7 @@ def _convert_checkpoint(name: str, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    gguf = _gguf_file(name)
+    gguf = embedded_gguf_file(name)
     logger.info("converting %s from %s to a float32 checkpoint (once)", name, gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are already dequantised: the config's GGUF quantisation claim is dropped.
@@ -347,7 +349,7 @@ def _check_checkpoint(folder: Path) -> None:
 
 
 def _record(name: str) -> str:
-    record = {"name": name, "source": str(_gguf_file(name)), "description": EMBEDDED_MODELS[name].description}
+    record = {"name": name, "source": str(embedded_gguf_file(name)), "description": EMBEDDED_MODELS[name].description}
     return json.dumps(record, indent=2) + "\n"
 
 

@@ -1,7 +1,7 @@
 """The CPU against its own limits: matmul peaks and memory bandwidth beside decode and update rates.
 
     python -m benchmarks.cpu_bench [--sections matmul,bandwidth,decode,update] [--requests 1,16,64]
-                                   [--new-tokens 64] [--engines hf,vllm] [--json PATH]
+                                   [--new-tokens 64] [--engines hf,vllm,llama.cpp] [--json PATH]
 
 Everything on SmolLM2-135M's shapes, with torch's threads (one per core), in one run, so each rate
 is given as a fraction of a peak measured minutes before on the same machine:
@@ -19,9 +19,11 @@ is given as a fraction of a peak measured minutes before on the same machine:
   third part stopped at end-of-sequence: one request then sampled 8 tokens), temperature 1, seeded), with its forward
   passes in float32 and from a bfloat16 copy of the weights; model GFLOP/s (2 × 134.5 M FLOPs a
   token) and their fraction of the matmul peak at that many rows; the largest difference of a
-  sampled log-prob to a float32 forward pass over the same tokens; the same for vLLM's CPU engine
-  (``--engines hf,vllm``, the model in float32 and in bfloat16), the inference a CPU user would
-  otherwise pick;
+  sampled log-prob to a float32 forward pass over the same tokens (``--engines hf``, the default);
+  the same for the inference a CPU user would otherwise pick: vLLM's CPU engine (``vllm``, the
+  model in float32 and in bfloat16) and llama.cpp (``llama.cpp``, llama-cpp-python, which builds
+  it from source: the shipped Q4_1 GGUF and its F16 and BF16 conversions, the requests as
+  parallel sequences of one context);
 - ``update``: forward and backward with the full-vocabulary loss over 8 × 512 tokens, float32 and
   under bfloat16 autocast (6 × 134.5 M FLOPs a token), against the 1,024-row matmul peak.
 """
@@ -33,9 +35,11 @@ import asyncio
 import json
 import os
 import platform
+import tempfile
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from agents.models import DEFAULT_MODEL, load_model, load_tokenizer
@@ -164,11 +168,12 @@ async def decode_rates(
 ) -> list[dict[str, Any]]:
     """``hf``: HFEngine generating from the float32 model and from its bfloat16 copy; ``vllm``: vLLM's CPU engine
     with the model in float32 and in bfloat16."""
-    from agents.engines import make_engine
+    from agents.engines import Engine, make_engine
     from agents.engines.hf import HFEngine
 
     rows = []
     for dtype_name, dtype in DTYPES.items():
+        engine: Engine
         if engine_name == "hf":
             engine = HFEngine(
                 model=load_model(DEFAULT_MODEL),
@@ -197,6 +202,99 @@ async def decode_rates(
         finally:
             await engine.close()
     return rows
+
+
+LLAMA_FORMATS = {"Q4_1": None, "F16": 1, "BF16": 32}  # llama.cpp's LLAMA_FTYPE_MOSTLY_* of each conversion
+
+
+def llamacpp_rates(concurrency: list[int], new_tokens: int, tokenizer, folder: str) -> list[dict[str, Any]]:
+    """llama.cpp (llama-cpp-python's bindings of its C API) on the shipped Q4_1 GGUF and on its F16 and BF16
+    conversions by llama.cpp's own quantizer (the Q4_1 weights widened: what the float32 checkpoint holds too).
+
+    ``n`` requests decode as ``n`` sequences of one context, one ``llama_decode`` of ``n`` tokens a step (its
+    parallel-sequence batching, as its server's slots do); the prompts prefill in one batch. Each step samples
+    at temperature 1 from the step's logits in one Gumbel-max draw (torch), exactly ``new_tokens`` a sequence.
+    """
+    import ctypes
+
+    import llama_cpp as llama  # type: ignore[import-not-found]  # optional: `pip install llama-cpp-python`
+
+    from agents.models import embedded_gguf_file
+
+    llama.llama_backend_init()
+    shipped = embedded_gguf_file(DEFAULT_MODEL)
+    threads = os.cpu_count() or 1
+    rows = []
+    for name, ftype in LLAMA_FORMATS.items():
+        path = str(shipped)
+        if ftype is not None:
+            path = os.path.join(folder, f"{shipped.stem.rsplit('.', 1)[0]}.{name}.gguf")
+            if not os.path.exists(path):
+                params = llama.llama_model_quantize_default_params()
+                params.ftype, params.allow_requantize, params.nthread = ftype, True, threads
+                if llama.llama_model_quantize(str(shipped).encode(), path.encode(), ctypes.byref(params)) != 0:
+                    raise RuntimeError(f"llama.cpp could not convert {shipped} to {name}")
+        model = llama.llama_model_load_from_file(path.encode(), llama.llama_model_default_params())
+        vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
+        try:
+            for n in concurrency:
+                prompts = [prompt for prompt, _ in requests(tokenizer, n, new_tokens)]
+                seconds = _llamacpp_decode(llama, model, vocab, prompts, new_tokens, threads)
+                tokens = n * new_tokens
+                rows.append(
+                    dict(
+                        engine="llama.cpp",
+                        dtype=name,
+                        requests=n,
+                        tokens=tokens,
+                        seconds=seconds,
+                        tokens_per_s=tokens / seconds,
+                        gflops=2 * PARAMETERS * tokens / seconds / 1e9,
+                    )
+                )
+                print(f"  decode llama.cpp {name} {n:>3} requests: {tokens / seconds:7.1f} tok/s", flush=True)
+        finally:
+            llama.llama_model_free(model)
+    return rows
+
+
+def _llamacpp_decode(llama, model, vocab: int, prompts: list[list[int]], new_tokens: int, threads: int) -> float:
+    """Seconds for ``prompts`` to prefill and decode ``new_tokens`` each as sequences of one llama.cpp context."""
+    n, prompt_tokens = len(prompts), sum(len(p) for p in prompts)
+    params = llama.llama_context_default_params()
+    params.n_ctx = prompt_tokens + n * new_tokens + 64
+    params.n_batch = max(prompt_tokens, n)
+    params.n_seq_max, params.kv_unified = n, True  # one KV buffer the sequences share, as the server's slots
+    params.n_threads = params.n_threads_batch = threads
+    context = llama.llama_init_from_model(model, params)
+    batch = llama.llama_batch_init(params.n_batch, 0, 1)
+    generator = torch.Generator().manual_seed(0)
+
+    def run(entries: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+        """Decode (token, position, sequence, wants logits) entries; the logits asked for, in order."""
+        for i, (token, position, sequence, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, logits
+            batch.seq_id[i][0] = sequence
+        batch.n_tokens = len(entries)
+        if llama.llama_decode(context, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        wanted = sum(entry[3] for entry in entries)
+        return torch.from_numpy(np.ctypeslib.as_array(llama.llama_get_logits(context), shape=(wanted, vocab)))
+
+    try:
+        start = time.perf_counter()
+        logits = run(
+            [(t, p, s, p == len(prompt) - 1) for s, prompt in enumerate(prompts) for p, t in enumerate(prompt)]
+        )
+        for step in range(new_tokens):
+            gumbel = -torch.empty_like(logits).exponential_(generator=generator).log()
+            tokens = (logits + gumbel).argmax(-1).tolist()  # a temperature-1 sample a row
+            if step < new_tokens - 1:
+                logits = run([(t, len(prompts[s]) + step, s, True) for s, t in enumerate(tokens)])
+        return time.perf_counter() - start
+    finally:
+        llama.llama_batch_free(batch)
+        llama.llama_free(context)
 
 
 def update_rates(repeats: int) -> list[dict[str, Any]]:
@@ -263,25 +361,21 @@ def print_tables(result: dict[str, Any]) -> None:
             )
     if result.get("decode"):
         print("\ndecode (tokens/s; GFLOP/s at 2N a token; % of the matmul peak at as many rows)")
-        print(
-            f"{'engine':<6} {'dtype':<9} {'requests':>8} {'tok/s':>8} {'GFLOP/s':>8} {'% peak':>7} {'max |Δ logprob|':>16}"
-        )
+        header = f"{'engine':<9} {'dtype':<9} {'requests':>8} {'tok/s':>8} {'GFLOP/s':>8} {'% peak':>7}"
+        print(f"{header} {'max |Δ logprob|':>16}")
         for r in result["decode"]:
+            mismatch = f"{r['max_abs_logprob_diff']:>16.2e}" if "max_abs_logprob_diff" in r else f"{'-':>16}"
             print(
-                f"{r.get('engine', 'hf'):<6} {r['dtype']:<9} {r['requests']:>8} {r['tokens_per_s']:>8.1f} {r['gflops']:>8.1f} "
-                f"{percent(r['gflops'], peak(matmul, r['dtype'], r['requests'])):>7} {r['max_abs_logprob_diff']:>16.2e}"
+                f"{r.get('engine', 'hf'):<9} {r['dtype']:<9} {r['requests']:>8} {r['tokens_per_s']:>8.1f} "
+                f"{r['gflops']:>8.1f} {percent(r['gflops'], peak(matmul, r['dtype'], r['requests'])):>7} {mismatch}"
             )
         by = {(r.get("engine", "hf"), r["dtype"], r["requests"]): r["tokens_per_s"] for r in result["decode"]}
+        pairs = [(("hf", "bfloat16"), ("hf", "float32"))]
+        pairs += [(("hf", dtype), ("vllm", dtype)) for dtype in DTYPES] + [(("hf", "bfloat16"), ("llama.cpp", "BF16"))]
         for n in sorted({r["requests"] for r in result["decode"]}):
-            if ("hf", "float32", n) in by and ("hf", "bfloat16", n) in by:
-                print(
-                    f"  HFEngine bfloat16 / float32 at {n} requests: {by['hf', 'bfloat16', n] / by['hf', 'float32', n]:.2f}x"
-                )
-            for dtype in DTYPES:
-                if ("hf", dtype, n) in by and ("vllm", dtype, n) in by:
-                    print(
-                        f"  HFEngine / vLLM, {dtype}, at {n} requests: {by['hf', dtype, n] / by['vllm', dtype, n]:.2f}x"
-                    )
+            for a, b in pairs:
+                if (*a, n) in by and (*b, n) in by:
+                    print(f"  {' '.join(a)} / {' '.join(b)} at {n} requests: {by[(*a, n)] / by[(*b, n)]:.2f}x")
     if result.get("update"):
         print("\nforward + backward, 8 x 512 tokens, full-vocabulary loss (GFLOP/s at 6N a token)")
         print(f"{'dtype':<9} {'tok/s':>8} {'GFLOP/s':>8} {'% peak':>7}")
@@ -299,7 +393,13 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,1024", help="matmul row counts")
     parser.add_argument("--requests", default="1,16,64", help="decode: concurrent requests")
     parser.add_argument("--new-tokens", type=int, default=64, help="decode: new tokens a request")
-    parser.add_argument("--engines", default="hf,vllm", help="decode: hf (HFEngine), vllm (vLLM's CPU engine)")
+    parser.add_argument(
+        "--engines",
+        default="hf",
+        help="decode: hf (HFEngine), vllm (vLLM's CPU engine; in a run of its own: vLLM 0.32's CPU worker "
+        "failed with 'CPU Generator does not use offset' when it started after HFEngine in the same process), "
+        "llama.cpp (`pip install llama-cpp-python`)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timings of each matmul, bandwidth and update")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
@@ -308,8 +408,8 @@ def main() -> None:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         parser.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
-    if not set(args.engines.split(",")) <= {"hf", "vllm"}:
-        parser.error(f"--engines takes hf and/or vllm, got {args.engines!r}")
+    if not set(args.engines.split(",")) <= {"hf", "vllm", "llama.cpp"}:
+        parser.error(f"--engines takes hf, vllm and/or llama.cpp, got {args.engines!r}")
     result: dict[str, Any] = {"cpu": cpu_features(), "args": vars(args)}
     if "matmul" in sections:
         result["matmul"] = matmul_peaks([int(n) for n in args.rows.split(",")], args.repeats)
@@ -323,9 +423,13 @@ def main() -> None:
         concurrency = [int(n) for n in args.requests.split(",")]
         result["decode"] = []
         for engine_name in args.engines.split(","):
-            result["decode"] += asyncio.run(
-                decode_rates(engine_name, concurrency, args.new_tokens, reference, tokenizer)
-            )
+            if engine_name == "llama.cpp":
+                with tempfile.TemporaryDirectory() as folder:  # its F16 and BF16 conversions
+                    result["decode"] += llamacpp_rates(concurrency, args.new_tokens, tokenizer, folder)
+            else:
+                result["decode"] += asyncio.run(
+                    decode_rates(engine_name, concurrency, args.new_tokens, reference, tokenizer)
+                )
     if "update" in sections:
         result["update"] = update_rates(max(2, args.repeats // 2))
     result["load_average_1min"] = os.getloadavg()[0]

@@ -253,3 +253,8 @@ def test_release_openmp_threads_ends_the_calling_threads_helpers():
     helpers = torch.get_num_threads() - 1
     assert counts["released"] == counts["team"] - helpers
     assert counts["again"] == counts["team"]
+
+
+def test_the_embedded_gguf_file_is_the_shipped_q4_1_file():
+    path = models.embedded_gguf_file(DEFAULT_MODEL)
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.read_bytes()[:4] == b"GGUF"
