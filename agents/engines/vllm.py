@@ -249,6 +249,11 @@ class VLLMEngine(Engine):
             # torch.compile takes minutes on a few CPU cores; eager mode starts in seconds.
             enforce_eager=current_platform.is_cpu(),
         )
+        if current_platform.is_cpu():
+            # vLLM 0.32's CPU worker dies on a seeded request whose prompt was split over steps (it rewinds the
+            # generator's offset, which CPU generators lack: "CPU Generator does not use offset"); 8 seeded
+            # prompts of 700 tokens at once did it. Whole prompts a step, as vLLM itself runs MLA models on CPU.
+            settings.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
         if weight_transfer is not None:
             if current_platform.is_cpu():
                 raise ValueError(

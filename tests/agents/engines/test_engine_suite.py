@@ -236,6 +236,17 @@ async def test_seeds_reproduce_samples(engine, prompts):
 
 
 @pytest.mark.slow
+async def test_seeded_long_prompts_arriving_together_complete(engine):
+    # 5,600 prompt tokens at once, more than vLLM's 2,048-token step: vLLM 0.32's CPU worker died when it split
+    # a seeded prompt over steps ("CPU Generator does not use offset"); VLLMEngine prefills whole prompts on CPU.
+    prompts = [[(i * 7 + j) % 40000 + 100 for j in range(700)] for i in range(8)]
+    done = await asyncio.gather(
+        *(engine.generate(p, SamplingParams(max_new_tokens=3, seed=i)) for i, p in enumerate(prompts))
+    )
+    assert [len(c.token_ids) for c in done] == [3] * 8
+
+
+@pytest.mark.slow
 async def test_many_concurrent_requests_complete_exactly(engine, prompts, greedy_reference):
     greedy = [SamplingParams(temperature=0, max_new_tokens=n) for n in (4, 7, 12, 16)]
     sampled = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
