@@ -241,19 +241,9 @@ def llamacpp_rates(concurrency: list[int], new_tokens: int, tokenizer, folder: s
             for n in concurrency:
                 prompts = [prompt for prompt, _ in requests(tokenizer, n, new_tokens)]
                 seconds = _llamacpp_decode(llama, model, vocab, prompts, new_tokens, threads)
-                tokens = n * new_tokens
-                rows.append(
-                    dict(
-                        engine="llama.cpp",
-                        dtype=name,
-                        requests=n,
-                        tokens=tokens,
-                        seconds=seconds,
-                        tokens_per_s=tokens / seconds,
-                        gflops=2 * PARAMETERS * tokens / seconds / 1e9,
-                    )
-                )
-                print(f"  decode llama.cpp {name} {n:>3} requests: {tokens / seconds:7.1f} tok/s", flush=True)
+                row = rate_row(n * new_tokens, seconds, 2 * PARAMETERS)
+                rows.append(dict(engine="llama.cpp", dtype=name, requests=n, **row))
+                print(f"  decode llama.cpp {name} {n:>3} requests: {row['tokens_per_s']:7.1f} tok/s", flush=True)
         finally:
             llama.llama_model_free(model)
     return rows
@@ -312,19 +302,17 @@ def update_rates(repeats: int) -> list[dict[str, Any]]:
             (-logprobs.mean()).backward()
             model.zero_grad(set_to_none=True)
 
-        seconds = best_seconds(step, repeats)
-        tokens = ids.numel()
-        rows.append(
-            dict(
-                dtype=dtype_name,
-                tokens=tokens,
-                seconds=seconds,
-                tokens_per_s=tokens / seconds,
-                gflops=6 * PARAMETERS * tokens / seconds / 1e9,
-            )
-        )
-        print(f"  update {dtype_name}: {tokens / seconds:7.1f} tok/s", flush=True)
+        row = rate_row(ids.numel(), best_seconds(step, repeats), 6 * PARAMETERS)
+        rows.append(dict(dtype=dtype_name, **row))
+        print(f"  update {dtype_name}: {row['tokens_per_s']:7.1f} tok/s", flush=True)
     return rows
+
+
+def rate_row(tokens: int, seconds: float, flops_a_token: float) -> dict[str, float]:
+    """Tokens in seconds as a table row: the counts, tokens/s and model GFLOP/s."""
+    return dict(
+        tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, gflops=flops_a_token * tokens / seconds / 1e9
+    )
 
 
 def percent(value: float, of: float | None) -> str:
@@ -397,9 +385,7 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="hf",
-        help="decode: hf (HFEngine), vllm (vLLM's CPU engine; in a run of its own: vLLM 0.32's CPU worker "
-        "failed with 'CPU Generator does not use offset' when it started after HFEngine in the same process), "
-        "llama.cpp (`pip install llama-cpp-python`)",
+        help="decode: hf (HFEngine), vllm (vLLM's CPU engine), llama.cpp (`pip install llama-cpp-python`)",
     )
     parser.add_argument("--repeats", type=int, default=5, help="timings of each matmul, bandwidth and update")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")

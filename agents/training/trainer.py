@@ -235,9 +235,9 @@ class Trainer:
         # The update runs in a worker thread so the event loop (and a shared engine) keeps going.
         if self._accumulated is None:
             assert batch is not None
-            metrics = await asyncio.to_thread(self._in_thread, self._update, batch)
+            metrics = await self._in_thread(self._update, batch)
         else:
-            metrics = await asyncio.to_thread(self._in_thread, self._finish_accumulated, batch)
+            metrics = await self._in_thread(self._finish_accumulated, batch)
         start = time.perf_counter()
         if sleeps:
             self.optimizer.zero_grad(set_to_none=True)  # the engine's KV cache takes their memory
@@ -273,16 +273,20 @@ class Trainer:
         if not _size(paths):
             return
         batch = paths if isinstance(paths, PathBatch) else collate(paths, self.pad_id)
-        self._accumulated = await asyncio.to_thread(self._in_thread, self._accumulate, batch, self._accumulated)
+        self._accumulated = await self._in_thread(self._accumulate, batch, self._accumulated)
 
-    def _in_thread(self, work: Callable[..., Any], *args: Any) -> Any:
+    async def _in_thread(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` in an executor thread, whose OpenMP helpers end after it on CPU: an engine decoding next
         in another thread runs at full speed (:func:`~agents.models.release_openmp_threads`)."""
-        try:
-            return work(*args)
-        finally:
-            if self.device.type == "cpu":
-                release_openmp_threads()
+
+        def run() -> Any:
+            try:
+                return work(*args)
+            finally:
+                if self.device.type == "cpu":
+                    release_openmp_threads()
+
+        return await asyncio.to_thread(run)
 
     def _update(self, batch: PathBatch) -> dict[str, float]:
         """Steps 2-4 of the module docstring on one collated batch; returns the trainer's metrics."""
