@@ -28,7 +28,9 @@ the same function, except that under no-grad it lets torch's kernel read the sha
 grouped-query attention instead of copying them per query head (identical results; see
 :func:`_sdpa_cpu_gqa`; a bfloat16 decode step's attention is two batched products, 10x faster than
 torch's CPU flash kernel for one query a row), and its float32 forward passes compute linear layers on inputs of 2 to 32 rows
-(decode steps) as weight times input (see :class:`WeightFirstLinear`). The trainer's forward passes, which need gradients, are unchanged.
+(decode steps) as weight times input (see :class:`WeightFirstLinear`). A bfloat16 Llama or Qwen2 model decodes with a
+:class:`~agents.engines.fused_decode.FusedDecodeStep` (the same logits without transformers' modules). The trainer's
+forward passes, which need gradients, are unchanged.
 
 A model whose dtype is not ``compute_dtype`` (the trainer's float32 one, generating in bfloat16)
 generates from a :class:`ComputeCopy` of its weights in ``compute_dtype``, copied again before the
@@ -70,6 +72,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from agents.engines.base import BatchStats, Completion, Engine, FinishReason, SamplingParams, find_stop
 from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, pack_linear_layers, packed_linear_supported
+from agents.engines.fused_decode import FusedDecodeStep
 from agents.engines.kv_cache import PrefixCache, SlotCache
 from agents.engines.sampling import RowSampler, to_device
 from agents.models import DEFAULT_MODEL, cpu_compute_dtype, load_model, load_tokenizer, release_openmp_threads
@@ -230,7 +233,9 @@ class HFEngine(Engine):
     :func:`~agents.models.cpu_compute_dtype` (bfloat16 where the CPU has AMX or AVX512-BF16),
     else the model's own dtype. A model in another dtype generates from a :class:`ComputeCopy` in it (memory for one
     more copy of the weights in ``compute_dtype``); the sampled tokens' log-probs and entropies are
-    computed from float32 logits either way.
+    computed from float32 logits either way. ``fused_decode`` lets a bfloat16 Llama-family model on a CPU decode with
+    a :class:`~agents.engines.fused_decode.FusedDecodeStep` (the same logits, without transformers' modules;
+    :attr:`fused_decode` is ``None`` where it does not apply or was turned off).
     """
 
     supports_entropy = True
@@ -248,6 +253,7 @@ class HFEngine(Engine):
         seed: int | None = None,
         prefix_cache_tokens: int = 32768,
         compute_dtype: torch.dtype | None = None,
+        fused_decode: bool = True,
     ) -> None:
         if isinstance(model, str):
             tokenizer = model if tokenizer is None else tokenizer
@@ -277,6 +283,11 @@ class HFEngine(Engine):
         on_gpu = model.device.type == "cuda"
         #: The copy in compute_dtype that the forward passes run (None: they run the model itself).
         self.compute_copy = ComputeCopy(model, compute_dtype) if compute_dtype != model.dtype else None
+        forward_model = self.compute_copy.model if self.compute_copy is not None else model
+        #: The decode step without transformers' modules (CPU, bfloat16, Llama-family), or None: the forward pass.
+        self.fused_decode: FusedDecodeStep | None = None
+        if fused_decode and FusedDecodeStep.unsupported(forward_model) is None:
+            self.fused_decode = FusedDecodeStep(forward_model)
         # Weight-first products pay off for float32 on MKL only (see WeightFirstLinear).
         weight_first = model.device.type == "cpu" and compute_dtype == torch.float32
         self._forward_mode = WeightFirstLinear if weight_first else contextlib.nullcontext
@@ -557,17 +568,21 @@ class HFEngine(Engine):
             self._set_sampler_rows(batch)
         next_tokens = to_device([[r.token_ids[-1]] for r in batch.requests], torch.long, self.model.device)
         attention_mask, position_ids = batch.cache.decode_inputs()
-        if self._whole_mask:
-            attention_mask = attention_mask.bool()[:, None, None, :]
-        output = self._forward_model()(
-            input_ids=next_tokens,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
+        if self.fused_decode is not None:
+            self._forward_model()  # brings the compute copy up to date
+            batch.logits = self.fused_decode(next_tokens[:, 0], attention_mask, batch.cache)
+        else:
+            if self._whole_mask:
+                attention_mask = attention_mask.bool()[:, None, None, :]
+            output = self._forward_model()(
+                input_ids=next_tokens,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=batch.cache,
+                use_cache=True,
+            )
+            batch.logits = output.logits[:, -1].float()
         batch.cache.advance()
-        batch.logits = output.logits[:, -1].float()
         for request in batch.requests:
             request.next_version = self._inflight_version
         self.stats.decode_seconds += time.perf_counter() - start

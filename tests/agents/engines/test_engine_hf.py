@@ -585,6 +585,30 @@ async def test_a_bfloat16_copy_packs_its_linear_layers_and_follows_weight_change
     assert after.logprobs != before.logprobs
 
 
+@needs_packed_linear
+async def test_a_bfloat16_copy_decodes_with_the_fused_step_and_samples_what_the_forward_pass_does(tokenizer, prompts):
+    model = load_model(DEFAULT_MODEL)
+    mixed = [
+        SamplingParams(temperature=1.0, max_new_tokens=12, seed=1, return_entropy=True),
+        greedy(9),
+        SamplingParams(temperature=0.7, top_k=40, max_new_tokens=16, seed=2),
+        SamplingParams(temperature=1.2, top_p=0.9, max_new_tokens=6, seed=3),
+    ]
+    results = {}
+    for fused in (True, False):
+        engine = HFEngine(model=model, tokenizer=tokenizer, compute_dtype=torch.bfloat16, fused_decode=fused)
+        try:
+            assert (engine.fused_decode is not None) is fused
+            results[fused] = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, mixed)))
+        finally:
+            await engine.close()
+    assert HFEngine(model=model, tokenizer=tokenizer, compute_dtype=torch.float32).fused_decode is None
+    for fused, plain in zip(results[True], results[False]):  # rows of different lengths, leaving at different steps
+        assert fused.token_ids == plain.token_ids
+        assert fused.logprobs == pytest.approx(plain.logprobs, abs=1e-3)  # equal here (AVX512-BF16)
+        assert fused.entropies == pytest.approx(plain.entropies, abs=1e-3)
+
+
 def test_cpu_compute_dtype_is_detected_and_can_be_forced(monkeypatch):
     monkeypatch.delenv(CPU_BFLOAT16_VARIABLE)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
