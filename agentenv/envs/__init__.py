@@ -29,6 +29,12 @@ _ENVIRONMENTS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("python-math:math500", MATH_ENTRY_POINT, {"dataset": "math500"}, f"MATH-500, {_MATH}"),
     ("python-math:gsm8k", MATH_ENTRY_POINT, {"dataset": "gsm8k"}, f"GSM8K test 1319, {_MATH}"),
     (
+        "python-math:arithmetic",
+        "agentenv.envs.arithmetic:ArithmeticEnv",
+        {},
+        f"generated integer expressions, 500 held out then 1M to train on, {_MATH}",
+    ),
+    (
         "tool-qa",
         "agentenv.envs.qa:tool_qa",
         {"dataset": "hotpotqa"},
