@@ -21,7 +21,7 @@ SHOWN_BLOCK = re.compile(r"^```py\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 # page: (```python blocks, which run; ```py blocks, shown only)
 BLOCKS = {
     "index.md": (0, 0),
-    "environments.md": (9, 0),
+    "environments.md": (10, 0),
     "rollouts.md": (3, 0),
     "training.md": (2, 1),
     "scaling.md": (0, 0),
@@ -32,7 +32,7 @@ BLOCKS = {
 }
 # What a page's blocks print, beside the assertions they make themselves.
 PRINTS = {
-    "environments.md": ("['Chief of Protocol']", "42", "apples=2 apples=1"),  # the gold, the tool, the MCP fork
+    "environments.md": ("['Chief of Protocol']", "42", "['225']", "apples=2 apples=1"),  # golds, the tool, the MCP fork
     "rollouts.md": (" turns",),
 }
 
