@@ -93,6 +93,7 @@ RESUMABLE = frozenset(
         "steps",
         "max_rollout_tokens",
         "eval_every",
+        "eval_at_tokens",
         "eval_before",
         "eval_questions",
         "checkpoint_every",
@@ -132,6 +133,10 @@ class TrainConfig:
         eval_questions: Held-out questions evaluated (greedy, no tree); at most ``holdout``; 0: no
             evaluation.
         eval_every: Also evaluate after every this many steps; 0: only before and after training.
+        eval_at_tokens: Also evaluate after the step whose rollouts bring the tokens sampled so far
+            (counted as ``max_rollout_tokens`` counts them) to or past each of these counts: held-out
+            scores at fixed rollout budgets, for learners whose steps sample different numbers of tokens
+            (``benchmarks.learning --budget-points``).
         eval_before: Evaluate before the first step (step 0); off to save the time when the
             initial policy's scores are known (the same model and questions).
         checkpoint_every: Save a checkpoint after every this many steps (and after the last).
@@ -194,6 +199,7 @@ class TrainConfig:
     holdout: int = 100
     eval_questions: int = 100
     eval_every: int = 0
+    eval_at_tokens: tuple[int, ...] = ()
     eval_before: bool = True
     checkpoint_every: int = 10
     keep_checkpoints: int | None = 2
@@ -259,6 +265,14 @@ class TrainConfig:
     def _check_dynamic_sampling(self) -> None:
         if self.max_rollout_tokens is not None:
             _require_int("max_rollout_tokens", self.max_rollout_tokens, minimum=1)
+        points = self.eval_at_tokens
+        if not isinstance(points, (list, tuple)) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in points
+        ):
+            raise ValueError(f"eval_at_tokens must be a list of token counts >= 1, got {points!r}")
+        if list(points) != sorted(set(points)):
+            raise ValueError(f"eval_at_tokens must be increasing, got {list(points)}")
+        self.eval_at_tokens = tuple(points)  # a config file's or a saved config's list, as the default's tuple
         most = self.max_sampled_prompts
         if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.prompts_per_step):
             raise ValueError(

@@ -13,8 +13,9 @@ One step (read :func:`train` top to bottom):
    ``trainer.report_to`` (TensorBoard, W&B);
 5. every ``checkpoint_every`` steps and after the last, a checkpoint holding the task order's
    position, and the checkpoints older than the newest ``keep_checkpoints`` intact ones removed
-   (:func:`~agents.training.checkpoint.prune_checkpoints`); every ``eval_every`` steps, before
-   the first (``eval_before``) and after the last, the held-out evaluation (:mod:`agents.heldout`).
+   (:func:`~agents.training.checkpoint.prune_checkpoints`); every ``eval_every`` steps, at the steps
+   whose rollouts reach each of ``eval_at_tokens``, before the first (``eval_before``) and after the
+   last, the held-out evaluation (:mod:`agents.heldout`).
 
 Steps 2-3 are :mod:`agents.steps` (one rollout after another, or pipelined on rollout workers up
 to ``max_staleness`` steps ahead); where the rollouts run is a
@@ -245,12 +246,14 @@ async def train(
             record = await trainer.step(paths, metrics)
             batches.trained(step)
             log(_step_note(step, config.steps, record, config.prompts_per_step))
+            before = spent.tokens
             last = spent.add(record) or step == config.steps
+            crossed = any(before < point <= spent.tokens for point in config.eval_at_tokens)
             if last and step < config.steps:
                 log(f"step {step}: {spent.tokens} rollout tokens reach max_rollout_tokens={spent.budget}; the run ends")
             if step % config.checkpoint_every == 0 or last:
                 last_checkpoint = _checkpoint(trainer, config, step, position, title, log)
-            if last or (config.eval_every and step % config.eval_every == 0):
+            if last or crossed or (config.eval_every and step % config.eval_every == 0):
                 await evaluation.run(step=step)
             if last:
                 break

@@ -2,7 +2,8 @@
 
     python -m benchmarks.learning [--json PATH] [--algos at2po,aepo,grpo] [--steps N] [--eval-questions Q]
                                   [--rollout-tokens T] [--eval-every E] [--out DIR] [--trl-steps S | --no-trl]
-                                  [--model M] [--set KEY=VALUE ...]
+                                  [--model M] [--set KEY=VALUE ...] [--preset P] [--seeds 0,1,2]
+                                  [--budget-points T1,T2,...] [--holdout N] [--score f1|em|reward] [--config FILE]
 
 **Learning.** Each learner trains the embedded SmolLM2-135M on ``multihop-qa`` with the
 ``cpu-demo`` preset (2 prompts per step, 6 leaves per prompt for every learner, 2 tool calls, the
@@ -26,6 +27,14 @@ have sampled T tokens (``max_rollout_tokens``: dropped prompts of dynamic sampli
 held-out F1 against the tokens sampled so far. The held-out questions are the same for every
 policy, so the table of differences is paired (:func:`agents.heldout.paired_difference`): each
 learner against the start, and each pair of learners, F1 and EM with bootstrap 95% intervals.
+
+**Seeds and budget points.** With ``--seeds 0,1,2`` every learner runs once a seed (its task order and
+sampling; the same start), and with ``--budget-points T1,T2,...`` every run is also scored after the steps at
+which its rollouts reach each of those token counts (``eval_at_tokens``; the last point is the budget unless
+``--rollout-tokens`` is given). A table then compares, at each point, each learner with the start and each
+pair of learners on ``--score``: paired question by question within every seed, and across seeds the mean of
+those per-seed differences with a t interval. ``--preset`` (or ``none``) and ``--config FILE`` choose the
+settings the runs build on (another environment, its options and sizes) and ``--holdout`` its held-out tasks.
 
 **Throughput.** Seconds per step of each run split into rollout (tree generation with tool
 calls), old-log-prob recomputation (the reference policy's too, for GRPO's KL) and update, and
@@ -62,6 +71,7 @@ from agents.config import TrainConfig, build, resolve
 from agents.heldout import (
     SCORE_DISPLAY,
     HeldOut,
+    Score,
     comparison_table,
     draw_scores,
     evaluate_heldout,
@@ -71,7 +81,7 @@ from agents.heldout import (
 from agents.models import cache_root, resolve_model
 from agents.tables import text_table
 from agents.train import TaskOrder, TrainResult, plot_title, train
-from agents.training.metrics import FRACTION, draw_curve, label_axis, save_figure
+from agents.training.metrics import draw_curve, label_axis, save_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -103,25 +113,46 @@ def learning_config(
     assignments: Sequence[str] = (),
     rollout_tokens: int | None = None,
     eval_every: int = 0,
+    preset: str = "cpu-demo",
+    seed: int = 0,
+    budget_points: Sequence[int] = (),
+    holdout: int | None = None,
+    config_file: str | None = None,
 ) -> TrainConfig:
-    """The ``cpu-demo`` run of ``algo`` for ``steps`` steps (or until ``rollout_tokens`` tokens are
-    sampled) from ``model`` (default: the embedded one), scored after training and every
-    ``eval_every`` steps; ``assignments`` are ``--set KEY=VALUE`` strings over it."""
+    """The ``preset`` run of ``algo`` with ``seed`` for ``steps`` steps (or until ``rollout_tokens`` tokens are
+    sampled, by default the last of ``budget_points``) from ``model`` (default: the embedded one), scored after
+    training, every ``eval_every`` steps and at each of ``budget_points`` rollout tokens; ``assignments`` are
+    ``--set KEY=VALUE`` strings over it and ``config_file`` (YAML or JSON, as ``agents train --config``) under
+    them; ``preset`` ``"none"``: the defaults; ``holdout`` defaults to ``max(50, eval_questions)``."""
     return resolve(
-        preset_name="cpu-demo",
+        preset_name=None if preset == "none" else preset,
+        file=config_file,
         assignments=assignments,
         values={
             **({"model": model} if model is not None else {}),
             "algo": algo,
+            "seed": seed,
             "steps": steps,
-            "max_rollout_tokens": rollout_tokens,
+            "max_rollout_tokens": rollout_tokens if rollout_tokens is not None else (max(budget_points, default=None)),
+            "eval_at_tokens": tuple(budget_points),
             "eval_questions": eval_questions,
-            "holdout": max(50, eval_questions),
+            "holdout": max(50, eval_questions) if holdout is None else holdout,
             "eval_before": False,
             "eval_every": eval_every,
             "checkpoint_every": steps,
         },
     )
+
+
+def run_key(algo: str, seed: int, seeds: Sequence[int]) -> str:
+    """The name of one run in the results: the learner's, with ``@seed`` when there are several seeds."""
+    return algo if len(seeds) == 1 else f"{algo}@{seed}"
+
+
+def run_name(key: str) -> str:
+    """A run's name in tables and legends: ``AT²PO``, or ``AT²PO seed 1``."""
+    algo, _, seed = key.partition("@")
+    return ALGO_NAMES.get(algo, algo) + (f" seed {seed}" if seed else "")
 
 
 async def score_initial_policy(config: TrainConfig) -> HeldOut:
@@ -397,95 +428,185 @@ def tokens_at(result: TrainResult) -> dict[int, float]:
     return spent
 
 
-def paired_differences(before: HeldOut, results: dict[str, TrainResult]) -> tuple[str, dict[str, dict[str, float]]]:
-    """F1 and EM differences, question by question, of each learner's final policy against the start and
-    of each pair of learners, with paired bootstrap 95% intervals: the text table and the numbers."""
-    policies = {"start": before, **{ALGO_NAMES.get(algo, algo): result.heldout[-1] for algo, result in results.items()}}
-    learners = list(policies)[1:]
-    pairs = [(name, "start") for name in learners] + list(itertools.combinations(learners, 2))
+def paired_differences(
+    before: HeldOut, results: dict[str, TrainResult], scores: Sequence[str] = ("f1", "em")
+) -> tuple[str, dict[str, dict[str, float]]]:
+    """``scores``' differences, question by question, of each run's final policy against the start and of each
+    pair of learners run with the same seed, with paired bootstrap 95% intervals: the text table and the
+    numbers."""
+    pairs = [(key, "start") for key in results]
+    pairs += [(a, b) for a, b in itertools.combinations(results, 2) if a.partition("@")[2] == b.partition("@")[2]]
+    policies = {"start": before, **{key: result.heldout[-1] for key, result in results.items()}}
     rows, numbers = [], {}
     for first, second in pairs:
-        cells, entry = [], {}
-        for score in ("f1", "em"):
-            diff = paired_difference(policies[second].per_question[score], policies[first].per_question[score])
-            cells.append(f"{100 * diff.mean:+.1f} [{100 * diff.low:+.1f}, {100 * diff.high:+.1f}]")
-            entry.update({score: diff.mean, f"{score}_low": diff.low, f"{score}_high": diff.high})
-        rows.append([f"{first} − {second}", *cells])
-        numbers[f"{first} - {second}"] = entry
-    head = ["comparison (same questions)", "F1 points [paired 95%]", "EM points [paired 95%]"]
+        diffs = {score: paired_heldout_difference(policies[second], policies[first], score) for score in scores}
+        label = f"{run_name(first)} - {'start' if second == 'start' else run_name(second)}"
+        rows.append([label.replace(" - ", " − "), *(points_cell(diff) for diff in diffs.values())])
+        numbers[label] = {k: v for score, diff in diffs.items() for k, v in score_numbers(score, diff).items()}
+    head = ["comparison (same questions)", *(f"{SCORE_DISPLAY[score].name} points [paired 95%]" for score in scores)]
     return text_table(head, rows), numbers
 
 
-def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path) -> Figure:
-    """Each learner's training reward per step, held-out F1 against the rollout tokens sampled, and the
-    held-out scores before and after training.
+def paired_heldout_difference(before: HeldOut, after: HeldOut, score: str) -> Score:
+    """``after − before`` of ``score``, question by question, with its paired bootstrap 95% interval."""
+    return paired_difference(before.per_question[score], after.per_question[score])
+
+
+def points_cell(diff: Score) -> str:
+    return f"{100 * diff.mean:+.1f} [{100 * diff.low:+.1f}, {100 * diff.high:+.1f}]"
+
+
+def score_numbers(score: str, diff: Score) -> dict[str, float]:
+    return {score: diff.mean, f"{score}_low": diff.low, f"{score}_high": diff.high}
+
+
+def heldout_at(result: TrainResult, point: int) -> HeldOut | None:
+    """The run's evaluation after the step whose rollouts reached ``point`` tokens (``eval_at_tokens``), or
+    ``None`` when the run ended before reaching it."""
+    spent = tokens_at(result)
+    for held in result.heldout:
+        if held.step > 0 and spent[held.step] >= point:
+            return held
+    return None
+
+
+def budget_table(
+    before: HeldOut, results: dict[str, TrainResult], points: Sequence[int], score: str
+) -> tuple[str, dict[str, Any]]:
+    """At each rollout-token budget point: each learner against the start and each pair of learners, ``score``
+    paired question by question in every seed, and across seeds the mean of those differences with a
+    t interval over the seeds (none for one seed). The text table and the numbers."""
+    learners = list(dict.fromkeys(key.partition("@")[0] for key in results))
+    seeds = list(dict.fromkeys(key.partition("@")[2] for key in results))
+    comparisons = [(learner, None) for learner in learners] + list(itertools.combinations(learners, 2))
+    rows, numbers = [], {}
+    for point in points:
+        for first, second in comparisons:
+            per_seed = []
+            for seed in seeds:
+                key = f"{first}@{seed}" if seed else first
+                after = heldout_at(results[key], point)
+                other = before if second is None else heldout_at(results[f"{second}@{seed}" if seed else second], point)
+                if after is not None and other is not None:
+                    per_seed.append(paired_heldout_difference(other, after, score))
+            label = f"{ALGO_NAMES.get(first, first)} - {'start' if second is None else ALGO_NAMES.get(second, second)}"
+            across = across_seeds([diff.mean for diff in per_seed])
+            rows.append(
+                [
+                    f"{point:,}",
+                    label.replace(" - ", " − "),
+                    "; ".join(points_cell(diff) for diff in per_seed) or "not reached",
+                    points_cell(across) if across is not None else "-",
+                ]
+            )
+            numbers[f"{point} {label}"] = {
+                "per_seed": [score_numbers(score, diff) for diff in per_seed],
+                "across_seeds": None if across is None else score_numbers(score, across),
+            }
+    head = ["tokens", "comparison", f"{SCORE_DISPLAY[score].name} points per seed [paired 95%]", "across seeds [t 95%]"]
+    return text_table(head, rows), numbers
+
+
+def across_seeds(means: Sequence[float]) -> Score | None:
+    """The mean of per-seed differences with a t 95% interval over the seeds (``None`` for fewer than two)."""
+    if len(means) < 2:
+        return None
+    from scipy.stats import t  # imported here: scipy is slow to import and only this needs it
+
+    mean = statistics.fmean(means)
+    half = float(t.ppf(0.975, len(means) - 1)) * statistics.stdev(means) / len(means) ** 0.5
+    return Score(mean, mean - half, mean + half)
+
+
+def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path, score: str = "f1") -> Figure:
+    """Each run's training reward per step, held-out ``score`` against the rollout tokens sampled, and the
+    held-out scores before and after training; the runs of one learner (its seeds) share a colour.
 
     The title names the learners, the environment, the model and ``out``, the runs' folder.
     """
     from matplotlib.figure import Figure
 
-    names = {algo: ALGO_NAMES.get(algo, algo) for algo in results}
-    config = next(iter(results.values())).config  # the learners share environment and model
+    learners = list(dict.fromkeys(key.partition("@")[0] for key in results))
+    color = {key: f"C{learners.index(key.partition('@')[0])}" for key in results}
+    legend = {key: ALGO_NAMES.get(key.partition("@")[0], key) for key in results}  # once a learner
+    labelled: set[str] = set()
+    config = next(iter(results.values())).config  # the runs share environment and model
+    names = ", ".join(ALGO_NAMES.get(learner, learner) for learner in learners)
     figure = Figure(figsize=(21, 3.6), layout="constrained")
-    figure.suptitle(f"{plot_title(', '.join(names.values()), config, out)}: held-out 95% intervals")
+    figure.suptitle(f"{plot_title(names, config, out)}: held-out 95% intervals")
     train_axis, tokens_axis, *score_axes = figure.subplots(1, 5)
-    for index, (algo, result) in enumerate(results.items()):
+    display = SCORE_DISPLAY[score]
+    for key, result in results.items():
         spent = tokens_at(result)
         evaluated = [before, *(held for held in result.heldout if held.step > 0)]
+        label = None if legend[key] in labelled else legend[key]
+        labelled.add(legend[key])
         tokens = [spent[held.step] for held in evaluated]
-        scores = [held.scores["f1"] for held in evaluated]
-        draw_scores(tokens_axis, tokens, scores, FRACTION, color=f"C{index}", label=names[algo])
+        draw_scores(
+            tokens_axis,
+            tokens,
+            [held.scores[score] for held in evaluated],
+            display.bounds,
+            color=color[key],
+            label=label,
+        )
+        draw_curve(train_axis, result.history, "reward/mean", label=label, band_label=None, color=color[key])
     tokens_axis.set_xlabel("rollout tokens sampled")
-    tokens_axis.set_ylabel("mean F1 (0 to 1)")
-    tokens_axis.set_title("held-out F1 against rollout tokens")
+    tokens_axis.set_ylabel(display.unit)
+    tokens_axis.set_title(f"held-out {display.name} against rollout tokens")
     tokens_axis.legend(fontsize="small")
-    for index, (algo, result) in enumerate(results.items()):
-        draw_curve(train_axis, result.history, "reward/mean", label=names[algo], band_label=None, color=f"C{index}")
     label_axis(train_axis, "training reward (mean ± std over leaves)", "reward")
     train_axis.legend(fontsize="small")
-    after = {f"{names[algo]}\n{result.steps} steps": result.heldout[-1] for algo, result in results.items()}
+    after = {f"{run_name(key)}\n{result.steps} steps": result.heldout[-1] for key, result in results.items()}
     policies = {"before\ntraining": before, **after}
-    colors = ["grey"] + [f"C{index}" for index in range(len(results))]
-    for axis, score in zip(score_axes, ("f1", "format_ok", "reward")):
-        display = SCORE_DISPLAY[score]
-        for x, (heldout, color) in enumerate(zip(policies.values(), colors)):
-            draw_scores(axis, [x], [heldout.scores[score]], display.bounds, color=color)
+    colors = ["grey", *color.values()]
+    for axis, name in zip(score_axes, dict.fromkeys((score, "format_ok", "reward"))):
+        shown = SCORE_DISPLAY[name]
+        for x, (heldout, dot) in enumerate(zip(policies.values(), colors)):
+            draw_scores(axis, [x], [heldout.scores[name]], shown.bounds, color=dot)
         axis.set_xticks(range(len(policies)), list(policies))
         axis.set_xlim(-0.5, len(policies) - 0.5)  # room for the outer labels
-        label_axis(axis, f"held-out {display.name}", display.unit, steps=False)
+        label_axis(axis, f"held-out {shown.name}", shown.unit, steps=False)
     return figure
 
 
-def plot(results: dict[str, TrainResult], before: HeldOut, path: Path) -> Path:
+def plot(results: dict[str, TrainResult], before: HeldOut, path: Path, score: str = "f1") -> Path:
     """:func:`learning_figure` as a PNG at ``path`` (in the runs' folder); returns ``path``."""
-    return save_figure(learning_figure(results, before, path.parent), path)
+    return save_figure(learning_figure(results, before, path.parent, score), path)
 
 
 # -- main -------------------------------------------------------------------------------------
 
 
 async def learn(
-    algos: list[str], steps: int, eval_questions: int, out: Path, *, before_model: str | None = None, **run: Any
+    algos: list[str],
+    seeds: list[int],
+    steps: int,
+    eval_questions: int,
+    out: Path,
+    *,
+    before_model: str | None = None,
+    **run: Any,
 ) -> tuple[HeldOut, dict[str, TrainResult]]:
-    """Score the initial policy (or ``before_model``), then train each learner from the initial policy;
-    ``run``: :func:`learning_config`'s keywords."""
-    start = learning_config(algos[0], steps, eval_questions, **run)
+    """Score the initial policy (or ``before_model``), then train each learner with each seed from the initial
+    policy (keys :func:`run_key`); ``run``: :func:`learning_config`'s keywords."""
+    start = learning_config(algos[0], steps, eval_questions, seed=seeds[0], **run)
     before = await score_initial_policy(
         start if before_model is None else dataclasses.replace(start, model=before_model)
     )
     print(f"before training: {', '.join(f'{k} {v}' for k, v in before.scores.items())}", flush=True)
     results = {}
-    for algo in algos:
-        began = time.perf_counter()
-        results[algo] = await train(
-            learning_config(algo, steps, eval_questions, **run), out / algo, progress=False, log=print
-        )
-        after = results[algo].heldout[-1]
-        print(
-            f"{algo}: {results[algo].steps} steps in {time.perf_counter() - began:.0f} s; after: "
-            f"{', '.join(f'{k} {v}' for k, v in after.scores.items())}",
-            flush=True,
-        )
+    for seed in seeds:
+        for algo in algos:
+            key, began = run_key(algo, seed, seeds), time.perf_counter()
+            config = learning_config(algo, steps, eval_questions, seed=seed, **run)
+            results[key] = await train(config, out / key, progress=False, log=print)
+            after = results[key].heldout[-1]
+            print(
+                f"{run_name(key)}: {results[key].steps} steps in {time.perf_counter() - began:.0f} s; after: "
+                f"{', '.join(f'{k} {v}' for k, v in after.scores.items())}",
+                flush=True,
+            )
     return before, results
 
 
@@ -537,6 +658,31 @@ def parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a setting over the cpu-demo preset, as agents train --set (repeatable)",
     )
+    parser.add_argument(
+        "--preset",
+        default="cpu-demo",
+        help="the agents train preset the runs build on, or none (default cpu-demo)",
+    )
+    parser.add_argument("--config", metavar="FILE", help="a YAML or JSON config over the preset, as agents train's")
+    parser.add_argument(
+        "--seeds", default="0", help="seeds, comma-separated: each learner runs once a seed (default 0)"
+    )
+    parser.add_argument(
+        "--budget-points",
+        default="",
+        metavar="T1,T2,...",
+        help="score every run after the steps that reach these rollout tokens (eval_at_tokens) and compare the "
+        "learners there; the last is the budget unless --rollout-tokens says otherwise",
+    )
+    parser.add_argument(
+        "--holdout", type=int, help="the env's first N tasks, never trained on (default max(50, --eval-questions))"
+    )
+    parser.add_argument(
+        "--score",
+        default="f1",
+        choices=("f1", "em", "reward"),
+        help="the held-out score of the curve and the budget table (default f1)",
+    )
     parser.add_argument("--out", type=Path, help="folder for the runs and the plot (default: a temporary folder)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--trl-worker", nargs=2, metavar=("JOB", "RESULT"), help=argparse.SUPPRESS)
@@ -564,13 +710,20 @@ def main() -> None:
         trl_worker(*args.trl_worker)
         return
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",")]
+        points = [int(point) for point in args.budget_points.split(",") if point.strip()]
+    except ValueError:
+        command.error(
+            f"--seeds and --budget-points take integers, comma-separated: {args.seeds!r}, {args.budget_points!r}"
+        )
     if min(args.steps, args.eval_questions, args.trl_steps) < 1:
         command.error("--steps, --eval-questions and --trl-steps must be >= 1")
     out = args.out or Path(tempfile.mkdtemp(prefix="learning-bench-"))
     out.mkdir(parents=True, exist_ok=True)
-    for algo in algos:
-        if (out / algo).exists():
-            command.error(f"{out / algo} exists; give an empty --out")
+    for key in (run_key(algo, seed, seeds) for seed in seeds for algo in algos):
+        if (out / key).exists():
+            command.error(f"{out / key} exists; give an empty --out")
 
     start = time.perf_counter()
     run = {
@@ -578,45 +731,57 @@ def main() -> None:
         "assignments": args.assignments,
         "rollout_tokens": args.rollout_tokens,
         "eval_every": args.eval_every,
+        "preset": args.preset,
+        "budget_points": points,
+        "holdout": args.holdout,
+        "config_file": args.config,
     }
     before, results = asyncio.run(
-        learn(algos, args.steps, args.eval_questions, out, before_model=args.before_model, **run)
+        learn(algos, seeds, args.steps, args.eval_questions, out, before_model=args.before_model, **run)
     )
     learning_seconds = time.perf_counter() - start
+    config = next(iter(results.values())).config
     labels = [f"before: {args.before_model}" if args.before_model else "before training"] + [
-        f"{algo}, step {result.steps}" for algo, result in results.items()
+        f"{run_name(key)}, step {result.steps}" for key, result in results.items()
     ]
+    budget = config.max_rollout_tokens
     print(
-        f"\n=== held-out multihop-qa questions never trained on ({args.eval_questions}, greedy), 95% intervals; "
-        f"{len(algos)} learners, {'≤ ' if args.rollout_tokens else ''}{args.steps} steps"
-        f"{f' or {args.rollout_tokens} rollout tokens' if args.rollout_tokens else ''} in {learning_seconds / 60:.1f} min"
+        f"\n=== held-out {config.env} questions never trained on ({args.eval_questions}, greedy), 95% intervals; "
+        f"{len(algos)} learners x {len(seeds)} seeds, {'≤ ' if budget else ''}{args.steps} steps"
+        f"{f' or {budget} rollout tokens' if budget else ''} in {learning_seconds / 60:.1f} min"
     )
     print(comparison_table([before] + [result.heldout[-1] for result in results.values()], labels))
-    paired, differences = paired_differences(before, results)
+    scores = list(dict.fromkeys((args.score, "f1", "em")))
+    paired, differences = paired_differences(before, results, scores)
     print("\n=== differences on the same held-out questions, final policies (percentage points)")
     print(paired)
+    budget_numbers: dict[str, Any] = {}
+    if points:
+        table, budget_numbers = budget_table(before, results, points, args.score)
+        print(f"\n=== at each rollout budget: {SCORE_DISPLAY[args.score].name}, paired per seed and across seeds")
+        print(table)
     longest = max(len(result.history) for result in results.values())
     rows = [
-        [algo, f"{tokens_at(result)[result.steps]:.0f}"]
+        [run_name(key), f"{tokens_at(result)[result.steps]:.0f}"]
         + [f"{record['reward/mean']:+.2f}" for record in result.history]
         + [""] * (longest - len(result.history))
-        for algo, result in results.items()
+        for key, result in results.items()
     ]
     print("\n=== rollout tokens sampled, and training reward per step (mean over the step's leaves)")
-    print(text_table(["learner", "tokens", *(f"step {s}" for s in range(1, longest + 1))], rows))
+    print(text_table(["run", "tokens", *(f"step {s}" for s in range(1, longest + 1))], rows))
 
-    splits = {algo: step_split(result) for algo, result in results.items()}
+    splits = {run_name(key): step_split(result) for key, result in results.items()}
     trl, trl_note = measure_trl(args, run)
     print(f"\n=== seconds per training step (mean over steps) and update tokens/s; TRL: {trl_note}")
     print(throughput_table(splits, trl))
     sizes = {
-        algo: f"{s['sequences/step']:.0f} sequences of {s['tokens/sequence']:.0f} tokens, "
+        name: f"{s['sequences/step']:.0f} sequences of {s['tokens/sequence']:.0f} tokens, "
         f"{s['generated tokens/step']:.0f} generated"
-        for algo, s in splits.items()
+        for name, s in splits.items()
     }
-    print("per step: " + "; ".join(f"{algo} {size}" for algo, size in sizes.items()))
+    print("per step: " + "; ".join(f"{name} {size}" for name, size in sizes.items()))
 
-    figure = plot(results, before, out / "learning.png")
+    figure = plot(results, before, out / "learning.png", args.score)
     print(f"\nplot: {figure}\nruns: {out}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -624,24 +789,28 @@ def main() -> None:
             json.dumps(
                 {
                     "command": "python -m benchmarks.learning " + " ".join(sys.argv[1:]),
+                    "env": config.env,
                     "model": args.model,
                     "before_model": args.before_model,
+                    "preset": args.preset,
                     "settings": args.assignments,
+                    "seeds": seeds,
                     "steps": args.steps,
-                    "rollout_tokens": args.rollout_tokens,
+                    "rollout_tokens": budget,
+                    "budget_points": points,
                     "eval_questions": args.eval_questions,
-                    "steps_run": {algo: result.steps for algo, result in results.items()},
-                    "tokens_sampled": {algo: tokens_at(result) for algo, result in results.items()},
-                    "heldout_f1": {
-                        algo: {held.step: held.scores["f1"].mean for held in result.heldout}
-                        for algo, result in results.items()
+                    "steps_run": {key: result.steps for key, result in results.items()},
+                    "tokens_sampled": {key: tokens_at(result) for key, result in results.items()},
+                    "heldout": {
+                        key: {held.step: held.record() for held in result.heldout} for key, result in results.items()
                     },
                     "paired_differences": differences,
+                    "budget_points_differences": budget_numbers,
                     "learning_seconds": learning_seconds,
                     "before": before.record(),
-                    "after": {algo: result.heldout[-1].record() for algo, result in results.items()},
+                    "after": {key: result.heldout[-1].record() for key, result in results.items()},
                     "training_reward": {
-                        algo: [r["reward/mean"] for r in result.history] for algo, result in results.items()
+                        key: [r["reward/mean"] for r in result.history] for key, result in results.items()
                     },
                     "throughput": splits,
                     "trl": trl,

@@ -19,20 +19,16 @@ question is drawn again. A narrower distribution makes a cold start that leaves 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar, overload
 
 import numpy as np
 
 from agentenv.datasets import Example
-from agentenv.envs.math import MATH_PROMPT_TEMPLATE, PYTHON_OPTIONS
-from agentenv.graders import grade, prepare_math_grading
+from agentenv.envs.math import MathEnv
 from agentenv.options import Option, OptionRule
-from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
-from agentenv.tool_env import ToolEnv
 from agentenv.tools import Tool
-from sandboxes import Limits, Sandbox
 
 __all__ = ["HELDOUT_TASKS", "TRAINING_TASKS", "ArithmeticEnv", "ArithmeticTasks", "random_expression"]
 
@@ -134,7 +130,7 @@ class ArithmeticTasks(Sequence[Example]):
         return Example(f"arithmetic-{index}", f"What is {expression}?", (str(value),), meta=meta)
 
 
-class ArithmeticEnv(ToolEnv):
+class ArithmeticEnv(MathEnv):
     """Evaluate an integer expression with a sandboxed Python session; graded by math-verify equivalence.
 
     Args:
@@ -142,11 +138,8 @@ class ArithmeticEnv(ToolEnv):
         max_operations: Most operations of a training task's expression.
         max_digits: Most digits of a training task's numbers (the held-out set has up to 3).
         seed: Seeds the training tasks (the held-out set has its own).
-        sandbox, limits, timeout, isolation: The ``python`` tool's, as in ``python-math``.
-        tools: Extra tools besides ``python``.
-        reward: ``"math"`` (1 if equivalent) by default; any scheme of :mod:`agentenv.rewards`.
-        prompt_template: The prompt (``python-math``'s).
-        **options: The options of :class:`~agentenv.tool_env.ToolEnv` (``parser``, ``max_tool_calls``, …).
+        **options: The options of :class:`~agentenv.envs.math.MathEnv` (``sandbox``, ``timeout``, ``reward``,
+            ``max_tool_calls``, …), but not its data: the tasks are generated.
     """
 
     OPTIONS: ClassVar[dict[str, OptionRule]] = {
@@ -154,54 +147,19 @@ class ArithmeticEnv(ToolEnv):
         "max_operations": Option(int, minimum=1),
         "max_digits": Option(int, minimum=1),
         "seed": Option(int),
-        **PYTHON_OPTIONS,
     }
-    FIXED_OPTIONS: ClassVar[frozenset[str]] = frozenset({"grader"})
+    FIXED_OPTIONS: ClassVar[frozenset[str]] = MathEnv.FIXED_OPTIONS | {"data"}
 
     def __init__(
-        self,
-        *,
-        min_operations: int = 2,
-        max_operations: int = 4,
-        max_digits: int = 3,
-        seed: int = 0,
-        sandbox: SandboxKind | Callable[[], Sandbox] = "local",
-        limits: Limits | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        isolation: str | None = None,
-        tools: Sequence[Tool | Callable[..., Any]] = (),
-        reward: str | Callable[..., float] = "math",
-        prompt_template: str = MATH_PROMPT_TEMPLATE,
-        **options: Any,
+        self, *, min_operations: int = 2, max_operations: int = 4, max_digits: int = 3, seed: int = 0, **options: Any
     ) -> None:
-        self.check_options(
-            {
-                "min_operations": min_operations,
-                "max_operations": max_operations,
-                "max_digits": max_digits,
-                "seed": seed,
-                "sandbox": sandbox,
-                "limits": limits,
-                "timeout": timeout,
-                "isolation": isolation,
-                "tools": tools,
-                "reward": reward,
-                "prompt_template": prompt_template,
-                **options,
-            }
-        )
-        tasks = ArithmeticTasks(
-            min_operations=min_operations, max_operations=max_operations, max_digits=max_digits, seed=seed
-        )
-        super().__init__(
-            tasks,
-            [python_tool(sandbox, limits=limits, timeout=timeout, isolation=isolation), *tools],
-            reward=reward,
-            grader=functools.partial(grade, math=True),
-            prompt_template=prompt_template,
-            **options,
-        )
-        prepare_math_grading()
+        own = {"min_operations": min_operations, "max_operations": max_operations, "max_digits": max_digits}
+        self.check_options({**own, "seed": seed, **options})
+        self.generated = ArithmeticTasks(**own, seed=seed)
+        super().__init__(**options)
+
+    def load_tasks(self, dataset: str, data: str | Path | None) -> Sequence[Example]:
+        return self.generated
 
     def example_argument(self, tool: Tool, task: Example) -> str:
         if tool.name == "python":

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, get_args
 
-from agentenv.datasets import load_examples
+from agentenv.datasets import Example, load_examples
 from agentenv.graders import grade, prepare_math_grading
 from agentenv.options import PATH, Option, OptionRule
 from agentenv.python_tool import DEFAULT_TIMEOUT, SandboxKind, python_tool
@@ -80,7 +80,7 @@ class MathEnv(ToolEnv):
         prompt_template: str = MATH_PROMPT_TEMPLATE,
         **options: Any,
     ) -> None:
-        self.check_options(
+        MathEnv.check_options(  # MathEnv's rules, for a subclass too (ArithmeticEnv fixes data)
             {
                 "dataset": dataset,
                 "data": data,
@@ -95,7 +95,7 @@ class MathEnv(ToolEnv):
             }
         )
         super().__init__(
-            load_examples(data if data is not None else dataset),
+            self.load_tasks(dataset, data),
             [python_tool(sandbox, limits=limits, timeout=timeout, isolation=isolation), *tools],
             reward=reward,
             grader=functools.partial(grade, math=True),
@@ -103,6 +103,10 @@ class MathEnv(ToolEnv):
             **options,
         )
         prepare_math_grading()
+
+    def load_tasks(self, dataset: str, data: str | Path | None) -> Sequence[Example]:
+        """The problems to pose: the ``data`` file, else the shipped ``dataset``."""
+        return load_examples(data if data is not None else dataset)
 
     def example_argument(self, tool: Tool, task: Any) -> str:
         if tool.name == "python":

@@ -341,6 +341,7 @@ def test_registered_ids():
         "multihop-qa:hotpotqa",
         "multihop-qa:musique",
         "python-math",
+        "python-math:arithmetic",
         "python-math:gsm8k",
         "python-math:math500",
         "singlehop-qa",

@@ -209,6 +209,65 @@ def test_the_learning_benchmark_compares_its_learners_on_the_same_questions():
     assert "AT²PO − GRPO" in table and "+25.0" in table
 
 
+def test_the_learning_benchmark_compares_seeded_runs_at_each_budget_point(tmp_path):
+    from agents.train import TrainResult
+    from benchmarks.learning import budget_table, heldout_at, learning_config, learning_figure, run_key, run_name
+
+    def accuracy(step: int, em: list[float]) -> HeldOut:
+        return held_out(step, em=em, f1=em, format_ok=[1.0] * 4, reward=em)
+
+    start = accuracy(0, [0.0, 0.0, 0.0, 1.0])
+    history = [
+        {"step": s, "sampling/tokens": t, "reward/mean": 0.0, "reward/std": 0.0, "reward/min": 0.0, "reward/max": 0.0}
+        for s, t in ((1, 30.0), (2, 40.0))
+    ]
+    # each run: evaluated after step 1 (30 tokens) and step 2 (70 tokens)
+    em = {
+        ("at2po", 0): ([1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 1.0]),
+        ("at2po", 1): ([1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]),
+        ("grpo", 0): ([0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 1.0]),
+        ("grpo", 1): ([0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 1.0]),
+    }
+    seeds = [0, 1]
+    assert [run_key("at2po", 1, seeds), run_key("at2po", 1, [1]), run_name("at2po@1")] == [
+        "at2po@1",
+        "at2po",
+        "AT²PO seed 1",
+    ]
+    results = {
+        run_key(algo, seed, seeds): TrainResult(
+            tmp_path / f"{algo}{seed}",
+            learning_config(algo, 2, 4, seed=seed, budget_points=(30, 70)),
+            2,
+            None,
+            history,
+            [accuracy(1, early), accuracy(2, late)],
+        )
+        for (algo, seed), (early, late) in em.items()
+    }
+    config = results["grpo@1"].config
+    assert (config.seed, config.eval_at_tokens, config.max_rollout_tokens) == (1, (30, 70), 70)
+    assert heldout_at(results["at2po@0"], 30).step == 1 and heldout_at(results["at2po@0"], 31).step == 2
+    assert heldout_at(results["at2po@0"], 71) is None  # the run ended before
+    table, numbers = budget_table(start, results, [30, 70, 100], "em")
+    # at 30 tokens AT²PO is +25 and +50 points over the start; across the two seeds +37.5 with a t interval
+    at30 = numbers["30 AT²PO - start"]
+    assert [entry["em"] for entry in at30["per_seed"]] == [0.25, 0.5]
+    half = 12.706204736174707 * statistics.stdev([0.25, 0.5]) / 2**0.5  # t(0.975, 1 degree of freedom)
+    assert at30["across_seeds"]["em"] == 0.375
+    assert at30["across_seeds"]["em_low"] == pytest.approx(0.375 - half)
+    assert [entry["em"] for entry in numbers["70 AT²PO - GRPO"]["per_seed"]] == [0.25, 0.5]
+    assert [entry["em"] for entry in numbers["30 GRPO - start"]["per_seed"]] == [0.0, -0.25]
+    assert numbers["100 AT²PO - start"] == {"per_seed": [], "across_seeds": None}
+    assert "not reached" in table and "+37.5" in table
+    figure = learning_figure(results, start, Path("runs/learning"), "em")
+    tokens = figure.axes[1]
+    assert tokens.get_ylabel() == SCORE_DISPLAY["em"].unit
+    assert [text.get_text() for text in tokens.get_legend().get_texts()] == ["AT²PO", "GRPO"]  # once a learner
+    assert len(tokens.containers) == 4  # a curve a run: 0, 30 and 70 tokens
+    assert [c.lines[0].get_xdata().tolist() for c in tokens.containers] == [[0.0, 30.0, 70.0]] * 4
+
+
 # -- paired comparison of two evaluations of the same questions -----------------------------------
 
 

@@ -6,6 +6,7 @@ rollout trees, credit, trainer steps, checkpoints and held-out evaluation.
 """
 
 import dataclasses
+import itertools
 import json
 import re
 import struct
@@ -399,6 +400,26 @@ async def test_a_rollout_token_budget_ends_the_run_after_the_step_that_reaches_i
         log=lambda note: None,
     )
     assert resumed.steps == 3
+
+
+async def test_held_out_scores_come_at_the_steps_that_reach_each_budget_point(tiny_model, tmp_path):
+    config = letters_config(tiny_model, steps=4, eval_questions=2, checkpoint_every=10)
+    first = await train(config, tmp_path / "a", progress=False, log=lambda note: None)
+    spent = list(itertools.accumulate(int(record["sampling/tokens"]) for record in first.history))
+    assert [held.step for held in first.heldout] == [0, 4]
+    # points inside step 2's tokens and exactly at step 3's total: evaluated after steps 2 and 3, then the last
+    points = (spent[0] + 1, spent[2])
+    again = await train(
+        dataclasses.replace(config, eval_at_tokens=points), tmp_path / "b", progress=False, log=lambda note: None
+    )
+    assert [int(record["sampling/tokens"]) for record in again.history] == [
+        int(record["sampling/tokens"]) for record in first.history
+    ]
+    assert [held.step for held in again.heldout] == [0, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"eval_at_tokens must be increasing, got \[5, 3\]"):
+        dataclasses.replace(config, eval_at_tokens=(5, 3))
+    with pytest.raises(ValueError, match="eval_at_tokens must be a list of token counts >= 1, got \\(0,\\)"):
+        dataclasses.replace(config, eval_at_tokens=(0,))
 
 
 async def test_a_step_without_signal_says_so_in_its_line(tiny_model, tmp_path):
