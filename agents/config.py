@@ -242,6 +242,7 @@ class TrainConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_dynamic_sampling()
+        self._check_eval_at_tokens()
         if self.budget_reward is not None and not isinstance(self.budget_reward, (int, float)):
             raise ValueError(f"budget_reward must be a number or None, got {self.budget_reward!r}")
         if self.eval_questions > self.holdout:
@@ -262,9 +263,7 @@ class TrainConfig:
                     "sampling.temperature)"
                 )
 
-    def _check_dynamic_sampling(self) -> None:
-        if self.max_rollout_tokens is not None:
-            _require_int("max_rollout_tokens", self.max_rollout_tokens, minimum=1)
+    def _check_eval_at_tokens(self) -> None:
         points = self.eval_at_tokens
         if not isinstance(points, (list, tuple)) or not all(
             isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in points
@@ -273,6 +272,10 @@ class TrainConfig:
         if list(points) != sorted(set(points)):
             raise ValueError(f"eval_at_tokens must be increasing, got {list(points)}")
         self.eval_at_tokens = tuple(points)  # a config file's or a saved config's list, as the default's tuple
+
+    def _check_dynamic_sampling(self) -> None:
+        if self.max_rollout_tokens is not None:
+            _require_int("max_rollout_tokens", self.max_rollout_tokens, minimum=1)
         most = self.max_sampled_prompts
         if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.prompts_per_step):
             raise ValueError(

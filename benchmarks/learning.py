@@ -476,17 +476,17 @@ def budget_table(
     """At each rollout-token budget point: each learner against the start and each pair of learners, ``score``
     paired question by question in every seed, and across seeds the mean of those differences with a
     t interval over the seeds (none for one seed). The text table and the numbers."""
-    learners = list(dict.fromkeys(key.partition("@")[0] for key in results))
-    seeds = list(dict.fromkeys(key.partition("@")[2] for key in results))
+    runs = {(algo, seed): result for (algo, _, seed), result in ((k.partition("@"), r) for k, r in results.items())}
+    learners = list(dict.fromkeys(algo for algo, _ in runs))
+    seeds = list(dict.fromkeys(seed for _, seed in runs))
     comparisons = [(learner, None) for learner in learners] + list(itertools.combinations(learners, 2))
     rows, numbers = [], {}
     for point in points:
         for first, second in comparisons:
             per_seed = []
             for seed in seeds:
-                key = f"{first}@{seed}" if seed else first
-                after = heldout_at(results[key], point)
-                other = before if second is None else heldout_at(results[f"{second}@{seed}" if seed else second], point)
+                after = heldout_at(runs[first, seed], point)
+                other = before if second is None else heldout_at(runs[second, seed], point)
                 if after is not None and other is not None:
                     per_seed.append(paired_heldout_difference(other, after, score))
             label = f"{ALGO_NAMES.get(first, first)} - {'start' if second is None else ALGO_NAMES.get(second, second)}"
