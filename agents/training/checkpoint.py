@@ -570,6 +570,9 @@ def _save_sharded(
     try:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:  # the consolidated model, as one process saves it
+            # Gathered shards are copies: a tied lm_head would be written twice (113 MB for SmolLM2).
+            for tied in getattr(model, "all_tied_weights_keys", None) or {}:
+                full.pop(tied, None)
             model.save_pretrained(str(tmp / _MODEL), state_dict=full)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / _MODEL)

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from agents.cluster.trainer_ranks import TrainerGroup
@@ -114,6 +115,8 @@ async def test_two_ranks_train_resume_and_checkpoint_like_one_process(ray_local,
         assert (checkpoint / "sharded").is_dir() and (checkpoint / "trainer_state.pt").is_file()
         loaded = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
         assert_weights_equal(state_a, loaded, atol=0.0)
+        saved = safe_open(checkpoint / "model" / "model.safetensors", "pt").keys()
+        assert "model.embed_tokens.weight" in saved and "lm_head.weight" not in saved  # the tied matrix once
 
         record_b = await group.step(BATCH_B)
         assert_same_record(record_b, expected_b)
