@@ -14,11 +14,11 @@ interpreter warms up, importing numpy and sympy, while the model generates its f
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from agentenv.tools import Tool, tool
-from sandboxes import DockerSandbox, Limits, LocalSandbox, Sandbox
+from sandboxes import DEFAULT_PREIMPORT, DockerSandbox, Limits, LocalSandbox, Sandbox
 from sandboxes.docker_sandbox import connect
 
 __all__ = ["PythonSession", "python_tool"]
@@ -40,6 +40,9 @@ class PythonSession:
         isolation: For ``sandbox="local"``: ``"auto"`` (default), ``"bubblewrap"`` (required),
             ``"process"`` or ``"unsafe-process"`` (see :class:`~sandboxes.LocalSandbox`). Checked
             here, so that e.g. root without bubblewrap fails at ``make`` with the fix.
+        preimport: Modules every session has imported before its first call (default
+            :data:`~sandboxes.DEFAULT_PREIMPORT`, numpy and sympy among them). Each episode
+            starts a sandbox: ``("math",)`` starts one in ~70 ms here instead of ~330 ms.
     """
 
     def __init__(
@@ -49,7 +52,13 @@ class PythonSession:
         limits: Limits | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         isolation: str | None = None,
+        preimport: Sequence[str] | None = None,
     ) -> None:
+        if preimport is not None and sandbox not in ("local", "docker"):
+            raise ValueError(
+                f"preimport={preimport!r} applies to sandbox='local' or 'docker' only; a callable imports what it chooses"
+            )
+        warm = DEFAULT_PREIMPORT if preimport is None else tuple(preimport)
         if isolation is not None and sandbox != "local":
             raise ValueError(
                 f"isolation={isolation!r} applies to sandbox='local' only, not to sandbox={sandbox!r}; "
@@ -58,10 +67,10 @@ class PythonSession:
         if sandbox == "local":
             level = isolation or "auto"
             LocalSandbox.isolation_for(level, limits=limits)  # SandboxError (with the fix) now, not mid-episode
-            self.new_sandbox: Callable[[], Sandbox] = lambda: LocalSandbox(limits, isolation=level)
+            self.new_sandbox: Callable[[], Sandbox] = lambda: LocalSandbox(limits, isolation=level, preimport=warm)
         elif sandbox == "docker":
             connect()  # fail now, with the reason, rather than at the first call of some episode
-            self.new_sandbox = lambda: DockerSandbox(limits)
+            self.new_sandbox = lambda: DockerSandbox(limits, preimport=warm)
         elif callable(sandbox):
             self.new_sandbox = sandbox
         else:
@@ -104,6 +113,8 @@ def python_tool(
     limits: Limits | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     isolation: str | None = None,
+    preimport: Sequence[str] | None = None,
 ) -> Tool:
     """The ``python`` tool over a fresh :class:`PythonSession`."""
-    return tool(PythonSession(sandbox, limits=limits, timeout=timeout, isolation=isolation), name="python")
+    session = PythonSession(sandbox, limits=limits, timeout=timeout, isolation=isolation, preimport=preimport)
+    return tool(session, name="python")

@@ -471,8 +471,8 @@ def _add_train_what(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset",
         choices=list(PRESETS),
-        help="paper: the AT2PO tables' setting; cpu-demo: a few minutes on 2 CPU cores with the embedded model "
-        "(default: none, the papers' budgets)",
+        help="paper: the AT2PO tables' setting; cpu-demo: a few minutes on 2 CPU cores with the embedded model; "
+        "cpu-arithmetic: python-math:arithmetic from a cold start (default: none, the papers' budgets)",
     )
     p.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON config file (the layout of config.json)")
     p.add_argument(

@@ -378,6 +378,34 @@ PRESETS: dict[str, dict[str, Any]] = {
             "arpo": {"n": 6, "N": 3},
         },
     },
+    # python-math:arithmetic from a cold start (docs/environments.md): the recipe of the probes in
+    # benchmarks/results/arithmetic_grpo_probe.json, 8 prompts x 8 leaves for every learner.
+    "cpu-arithmetic": {
+        "common": {
+            "env": "python-math:arithmetic",
+            "steps": 12,  # a cap: the rollout budget below ends a run first (3 steps of ~13,500 tokens)
+            "prompts_per_step": 8,
+            "holdout": 500,
+            "eval_questions": 200,
+            "checkpoint_every": 12,
+            # One epoch of demonstrations leaves ~15% of prompts with reward variance: sample up to 4x as
+            # many for the 8 with signal (DAPO's dynamic sampling; the dropped ones' tokens count too).
+            "dynamic_sampling": True,
+            "max_sampled_prompts": 32,
+            "max_rollout_tokens": 40_000,
+            "trainer": {"lr": 2e-5, "mini_batches": 1, "micro_batch_size": 4},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 64},
+            "rollout": {"max_response_tokens": 192, "concurrency": 64},
+            "env_kwargs": {"max_tool_calls": 2},
+        },
+        "strategy": {
+            "at2po": {"M": 4, "L": 1, "K": 4},  # 4 + 1·4 = 8 leaves
+            "aepo": {"k": 8},
+            "grpo": {"n": 8},
+            "tree-grpo": {"M": 2, "N": 3, "L": 1, "K": 4},  # 2 trees × (1 chain + 1 round of 3) = 8 leaves
+            "arpo": {"n": 8, "N": 4},
+        },
+    },
 }
 
 

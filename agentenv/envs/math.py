@@ -29,6 +29,7 @@ PYTHON_OPTIONS: dict[str, OptionRule] = {
     "limits": Option(Limits, optional=True),
     "timeout": Option(float, minimum=0, exclusive=True),
     "isolation": Option(choices=ISOLATION_CHOICES, optional=True),
+    "preimport": Option((list, tuple), optional=True),
 }
 
 MATH_PROMPT_TEMPLATE = (
@@ -52,6 +53,8 @@ class MathEnv(ToolEnv):
         timeout: Wall-clock seconds per code call.
         isolation: A local sandbox's isolation: ``"auto"`` (default), ``"bubblewrap"`` (required),
             ``"process"`` or ``"unsafe-process"`` (see :class:`~sandboxes.LocalSandbox`).
+        preimport: Modules each episode's session has imported (default: numpy and sympy among
+            them; see :class:`~agentenv.python_tool.PythonSession`).
         tools: Extra tools besides ``python``.
         reward: ``"math"`` (1 if equivalent) by default; any scheme of :mod:`agentenv.rewards`.
         prompt_template: The prompt (the papers' tags, a math problem).
@@ -75,6 +78,7 @@ class MathEnv(ToolEnv):
         limits: Limits | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         isolation: str | None = None,
+        preimport: Sequence[str] | None = None,
         tools: Sequence[Tool | Callable[..., Any]] = (),
         reward: str | Callable[..., float] = "math",
         prompt_template: str = MATH_PROMPT_TEMPLATE,
@@ -88,6 +92,7 @@ class MathEnv(ToolEnv):
                 "limits": limits,
                 "timeout": timeout,
                 "isolation": isolation,
+                "preimport": preimport,
                 "tools": tools,
                 "reward": reward,
                 "prompt_template": prompt_template,
@@ -96,7 +101,7 @@ class MathEnv(ToolEnv):
         )
         super().__init__(
             self.load_tasks(dataset, data),
-            [python_tool(sandbox, limits=limits, timeout=timeout, isolation=isolation), *tools],
+            [python_tool(sandbox, limits=limits, timeout=timeout, isolation=isolation, preimport=preimport), *tools],
             reward=reward,
             grader=functools.partial(grade, math=True),
             prompt_template=prompt_template,

@@ -255,6 +255,7 @@ def tool_qa(
     sandbox: SandboxKind = "local",
     timeout: float = DEFAULT_TIMEOUT,
     isolation: str | None = None,
+    preimport: Sequence[str] | None = None,
     reward: str | Callable[..., float] = "aepo",
     tools: Sequence[Tool | Callable[..., Any]] = (),
     **kwargs: Any,
@@ -264,15 +265,15 @@ def tool_qa(
     The default reward is AEPO's released one (``"aepo"``, see :mod:`agentenv.rewards`): −1 for a
     bad format, else EM, but F1 + 0.1 when F1 > 0 and both tools were used; ``"aepo-paper"`` is
     the paper's wording (F1, + 0.1 when right with both tools) and ``"arpo"`` ARPO's code (F1,
-    + 0.1 when F1 > 0 with both tools). ``sandbox``, ``timeout`` and ``isolation`` are the
+    + 0.1 when F1 > 0 with both tools). ``sandbox``, ``timeout``, ``isolation`` and ``preimport`` are the
     ``python`` tool's (see :class:`~agentenv.python_tool.PythonSession`); other arguments as in
     :class:`QAEnv`.
     """
-    own = {"sandbox": sandbox, "timeout": timeout, "isolation": isolation}
+    own = {"sandbox": sandbox, "timeout": timeout, "isolation": isolation, "preimport": preimport}
     # Every option first, QAEnv's too: a bad one must not wait for the sandbox's isolation probe.
     QAEnv.check_options(
         {"dataset": dataset, "reward": reward, "tools": tools, **own, **kwargs},
         extra={name: PYTHON_OPTIONS[name] for name in own},
     )
-    python = python_tool(sandbox, timeout=timeout, isolation=isolation)
+    python = python_tool(sandbox, timeout=timeout, isolation=isolation, preimport=preimport)
     return QAEnv(dataset, tools=[python, *tools], reward=reward, **kwargs)

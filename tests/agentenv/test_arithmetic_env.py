@@ -78,9 +78,30 @@ def test_an_episode_is_solved_with_the_python_tool_and_graded_exactly():
         env.close()
 
 
+def imported(env, module: str) -> str:
+    """Whether the episode's session has ``module`` loaded before any call imports it."""
+    env.reset(options={"index": 0})
+    return env.step(f"<python>import sys\nprint({module!r} in sys.modules)</python>")[0]
+
+
+def test_its_sessions_start_with_math_alone_where_python_math_loads_numpy_and_sympy():
+    # numpy and sympy cost ~260 ms of each episode's sandbox start; integer expressions need neither.
+    for env_id, options, loaded in [
+        ("python-math:arithmetic", {}, "False"),
+        ("python-math:arithmetic", {"preimport": ["math", "numpy"]}, "True"),
+        ("python-math", {}, "True"),
+    ]:
+        env = agentenv.make(env_id, **options)
+        try:
+            assert (imported(env, "math"), imported(env, "numpy")) == ("True", loaded), (env_id, options)
+        finally:
+            env.close()
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
+        ({"preimport": "math"}, "preimport must be a list or a tuple or None, got 'math'"),
         ({"max_digits": 0}, "max_digits must be an int >= 1, got 0"),
         ({"seed": "1"}, "seed must be an int, got '1'"),
         ({"min_operations": 3, "max_operations": 2}, "need 1 <= min_operations <= max_operations"),

@@ -21,11 +21,11 @@ QA_OPTIONS = (
 )
 TOOL_QA_OPTIONS = (
     "aliases, corpus, data, dataset, example, f1, grader, isolation, max_obs_chars, max_tool_calls, max_turns, "
-    "parser, prompt_template, render_mode, require_boxed, result_chars, reward, sandbox, search, timeout, tools, "
-    "topk, unanswerable"
+    "parser, preimport, prompt_template, render_mode, require_boxed, result_chars, reward, sandbox, search, timeout, "
+    "tools, topk, unanswerable"
 )
 MATH_OPTIONS = (
-    "data, dataset, example, isolation, limits, max_obs_chars, max_tool_calls, max_turns, parser, "
+    "data, dataset, example, isolation, limits, max_obs_chars, max_tool_calls, max_turns, parser, preimport, "
     "prompt_template, render_mode, require_boxed, reward, sandbox, timeout, tools"
 )
 WEB_OPTIONS = (

@@ -155,3 +155,8 @@ def test_make_as_root_without_bubblewrap_refuses_unless_unsafe(monkeypatch):
 def test_isolation_is_for_local_sandboxes_only():
     with pytest.raises(ValueError, match="isolation='bubblewrap' applies to sandbox='local' only"):
         PythonSession("docker", isolation="bubblewrap")
+
+
+def test_preimport_is_for_the_sandboxes_the_session_starts():
+    with pytest.raises(ValueError, match=r"preimport=\('math',\) applies to sandbox='local' or 'docker' only"):
+        PythonSession(lambda: None, preimport=("math",))

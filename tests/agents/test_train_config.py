@@ -5,7 +5,6 @@ import json
 import pytest
 
 from agents.config import (
-    PRESETS,
     RESUMABLE,
     TrainConfig,
     build,
@@ -16,7 +15,7 @@ from agents.config import (
     preset,
     resolve,
 )
-from agents.learners import AT2PO, GRPOCredit, Learner
+from agents.learners import AT2PO, LEARNERS, GRPOCredit, Learner
 from agents.rollout.strategies import Budget, Chain, EntropyTree
 from agents.training.losses import gspo_loss
 
@@ -53,11 +52,19 @@ def test_presets_layer_over_the_defaults_per_algorithm():
         "example": True,
         "require_boxed": False,
     }
-    strategies = {
-        algo: build(config_with(preset("cpu-demo", algo), {"algo": algo})).learner.strategy
-        for algo in PRESETS["cpu-demo"]["strategy"]
-    }
-    leaves = {
+    assert preset_leaves("cpu-demo") == dict.fromkeys(LEARNERS, 6)  # one rollout budget for every learner
+    paper = config_with(preset("paper", "aepo"), {"algo": "aepo"})
+    assert paper.env_kwargs == {"reward": "at2po"} and paper.budget_reward == -1.0
+    assert paper.trainer == {"mini_batches": 8, "gradient_checkpointing": True, "micro_batch_tokens": 8192}
+    assert build(paper).learner.strategy.k == 16
+    with pytest.raises(ValueError, match="unknown preset 'gpu'; choose one of paper, cpu-demo, cpu-arithmetic$"):
+        preset("gpu", "at2po")
+
+
+def preset_leaves(name: str) -> dict[str, int]:
+    """Leaves per prompt of every learner under the preset ``name``."""
+    strategies = {algo: build(config_with(preset(name, algo), {"algo": algo})).learner.strategy for algo in LEARNERS}
+    return {
         "at2po": strategies["at2po"].M + strategies["at2po"].L * strategies["at2po"].K,
         "aepo": strategies["aepo"].k,
         "grpo": strategies["grpo"].n,
@@ -66,13 +73,22 @@ def test_presets_layer_over_the_defaults_per_algorithm():
         * min(strategies["tree-grpo"].K, 1 + strategies["tree-grpo"].L * strategies["tree-grpo"].N),
         "arpo": strategies["arpo"].n,
     }
-    assert leaves == dict.fromkeys(strategies, 6)  # one rollout budget for every learner
-    paper = config_with(preset("paper", "aepo"), {"algo": "aepo"})
-    assert paper.env_kwargs == {"reward": "at2po"} and paper.budget_reward == -1.0
-    assert paper.trainer == {"mini_batches": 8, "gradient_checkpointing": True, "micro_batch_tokens": 8192}
-    assert build(paper).learner.strategy.k == 16
-    with pytest.raises(ValueError, match="unknown preset 'gpu'; choose one of paper, cpu-demo"):
-        preset("gpu", "at2po")
+
+
+def test_the_arithmetic_preset_is_the_probes_recipe_with_eight_leaves_for_every_learner():
+    config = config_with(preset("cpu-arithmetic", "aepo"), {"algo": "aepo"})
+    parts = build(config)
+    assert (config.env, config.holdout, config.eval_questions, config.prompts_per_step) == (
+        "python-math:arithmetic",
+        500,
+        200,
+        8,
+    )
+    assert (config.dynamic_sampling, config.max_sampled_prompts, config.max_rollout_tokens) == (True, 32, 40_000)
+    assert (parts.trainer.lr, parts.trainer.mini_batches, parts.tree.rollout.sampling.temperature) == (2e-5, 1, 1.0)
+    assert (parts.tree.rollout.sampling.max_new_tokens, parts.tree.rollout.max_response_tokens) == (64, 192)
+    assert config.env_kwargs == {"max_tool_calls": 2}
+    assert preset_leaves("cpu-arithmetic") == dict.fromkeys(LEARNERS, 8)
 
 
 def test_overrides_reach_every_part_by_name():
