@@ -123,20 +123,25 @@ def learning_config(
     sampled, by default the last of ``budget_points``) from ``model`` (default: the embedded one), scored after
     training, every ``eval_every`` steps and at each of ``budget_points`` rollout tokens; ``assignments`` are
     ``--set KEY=VALUE`` strings over it and ``config_file`` (YAML or JSON, as ``agents train --config``) under
-    them; ``preset`` ``"none"``: the defaults; ``holdout`` defaults to ``max(50, eval_questions)``."""
+    them; ``preset`` ``"none"``: the defaults. Without ``rollout_tokens`` or ``budget_points`` the preset's budget
+    stays, and without ``holdout`` its held-out tasks unless fewer than ``eval_questions`` (then
+    ``max(50, eval_questions)``)."""
+    layers = {"preset_name": None if preset == "none" else preset, "file": config_file, "assignments": assignments}
+    if holdout is None:
+        holdout = resolve(**layers).holdout
+        holdout = holdout if holdout >= eval_questions else max(50, eval_questions)
+    budget = rollout_tokens if rollout_tokens is not None else max(budget_points, default=None)
     return resolve(
-        preset_name=None if preset == "none" else preset,
-        file=config_file,
-        assignments=assignments,
+        **layers,
         values={
             **({"model": model} if model is not None else {}),
+            **({"max_rollout_tokens": budget} if budget is not None else {}),
             "algo": algo,
             "seed": seed,
             "steps": steps,
-            "max_rollout_tokens": rollout_tokens if rollout_tokens is not None else (max(budget_points, default=None)),
             "eval_at_tokens": tuple(budget_points),
             "eval_questions": eval_questions,
-            "holdout": max(50, eval_questions) if holdout is None else holdout,
+            "holdout": holdout,
             "eval_before": False,
             "eval_every": eval_every,
             "checkpoint_every": steps,
@@ -675,7 +680,9 @@ def parser() -> argparse.ArgumentParser:
         "learners there; the last is the budget unless --rollout-tokens says otherwise",
     )
     parser.add_argument(
-        "--holdout", type=int, help="the env's first N tasks, never trained on (default max(50, --eval-questions))"
+        "--holdout",
+        type=int,
+        help="the env's first N tasks, never trained on (default: the preset's, or max(50, --eval-questions) if fewer)",
     )
     parser.add_argument(
         "--score",

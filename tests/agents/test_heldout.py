@@ -161,6 +161,12 @@ def test_the_learning_benchmark_plot_follows_the_same_rules(tmp_path):
     assert (cold.algo, cold.steps, cold.eval_questions, cold.holdout) == ("aepo", 3, 48, 50)
     assert cold.model == "runs/demo/sft/model" and cold.env_kwargs["reward"] == "arpo"
     assert cold.env_kwargs["topk"] == 1  # the rest of the preset stays
+    assert learning_config("grpo", 3, 120).holdout == 120  # the held-out tasks hold the questions scored
+    # A preset's budget and held-out tasks stay unless the command line says otherwise.
+    arithmetic = learning_config("grpo", 12, 200, preset="cpu-arithmetic")
+    assert (arithmetic.max_rollout_tokens, arithmetic.holdout) == (40_000, 500)
+    points = learning_config("grpo", 12, 200, preset="cpu-arithmetic", budget_points=(9000, 20_000), holdout=600)
+    assert (points.max_rollout_tokens, points.eval_at_tokens, points.holdout) == (20_000, (9000, 20_000), 600)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         path = plot(results, before, tmp_path / "learning.png")
