@@ -4,8 +4,10 @@ A question is an expression of 2 to 4 operations (``+``, ``-``, ``*``, parenthes
 them) over integers of up to 3 digits, such as ``What is 482 * 37 - (926 + 15)?``, whose value is never
 negative. SmolLM2-135M cannot multiply three-digit numbers in its head; with the ``python`` tool the task is a
 copy of the expression into ``print(...)`` and of the printed value into the answer, so a learner has
-something to learn that a small model can learn on a laptop, graded exactly (math-verify's equivalence, as
-``python-math``).
+something to learn that a small model can learn on a laptop. The answer is graded exactly: the reward is the
+exact match with the value (``reward="em"``), not ``python-math``'s mathematical equivalence, which accepts
+the question's own expression as its answer (math-verify evaluates ``\boxed{482 * 37 - (926 + 15)}``) —
+a shortcut that a learner finds within a few steps.
 
 The task list is generated, not read: task ``i`` comes from a random generator seeded with ``(seed, i)``, so
 it is the same on every machine and there are as many as training wants (:data:`TRAINING_TASKS`). The first
@@ -19,7 +21,7 @@ question is drawn again. A narrower distribution makes a cold start that leaves 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, overload
 
@@ -131,7 +133,7 @@ class ArithmeticTasks(Sequence[Example]):
 
 
 class ArithmeticEnv(MathEnv):
-    """Evaluate an integer expression with a sandboxed Python session; graded by math-verify equivalence.
+    """Evaluate an integer expression with a sandboxed Python session; the answer must be its value, exactly.
 
     Args:
         min_operations: Fewest operations of a training task's expression (the held-out set has 2 to 4).
@@ -140,7 +142,10 @@ class ArithmeticEnv(MathEnv):
         seed: Seeds the training tasks (the held-out set has its own).
         preimport: Modules each episode's session has imported: ``math`` only, as integer expressions
             need nothing more (numpy and sympy, MathEnv's default, take ~260 ms of each episode's start).
-        **options: The options of :class:`~agentenv.envs.math.MathEnv` (``sandbox``, ``timeout``, ``reward``,
+        reward: ``"em"``: 1 when the boxed answer is the value. ``"math"`` (math-verify's equivalence) is
+            gamed: AT²PO seed 2 of benchmarks/results/arithmetic_learning.json learned to box the expression
+            itself (held-out EM 70.0% → 38.5% while that reward read 73.0%).
+        **options: The options of :class:`~agentenv.envs.math.MathEnv` (``sandbox``, ``timeout``,
             ``max_tool_calls``, …), but not its data: the tasks are generated.
     """
 
@@ -160,12 +165,13 @@ class ArithmeticEnv(MathEnv):
         max_digits: int = 3,
         seed: int = 0,
         preimport: Sequence[str] | None = ("math",),
+        reward: str | Callable[..., float] = "em",
         **options: Any,
     ) -> None:
         own = {"min_operations": min_operations, "max_operations": max_operations, "max_digits": max_digits}
-        self.check_options({**own, "seed": seed, "preimport": preimport, **options})
+        self.check_options({**own, "seed": seed, "preimport": preimport, "reward": reward, **options})
         self.generated = ArithmeticTasks(**own, seed=seed)
-        super().__init__(preimport=preimport, **options)
+        super().__init__(preimport=preimport, reward=reward, **options)
 
     def load_tasks(self, dataset: str, data: str | Path | None) -> Sequence[Example]:
         return self.generated

@@ -78,6 +78,19 @@ def test_an_episode_is_solved_with_the_python_tool_and_graded_exactly():
         env.close()
 
 
+def test_the_answer_must_be_the_value_not_the_expression_that_math_verify_would_evaluate():
+    # Under math-verify's equivalence (reward="math") boxing the question's expression scores: a learner found it.
+    for reward, expected in (("em", 0.0), ("math", 1.0)):
+        env = agentenv.make("python-math:arithmetic", reward=reward)
+        try:
+            env.reset(options={"index": 600})
+            expression = env.unwrapped.tasks[600].meta["expression"]
+            _, score, terminated, _, info = env.step(f"<answer> \\boxed{{{expression}}} </answer>")
+            assert (score, terminated, info["grade"]["em"], info["grade"]["math_equal"]) == (expected, True, 0.0, 1.0)
+        finally:
+            env.close()
+
+
 def imported(env, module: str) -> str:
     """Whether the episode's session has ``module`` loaded before any call imports it."""
     env.reset(options={"index": 0})
