@@ -544,7 +544,8 @@ def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path,
     for key, result in results.items():
         spent = tokens_at(result)
         evaluated = [before, *(held for held in result.heldout if held.step > 0)]
-        label = None if legend[key] in labelled else legend[key]
+        # matplotlib leaves "_"-labels out of legends; None would give draw_curve's default name
+        label = f"_{legend[key]}" if legend[key] in labelled else legend[key]
         labelled.add(legend[key])
         tokens = [spent[held.step] for held in evaluated]
         draw_scores(

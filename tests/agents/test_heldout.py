@@ -270,6 +270,7 @@ def test_the_learning_benchmark_compares_seeded_runs_at_each_budget_point(tmp_pa
     tokens = figure.axes[1]
     assert tokens.get_ylabel() == SCORE_DISPLAY["em"].unit
     assert [text.get_text() for text in tokens.get_legend().get_texts()] == ["AT²PO", "GRPO"]  # once a learner
+    assert [text.get_text() for text in figure.axes[0].get_legend().get_texts()] == ["AT²PO", "GRPO"]
     assert len(tokens.containers) == 4  # a curve a run: 0, 30 and 70 tokens
     assert [c.lines[0].get_xdata().tolist() for c in tokens.containers] == [[0.0, 30.0, 70.0]] * 4
 
