@@ -537,7 +537,8 @@ def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path,
     labelled: set[str] = set()
     config = next(iter(results.values())).config  # the runs share environment and model
     names = ", ".join(ALGO_NAMES.get(learner, learner) for learner in learners)
-    figure = Figure(figsize=(21, 3.6), layout="constrained")
+    seeded = len(results) > len(learners)  # several seeds a learner: one line a run, names on their side
+    figure = Figure(figsize=(21, 5.2 if seeded else 3.6), layout="constrained")
     figure.suptitle(f"{plot_title(names, config, out)}: held-out 95% intervals")
     train_axis, tokens_axis, *score_axes = figure.subplots(1, 5)
     display = SCORE_DISPLAY[score]
@@ -556,21 +557,24 @@ def learning_figure(results: dict[str, TrainResult], before: HeldOut, out: Path,
             color=color[key],
             label=label,
         )
-        draw_curve(train_axis, result.history, "reward/mean", label=label, band_label=None, color=color[key])
+        draw_curve(
+            train_axis, result.history, "reward/mean", label=label, band_label=None, color=color[key], band=not seeded
+        )
     tokens_axis.set_xlabel("rollout tokens sampled")
     tokens_axis.set_ylabel(display.unit)
     tokens_axis.set_title(f"held-out {display.name} against rollout tokens")
     tokens_axis.legend(fontsize="small")
-    label_axis(train_axis, "training reward (mean ± std over leaves)", "reward")
+    label_axis(train_axis, "training reward (mean over leaves" + (")" if seeded else " ± std)"), "reward")
     train_axis.legend(fontsize="small")
-    after = {f"{run_name(key)}\n{result.steps} steps": result.heldout[-1] for key, result in results.items()}
-    policies = {"before\ntraining": before, **after}
+    join = " · " if seeded else "\n"
+    after = {f"{run_name(key)}{join}{result.steps} steps": result.heldout[-1] for key, result in results.items()}
+    policies = {f"before{join}training": before, **after}
     colors = ["grey", *color.values()]
     for axis, name in zip(score_axes, dict.fromkeys((score, "format_ok", "reward"))):
         shown = SCORE_DISPLAY[name]
         for x, (heldout, dot) in enumerate(zip(policies.values(), colors)):
             draw_scores(axis, [x], [heldout.scores[name]], shown.bounds, color=dot)
-        axis.set_xticks(range(len(policies)), list(policies))
+        axis.set_xticks(range(len(policies)), list(policies), rotation=90 if seeded else 0)
         axis.set_xlim(-0.5, len(policies) - 0.5)  # room for the outer labels
         label_axis(axis, f"held-out {shown.name}", shown.unit, steps=False)
     return figure

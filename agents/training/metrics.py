@@ -232,8 +232,10 @@ def draw_curve(
     label: str | None = None,
     band_label: str | None = "± std (within min–max)",
     color: str | None = None,
+    band: bool = True,
 ) -> None:
-    """Draw metric ``name`` of ``history`` against the step; ``reward/mean`` with its ±std band.
+    """Draw metric ``name`` of ``history`` against the step; ``reward/mean`` with its ±std band
+    unless ``band`` is false (many runs on one axis).
 
     The line is labelled ``label`` (default: the metric's :data:`METRIC_DISPLAY` name). The band
     is clipped to each step's ``[reward/min, reward/max]`` where those are logged, since the mean
@@ -243,7 +245,7 @@ def draw_curve(
     steps = [record["step"] for record in records]
     values = [record[name] for record in records]
     (line,) = axis.plot(steps, values, marker="o", markersize=3, color=color, label=label or _display(name).name)
-    if name != "reward/mean" or not all("reward/std" in record for record in records):
+    if not band or name != "reward/mean" or not all("reward/std" in record for record in records):
         return
     low = [value - record["reward/std"] for value, record in zip(values, records)]
     high = [value + record["reward/std"] for value, record in zip(values, records)]

@@ -273,6 +273,16 @@ def test_the_learning_benchmark_compares_seeded_runs_at_each_budget_point(tmp_pa
     assert [text.get_text() for text in figure.axes[0].get_legend().get_texts()] == ["AT²PO", "GRPO"]
     assert len(tokens.containers) == 4  # a curve a run: 0, 30 and 70 tokens
     assert [c.lines[0].get_xdata().tolist() for c in tokens.containers] == [[0.0, 30.0, 70.0]] * 4
+    assert list(figure.axes[0].collections) == []  # nine runs' ±std bands would hide each other: lines alone
+    ticks = figure.axes[2].get_xticklabels()  # a run a tick, written sideways so that the names do not overlap
+    assert [label.get_text() for label in ticks] == [
+        "before · training",
+        "AT²PO seed 0 · 2 steps",
+        "AT²PO seed 1 · 2 steps",
+        "GRPO seed 0 · 2 steps",
+        "GRPO seed 1 · 2 steps",
+    ]
+    assert {label.get_rotation() for label in ticks} == {90.0}
 
 
 # -- paired comparison of two evaluations of the same questions -----------------------------------
