@@ -29,7 +29,7 @@ Gold answers with their aliases, as each benchmark's official evaluation scores 
   gold :data:`UNANSWERABLE` (the reply that predicts "not answerable") and
   ``meta["answerable"] = False``, the twin's answers kept in ``meta["answers_if_answerable"]``.
   MuSiQue's answerability metric, which scores the two rows of a pair together, is computed
-  by ``agents.evaluation``.
+  by ``agents.eval.evaluation``.
 
 The shipped benchmark files are under ``agentenv/data/qa`` and ``agentenv/data/math``
 (attribution in ``agentenv/data/NOTICE.md``).

@@ -29,7 +29,7 @@ Verdicts are cached by (question, gold answers, answer, judge model), in memory 
 written under another prompt are ignored). Identical requests in flight share one call.
 
 The judge knows no engine: it asks through ``ask(prompt) -> reply``, an async function (the reply
-a string, or a :class:`JudgeReply` that also counts tokens). ``agents.judge.engine_judge``
+a string, or a :class:`JudgeReply` that also counts tokens). ``agents.eval.judge.engine_judge``
 makes one from any engine of ``agents.engines`` (a local model, a vLLM or OpenAI-compatible
 server).
 """

@@ -17,9 +17,9 @@ _LAZY = {
     "run_episodes": "agents.rollout",
     "stream_episodes": "agents.rollout",
     "take_turn": "agents.rollout",
-    "EvalReport": "agents.evaluation",
-    "evaluate": "agents.evaluation",
-    "pass_at_k": "agents.evaluation",
+    "EvalReport": "agents.eval.evaluation",
+    "evaluate": "agents.eval.evaluation",
+    "pass_at_k": "agents.eval.evaluation",
 }
 
 __all__ = sorted(_LAZY)

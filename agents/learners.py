@@ -23,7 +23,7 @@ learner        strategy                      credit              loss
 =============  ============================  ==================  ===========================
 
 Bring your own by replacing any part: ``AT2PO(credit=my_credit)``, ``GRPO(loss=my_loss)``,
-``Learner(strategy=..., credit=..., loss=...)``. :func:`agents.train.train` runs any of them.
+``Learner(strategy=..., credit=..., loss=...)``. :func:`agents.run.train.train` runs any of them.
 """
 
 from __future__ import annotations

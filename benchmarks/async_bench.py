@@ -27,7 +27,7 @@ and drains before a sync).
     waits for its longest), and a trainer whose update takes a share of one synchronous rollout
     of a step (the warm-up's; ``--update-shares``, default 1, 0.75 and 0.5; its passes
     ``1 − SIM_OPTIMIZER_SHARE`` of it, spread over the step's paths, and streamed as the real
-    trainer's are), then a real weight sync through the pool. The same pipeline code (``agents.steps.PipelinedSteps``) drives both.
+    trainer's are), then a real weight sync through the pool. The same pipeline code (``agents.run.steps.PipelinedSteps``) drives both.
     Why the engines still idle at η = 1 here: a worker's part of a step ends before the step's
     longest tree, and the bound keeps it from starting a step further ahead until the update on
     the step before is done (see docs/scaling.md, "Asynchronous training").
@@ -48,12 +48,12 @@ from pathlib import Path
 from typing import Any
 
 import agentenv
-from agents.cluster.rollout_workers import RolloutPool, WorkerSpec
-from agents.cluster.runtime import cpu_share, ensure_ray
-from agents.config import build, resolve
 from agents.engines.base import Completion, SamplingParams
 from agents.engines.scripted import ScriptedEngine
 from agents.models import DEFAULT_MODEL
+from agents.run.cluster.rollout_workers import RolloutPool, WorkerSpec
+from agents.run.cluster.runtime import cpu_share, ensure_ray
+from agents.run.config import build, resolve
 from benchmarks.scale_bench import table
 
 REAL_MEASURED = 3  # steps measured a run by default (the steady state; see _timing)
@@ -126,9 +126,9 @@ def _pace(row: dict[str, Any]) -> list[float]:
 async def _real(results: dict[str, Any], etas: list[int], in_flight: bool, whole: bool, measured: int) -> None:
     import torch
 
-    from agents.train import train
+    from agents.run.train import train
 
-    torch.set_num_threads(1)  # the trainer's core; the worker gets the other (agents.train gives it 2 // 2)
+    torch.set_num_threads(1)  # the trainer's core; the worker gets the other (agents.run.train gives it 2 // 2)
     rows = {}
     steps = _run_steps(etas, measured)
     with tempfile.TemporaryDirectory() as folder:
@@ -283,8 +283,8 @@ async def _simulated(
 ) -> None:
     import torch
 
-    from agents.steps import PipelinedSteps
-    from agents.train import TaskOrder
+    from agents.run.steps import PipelinedSteps
+    from agents.run.train import TaskOrder
 
     agentenv.register("async-bench/long-tail-v0", LongTail)
     steps = _run_steps(etas, SIM_MEASURED)

@@ -36,10 +36,10 @@ from typing import Any
 import agentenv
 from agentenv import TokenEnv
 from agentenv.graders import normalize_answer
-from agents.config import preset
 from agents.engines import HFEngine, SamplingParams
 from agents.models import DEFAULT_MODEL
 from agents.rollout import RolloutConfig, episodes_for, run_episodes
+from agents.run.config import preset
 
 HOLDOUT = 50  # the cpu-demo's held-out tasks come first; probes use training tasks only
 EXAMPLE_ANSWER = "france"  # SEARCH_EXAMPLE's answer (agentenv.envs.qa)

@@ -18,7 +18,7 @@ one that fails or hangs prints its error and the others go on); shapes are real,
   16,384 tokens, under padded and tree with each kernel: a warm-up step, then 2 timed steps (step,
   old-log-prob and update seconds), tokens forwarded, model TFLOP/s (6·N·T/t over the update's
   forwarded tokens) and MFU against the 989 TFLOP/s bf16 dense datasheet peak of an H100/H200, peak
-  allocated memory beside the memory plan's update phase (agents/memory_plan.py), and dynamo graphs
+  allocated memory beside the memory plan's update phase (agents/run/memory_plan.py), and dynamo graphs
   compiled during the timed steps (0: no recompiles after warm-up). The ratios are against padded.
   Layouts are skipped, with a message, once the section's time runs out.
 - ``engine`` (c): HFEngine's generated tokens per second at 1, 16 and 64 concurrent requests on the
@@ -28,7 +28,7 @@ one that fails or hangs prints its error and the others go on); shapes are real,
 - ``train`` (d): ``agents train`` (AT²PO, multihop-qa, preset cpu-demo, engine hf) on the device
   for 2 steps, then ``--resume`` to 3, with a SmolLM2-shaped checkpoint of random weights.
 - ``nccl`` (e): one trainer step of a one-rank ``torch.distributed`` group on NCCL, through the
-  trainer rank of ``agents.cluster.trainer_ranks`` without Ray (the trainer shards with FSDP2 at
+  trainer rank of ``agents.run.cluster.trainer_ranks`` without Ray (the trainer shards with FSDP2 at
   two ranks or more; at one it runs its single-process update inside the group).
 
 The SmolLM2 shape comes from a folder holding the embedded model's ``config.json`` and tokenizer
@@ -88,7 +88,7 @@ SMOLLM2_135M: dict[str, Any] = {
     "rope_theta": 100000.0,
     "max_position_embeddings": 8192,
 }
-#: Qwen3-4B's shape (its published config.json; agents.memory_plan.KNOWN_SHAPES has the same).
+#: Qwen3-4B's shape (its published config.json; agents.run.memory_plan.KNOWN_SHAPES has the same).
 QWEN3_4B: dict[str, Any] = {
     "hidden_size": 2560,
     "num_hidden_layers": 36,
@@ -402,7 +402,7 @@ def section_kernels(ctx: Context, out: Record) -> None:
 
 
 def print_kernels(data: dict[str, Any]) -> None:
-    from agents.tables import text_table
+    from agents.eval.tables import text_table
 
     def number(value: Any) -> str:
         return "-" if value is None else f"{value:.2e}"
@@ -448,7 +448,7 @@ def section_qwen3_4b(ctx: Context, out: Record) -> None:
     from transformers import Qwen3Config
 
     from agents.learners import AT2PO
-    from agents.memory_plan import GIB, ModelShape, memory_plan
+    from agents.run.memory_plan import GIB, ModelShape, memory_plan
     from agents.training.trainer import Trainer
 
     device = _device()
@@ -563,7 +563,7 @@ def section_qwen3_4b(ctx: Context, out: Record) -> None:
 
 
 def print_qwen3_4b(data: dict[str, Any]) -> None:
-    from agents.tables import text_table
+    from agents.eval.tables import text_table
 
     def cell(row: dict[str, Any], key: str, form: str = "{:.2f}") -> str:
         return form.format(row[key]) if row.get(key) is not None else "-"
@@ -725,7 +725,7 @@ def section_engine(ctx: Context, out: Record) -> None:
 
 
 def print_engine(data: dict[str, Any]) -> None:
-    from agents.tables import text_table
+    from agents.eval.tables import text_table
 
     rows = [
         [
@@ -821,7 +821,7 @@ def section_train(ctx: Context, out: Record) -> None:
 
 
 def print_train(data: dict[str, Any]) -> None:
-    from agents.tables import text_table
+    from agents.eval.tables import text_table
 
     def cell(value: Any, form: str) -> str:
         return "-" if value is None else form.format(value)
@@ -850,8 +850,8 @@ def section_nccl(ctx: Context, out: Record) -> None:
     import torch
     import torch.distributed as dist
 
-    from agents.cluster.trainer_ranks import _Rank
     from agents.learners import AT2PO
+    from agents.run.cluster.trainer_ranks import _Rank
 
     device = _device()
     if device.type != "cuda" and not ctx.smoke:
@@ -900,7 +900,7 @@ def section_nccl(ctx: Context, out: Record) -> None:
 
 
 def print_nccl(data: dict[str, Any]) -> None:
-    from agents.tables import text_table
+    from agents.eval.tables import text_table
 
     keys = ["backend", "world_size", "fsdp_sharded", "start_s", "step_s", "loss", "grad_norm", "state_tensors"]
     rows = [
@@ -1070,7 +1070,7 @@ def main() -> None:
                     print(f"(no table: {type(error).__name__}: {error})")
             if args.json:  # after every section, so that an interrupted run keeps what it measured
                 args.json.write_text(json.dumps(results, indent=1, default=str))
-    from agents.tables import text_table
+    from agents.eval.tables import text_table
 
     print(f"\nsummary ({time.perf_counter() - start:.0f} s, {results['device']}):")
     rows = [

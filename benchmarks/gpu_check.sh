@@ -165,7 +165,7 @@ PREFLIGHT
 import json, sys
 from pathlib import Path
 
-from agents.tables import text_table
+from agents.eval.tables import text_table
 
 out = Path(sys.argv[1])
 rows = [["device", (out / "gpu.txt").read_text().splitlines()[-1]]]
@@ -222,9 +222,9 @@ rm -rf "$OUT/run"
 "$PY" - "$OUT" <<'COLOCATED' 2>&1 | tee "$OUT/train.log"
 import asyncio, json, sys
 import torch
-from agents.config import build, resolve
-from agents.memory_plan import run_plan
-from agents.train import train
+from agents.run.config import build, resolve
+from agents.run.memory_plan import run_plan
+from agents.run.train import train
 
 out = sys.argv[1]
 sets = ["trainer.gradient_checkpointing=true", "trainer.micro_batch_tokens=1024"]
@@ -253,7 +253,7 @@ test -d "$OUT/workers/checkpoints/step_000002/model"
 
 echo "== 4. the suite's engine, trainer and cluster tests on this machine"
 "$PY" -m pytest -q -p no:cacheprovider tests/agents/engines/test_engine_suite.py tests/agents/training/test_trainer.py \
-  tests/agents/test_memory_plan.py tests/agents/training/test_tree_packing.py tests/agents/cluster 2>&1 | tee "$OUT/tests.log"
+  tests/agents/run/test_memory_plan.py tests/agents/training/test_tree_packing.py tests/agents/run/cluster 2>&1 | tee "$OUT/tests.log"
 
 "$PY" - "$OUT" <<'SUMMARY' | tee "$OUT/summary.txt"
 import json, sys

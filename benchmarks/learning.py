@@ -25,7 +25,7 @@ have sampled T tokens (``max_rollout_tokens``: dropped prompts of dynamic sampli
 ``--steps`` is then only a cap), so a learner whose steps cost more gets fewer of them. With
 ``--eval-every E`` each run is also scored after every E steps, and ``OUT/learning.png`` draws
 held-out F1 against the tokens sampled so far. The held-out questions are the same for every
-policy, so the table of differences is paired (:func:`agents.heldout.paired_difference`): each
+policy, so the table of differences is paired (:func:`agents.eval.heldout.paired_difference`): each
 learner against the start, and each pair of learners, F1 and EM with bootstrap 95% intervals.
 
 **Seeds and budget points.** With ``--seeds 0,1,2`` every learner runs once a seed (its task order and
@@ -67,8 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentenv.cache import build_once
-from agents.config import TrainConfig, build, resolve
-from agents.heldout import (
+from agents.eval.heldout import (
     SCORE_DISPLAY,
     HeldOut,
     Score,
@@ -78,9 +77,10 @@ from agents.heldout import (
     greedy_rollout,
     paired_difference,
 )
+from agents.eval.tables import text_table
 from agents.models import cache_root, resolve_model
-from agents.tables import text_table
-from agents.train import TaskOrder, TrainResult, plot_title, train
+from agents.run.config import TrainConfig, build, resolve
+from agents.run.train import TaskOrder, TrainResult, plot_title, train
 from agents.training.metrics import draw_curve, label_axis, save_figure
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ TRL_PACKAGES = (
     "multiprocess==0.70.19",
     "xxhash==4.1.0",
 )
-# (column, metric of agents.train's records, unit)
+# (column, metric of agents.run.train's records, unit)
 SPLIT = (("rollout s", "time/rollout_s"), ("old log-probs s", "time/old_logprobs_s"), ("update s", "time/update_s"))
 
 

@@ -41,7 +41,7 @@ if __name__ != "__mp_main__":
     from agentenv import Example, ToolEnv
     from agentenv.wrappers import TokenEnv
     from agents.engines.scripted import ScriptedEngine
-    from agents.evaluation import sampler_logprob_gap
+    from agents.eval.evaluation import sampler_logprob_gap
     from agents.rollout import RolloutConfig, Trajectory, episodes_for, run_episodes
 
 ENV_ID = "multihop-qa"

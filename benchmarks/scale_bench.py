@@ -34,11 +34,11 @@ from typing import Any
 
 import agentenv
 from agentenv.wrappers import TokenEnv
-from agents.cluster.rollout_workers import RolloutPool, WorkerSpec
-from agents.cluster.runtime import cpu_share, ensure_ray
-from agents.config import build, resolve
 from agents.models import DEFAULT_MODEL, load_tokenizer
 from agents.rollout.strategies import Chain
+from agents.run.cluster.rollout_workers import RolloutPool, WorkerSpec
+from agents.run.cluster.runtime import cpu_share, ensure_ray
+from agents.run.config import build, resolve
 
 # Eight training prompts of multihop-qa (the first 50 are held out): four a worker at M = 2, so that each
 # engine still batches several trees and one long tree does not decide the step alone.
@@ -71,8 +71,8 @@ def _real_config():
 
 
 async def _real(results: dict[str, Any]) -> None:
-    from agents.rollout_backend import LocalRollout, run_engine
-    from agents.steps import rollout_step
+    from agents.run.backends import LocalRollout, run_engine
+    from agents.run.steps import rollout_step
     from agents.training.trainer import Trainer
 
     config = _real_config()
@@ -278,8 +278,8 @@ def _pss_mib(pid: int) -> float:
 
 
 async def _sync(results: dict[str, Any]) -> None:
-    from agents.cluster.weight_sync import put_buckets
     from agents.models import load_model
+    from agents.run.cluster.weight_sync import put_buckets
 
     config = _real_config()
     parts = build(config)

@@ -6,7 +6,7 @@
 **The cluster** is Ray's own on this host (``ray.cluster_utils.Cluster``, as Ray tests itself): a
 head and two nodes, each offering one trainer rank's and one rollout worker's resource, joined the
 way a user joins a cluster (``RAY_ADDRESS`` and ``cluster.address=auto``). **The run** is
-``agents.train.train`` with the cpu-demo preset on ``tool-qa`` (search and a sandboxed Python):
+``agents.run.train.train`` with the cpu-demo preset on ``tool-qa`` (search and a sandboxed Python):
 2 trainer ranks and 2 rollout workers spread over the two nodes, the search served by a
 retrieval server with 2 worker processes (``python -m agentenv.serve retrieval --workers 2``),
 a checkpoint every ``--checkpoint-every`` steps (10).
@@ -378,7 +378,7 @@ def trainer_model(folder: Path) -> str:
 
 def run_config(model: str, url: str, args: argparse.Namespace) -> Any:
     """The run: AT²PO, cpu-demo, tool-qa on the server at ``url``, 2 ranks and 2 scripted workers joining by ``auto``."""
-    from agents.config import resolve
+    from agents.run.config import resolve
 
     cluster = {
         "address": "auto",
@@ -487,8 +487,8 @@ async def soak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The run under faults; returns what it measured."""
     import ray
 
-    from agents.cluster.runtime import ensure_ray
-    from agents.train import train
+    from agents.run.cluster.runtime import ensure_ray
+    from agents.run.train import train
     from agents.training.metrics import read_jsonl
 
     # The search results' cache of every process (workers inherit it through the nodes): the run's own, not the user's.
@@ -504,7 +504,7 @@ async def soak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         config = run_config(trainer_model(out / "model"), url, args)
         injector.start()
         steps.heartbeat.start()
-        sys.stdout = said  # the run's notes of failed turns and prompts (agents.steps), with their errors
+        sys.stdout = said  # the run's notes of failed turns and prompts (agents.run.steps), with their errors
         result = await train(config, out / "run", progress=False, log=steps.log)
     finally:
         sys.stdout = said.stream
@@ -633,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def print_report(summary: dict[str, Any], figure: Path) -> None:
     """The counts in a paragraph, then each series' trend and verdict in a table."""
-    from agents.tables import text_table
+    from agents.eval.tables import text_table
 
     faults = ", ".join(
         f"{kind} {n['injected']} (+{n['no_target']} with no target alive)" for kind, n in summary["faults"].items()

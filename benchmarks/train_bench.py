@@ -89,9 +89,9 @@ def _synthetic(shape: str, scale: float, vocab: int, seed: int = 0) -> list[Any]
 async def _real_paths(prompts: int = 2) -> list[Any]:
     """AT²PO's trees of ``prompts`` multihop-qa questions from the embedded model (cpu-demo limits), credited."""
     from agentenv import TokenEnv, make
-    from agents.config import build, resolve
     from agents.models import load_tokenizer
-    from agents.rollout_backend import LocalRollout, run_engine
+    from agents.run.backends import LocalRollout, run_engine
+    from agents.run.config import build, resolve
 
     config = resolve(preset_name="cpu-demo", values={"algo": "at2po", "env": "multihop-qa"})
     parts = build(config)

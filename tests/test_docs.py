@@ -64,6 +64,15 @@ def test_site_builds_strict(tmp_path):
     assert 'id="agentenv.core.Env"' in core
     assert "fork" in core
     assert ":class:" not in core  # the hook drops the docstrings' Sphinx roles
+    # The public surface a user meets first has its pages: the tool env, the run's config, its rollout
+    # backend, the evaluation.
+    for module, name in (
+        ("agentenv.tool_env", "ToolEnv"),
+        ("agents.run.config", "TrainConfig"),
+        ("agents.run.backends", "RolloutBackend"),
+        ("agents.eval.evaluation", "evaluate"),
+    ):
+        assert f'id="{module}.{name}"' in (site / "api" / module / "index.html").read_text()
     # docs/contributing.md includes CONTRIBUTING.md rather than copying it.
     assert "The layout" in (site / "contributing" / "index.html").read_text()
 

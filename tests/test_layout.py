@@ -121,7 +121,7 @@ def test_the_graph_sees_the_imports():
     assert "agents.rollout.tree" in LOADS["agents.rollout.strategies.base"]
     assert "agents.training.losses" in LOADS["agents.training.trainer_config"]
     assert "agents.rollout.tree_loop" not in GRAPH["agents.rollout.strategies.base"]  # only under TYPE_CHECKING
-    assert "agents.learners" in GRAPH["agents.config"] - LOADS["agents.config"]  # in a function
+    assert "agents.learners" in GRAPH["agents.run.config"] - LOADS["agents.run.config"]  # in a function
     assert "torch" in third_party_loaded("agents.training.trainer")
 
 
@@ -235,15 +235,17 @@ def _reachable(name: str) -> set[str]:
     return seen
 
 
-ABOVE_ROLLOUT = (
-    "agents.training",
-    "agents.learners",
-    "agents.config",
-    "agents.train",
-    "agents.cli",
-    "agents.evaluation",
-    "agents.heldout",
-)
+ABOVE_ROLLOUT = ("agents.training", "agents.learners", "agents.run", "agents.eval", "agents.sft", "agents.cli")
+
+
+def test_the_agents_package_keeps_its_rooms_and_a_small_lobby():
+    # The top level holds what a user imports first; a run's, a score's and a cold start's modules have rooms.
+    top = sorted(
+        n for n, path in MODULES.items() if n.startswith("agents.") and n.count(".") == 1 and path.name != "__init__.py"
+    )
+    assert len(top) <= 8, f"agents/ has {len(top)} top-level modules: {top}; give the new ones a sub-package"
+    rooms = {"run": "train", "eval": "evaluation", "sft": "demonstrations", "training": "losses"}
+    assert all(f"agents.{room}.{member}" in MODULES for room, member in rooms.items())
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n == "agents.rollout" or n.startswith("agents.rollout.")))
@@ -279,5 +281,5 @@ def test_credit_strategies_and_the_rollout_side_load_without_torch():
 
 
 def test_learners_and_the_run_config_load_without_transformers():
-    loaded = _loaded_after("import agents.learners, agents.config")
+    loaded = _loaded_after("import agents.learners, agents.run.config")
     assert "agents" in loaded and "torch" in loaded and "transformers" not in loaded

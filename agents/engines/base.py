@@ -112,7 +112,7 @@ class Completion:
     ``stop_reason`` is the matched stop string or stop token id (``None`` for ``"length"`` and
     ``"eos"``); ``stop_overshoot`` the text the last token carries beyond a matched stop string.
     ``weights_version`` is the version of the weights that sampled it, where a rollout worker's
-    gate stamps it (:class:`agents.cluster.rollout_workers.VersionGate`; ``None`` elsewhere): the
+    gate stamps it (:class:`agents.run.cluster.rollout_workers.VersionGate`; ``None`` elsewhere): the
     oldest token's when the weights changed while it was generated. ``token_versions[i]`` is the
     version that sampled ``token_ids[i]``, from an engine that loaded weights in flight
     (:meth:`Engine.update_weights_in_flight`; ``None`` for a token sampled before its first such

@@ -1,7 +1,7 @@
 """Engines by name: the one factory that ``agents eval``, the training loop, rollout workers and the benchmarks use.
 
 It takes plain values, so that it needs nothing of a run's configuration (the training loop
-passes its config's through :func:`agents.rollout_backend.run_engine`), and building a parser
+passes its config's through :func:`agents.run.backends.run_engine`), and building a parser
 needs only :data:`ENGINES`: each engine is imported when one is made (HFEngine and VLLMEngine
 load torch, OpenAIEngine aiohttp).
 """

@@ -17,7 +17,7 @@ the loss clips), ``approx_kl`` (k3 estimate of KL(π_old ‖ π_θ) from the tok
 per-loss extras. Formulas and defaults: docs/algorithms.md "Losses".
 
 :func:`sft_loss` is no policy-gradient loss: supervised fine-tuning (a cold start before RL,
-:mod:`agents.sft`) takes the same four tensors and ignores ``old_logprobs`` and ``advantages``, so
+:mod:`agents.sft.train`) takes the same four tensors and ignores ``old_logprobs`` and ``advantages``, so
 the trainer runs it as it runs the others; its metrics are ``loss``, ``pg_loss`` and ``nll``.
 
 Every policy-gradient loss also takes ``behaviour_logprobs``, for rollouts sampled by an older policy than

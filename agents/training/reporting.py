@@ -48,7 +48,7 @@ WANDB_PROJECT = "agentenv"
 _TENSORBOARD = "tensorboard"
 _WANDB = "wandb"  # W&B writes its files to RUN/wandb/ when given dir=RUN
 _WANDB_ID = "run_id.txt"  # in RUN/wandb/: not "run-*", which `wandb sync` takes for a run's folder
-_RUN_CONFIG = "config.json"  # agents.run_folder.CONFIG_FILE, the run's effective configuration
+_RUN_CONFIG = "config.json"  # agents.run.folder.CONFIG_FILE, the run's effective configuration
 
 
 class Reporter(Protocol):
@@ -182,7 +182,7 @@ class WandbReporter:
             start a new one.
         project: The W&B project; ``None``: ``$WANDB_PROJECT``, else ``agentenv``.
         config: Attached to the W&B run when the folder holds no ``config.json``, the effective
-            configuration that :func:`agents.train.train` writes there (and W&B gets instead).
+            configuration that :func:`agents.run.train.train` writes there (and W&B gets instead).
     """
 
     def __init__(

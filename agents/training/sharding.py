@@ -125,7 +125,7 @@ def place_in_group(distributed: bool) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             "Trainer(distributed=True) is one rank of a torch.distributed group: call "
-            "torch.distributed.init_process_group first (agents.cluster.trainer_ranks.TrainerGroup does), "
+            "torch.distributed.init_process_group first (agents.run.cluster.trainer_ranks.TrainerGroup does), "
             "or leave distributed=False for the single process"
         )
     return dist.get_rank(), dist.get_world_size()

@@ -91,7 +91,7 @@ class Trainer:
         out_dir: the run folder for ``metrics.jsonl``, the reporters' files (``report_to``), ``curves.png`` and
             ``checkpoints/``; ``None`` keeps metrics in memory (``trainer.metrics.history``).
         distributed: be one rank of the initialised default ``torch.distributed`` group (what
-            :class:`agents.cluster.trainer_ranks.TrainerGroup` starts). With a world size N > 1
+            :class:`agents.run.cluster.trainer_ranks.TrainerGroup` starts). With a world size N > 1
             the model is sharded with FSDP2 over a mesh of the model's device; every rank gets the
             whole batch and runs micro-batches r, r + N, … of each mini-batch, and gradients are
             summed, so each update equals the one process's. Metrics and ``curves.png`` go to

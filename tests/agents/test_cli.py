@@ -191,7 +191,7 @@ def test_train_help_shows_the_defaults_and_names_every_learner(capsys, monkeypat
         (
             ["train", "--algo", "ppo", "--print-config"],
             "agents train: error: unknown algo 'ppo'; choose one of at2po, aepo, grpo, tree-grpo, arpo, "
-            "or pass your own learner to agents.train.train",
+            "or pass your own learner to agents.run.train.train",
         ),
     ],
 )
@@ -204,15 +204,15 @@ def test_user_errors_are_one_line_with_the_value_given_and_exit_2(capsys, argv, 
 def test_train_without_a_preset_on_a_cpu_warns_what_the_papers_budget_costs(capsys, monkeypatch, tmp_path):
     import torch
 
-    import agents.train
+    import agents.run.train
 
     runs = []
 
     async def recorded_train(config, out, **options):  # what the command would train, without training it
         runs.append(config)
-        return agents.train.TrainResult(Path(out), config, 0, None)
+        return agents.run.train.TrainResult(Path(out), config, 0, None)
 
-    monkeypatch.setattr(agents.train, "train", recorded_train)
+    monkeypatch.setattr(agents.run.train, "train", recorded_train)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["train", "--out", str(tmp_path / "papers"), "--no-progress"]) == 0
     assert capsys.readouterr().err == (

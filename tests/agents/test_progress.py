@@ -15,7 +15,6 @@ import agentenv
 import agents.progress
 from agentenv import TokenEnv, ToolEnv
 from agentenv.datasets import Example
-from agents.config import TrainConfig, merge
 from agents.engines.scripted import ScriptedEngine, ScriptedTurn
 from agents.progress import LogLines, phase, progress_bar
 from agents.rollout import Episode
@@ -28,7 +27,8 @@ from agents.rollout.strategies import (
     RandomTree,
 )
 from agents.rollout.tree_loop import TreeConfig, planned_branches, rollout_trees
-from agents.train import train
+from agents.run.config import TrainConfig, merge
+from agents.run.train import train
 
 
 class Clock:
@@ -122,7 +122,7 @@ def test_a_transient_phase_shows_in_a_log_only_once_it_runs_past_the_interval(cl
 
 
 def test_forty_sft_steps_write_forty_lines_and_the_heartbeats_to_a_log(clock):
-    """The loop of agents.sft: the steps' bar, each step's update bar (transient), then the step's note."""
+    """The loop of agents.sft.train: the steps' bar, each step's update bar (transient), then the step's note."""
     out = io.StringIO()
     with progress_bar("train", 40, unit="steps", file=out, interval=30) as steps:
         for step in range(1, 41):

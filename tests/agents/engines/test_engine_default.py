@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 import torch
 
-from agents import config as config_module
-from agents.config import resolve
+from agents.run import config as config_module
+from agents.run.config import resolve
 
 WARNING = "warning: HFEngine generates ~10x slower than vLLM on a GPU; install vllm for --preset paper\n"
 

@@ -16,12 +16,12 @@ import pytest
 
 import agentenv
 from agents.cli import main
-from agents.config import RESUMABLE, TrainConfig, merge
-from agents.heldout import SCORES, HeldOut, HeldOutLog, Score
+from agents.eval.heldout import SCORES, HeldOut, HeldOutLog, Score
 from agents.models import tiny_llama
 from agents.rollout.tree import RolloutTree
-from agents.run_folder import CONFIG_FILE
-from agents.train import train
+from agents.run.config import RESUMABLE, TrainConfig, merge
+from agents.run.folder import CONFIG_FILE
+from agents.run.train import train
 from agents.training import reporting
 from agents.training.metrics import MetricsLog, read_jsonl
 from agents.training.reporting import WANDB_INSTALL, check_report_to

@@ -442,9 +442,9 @@ async def test_progress_counts_steps_and_micro_batches(capsys, monkeypatch):
 
 
 async def test_a_registered_loss_is_chosen_by_name_in_the_trainer_the_learner_and_the_run_config():
-    from agents.config import TrainConfig, build, effective_config
     from agents.learners import GRPOCredit, Learner
     from agents.rollout.strategies import Chain
+    from agents.run.config import TrainConfig, build, effective_config
     from agents.training.losses import LOSSES, ppo_clip_loss, register_loss
 
     @register_loss("scaled_ppo_clip_test")

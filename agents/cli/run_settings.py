@@ -1,0 +1,64 @@
+"""The settings of the ``agents train`` run a cold start prepares (``agents demonstrations``, ``agents sft``),
+taken as ``agents train`` takes them, and the check of an environment's options before a model loads."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from agents.run.config import PRESETS, TrainConfig, resolve
+
+__all__ = ["add_run_settings", "check_env_options", "run_settings"]
+
+
+def check_env_options(env_ids: Sequence[str], env_kwargs: Mapping[str, Any], source: str) -> None:
+    """Make each environment with ``env_kwargs`` once (then close it), so that a bad option is reported in one
+    line before any model loads; ``source`` says where the options came from."""
+    import agentenv
+
+    for env_id in env_ids:
+        try:
+            agentenv.make(env_id, **env_kwargs).close()
+        except (TypeError, ValueError) as error:
+            options = ", ".join(f"{name}={value!r}" for name, value in env_kwargs.items())
+            raise ValueError(f"{env_id} with the options {options} (from {source}): {error}") from None
+
+
+def add_run_settings(p: argparse.ArgumentParser, uses: str) -> None:
+    """The settings of the ``agents train`` run that this command prepares, taken as ``agents train`` takes them."""
+    group = p.add_argument_group(
+        "the RL run this is for",
+        f"agents train's settings, resolved as agents train resolves them (defaults, --preset, --config, the "
+        f"flags, --set); this command uses {uses}. Give the same ones to agents train.",
+    )
+    group.add_argument("--env", help=f"environment id (default {TrainConfig.env})")
+    group.add_argument("--preset", choices=list(PRESETS), help="cpu-demo or paper, as agents train --preset")
+    group.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON config file, as agents train's")
+    group.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting by its dotted name, e.g. env_kwargs.example=false (repeatable)",
+    )
+    group.add_argument(
+        "--holdout", type=int, help=f"the env's first N tasks are never trained on (default {TrainConfig.holdout})"
+    )
+    group.add_argument("--eval-questions", type=int, help="held-out questions evaluated (0: none)")
+
+
+def run_settings(args: argparse.Namespace) -> TrainConfig:
+    """The ``agents train`` config that :func:`add_run_settings`'s flags describe, its env options checked."""
+    import agentenv
+
+    values = {
+        name: getattr(args, name) for name in ("env", "holdout", "eval_questions") if getattr(args, name) is not None
+    }
+    config = resolve(preset_name=args.preset, file=args.config, values=values, assignments=args.assignments)
+    agentenv.spec(config.env)  # an unknown id: UnknownEnvError lists the registered ones
+    if config.env_kwargs:
+        check_env_options([config.env], config.env_kwargs, "env_kwargs: --preset, --config or --set env_kwargs.NAME")
+    return config
