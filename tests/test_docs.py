@@ -21,6 +21,7 @@ SHOWN_BLOCK = re.compile(r"^```py\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 # page: (```python blocks, which run; ```py blocks, shown only)
 BLOCKS = {
     "index.md": (0, 0),
+    "architecture.md": (0, 0),
     "environments.md": (10, 0),
     "rollouts.md": (3, 0),
     "training.md": (2, 1),
