@@ -108,7 +108,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     ) as error:
         message = " ".join(str(error).split())  # one line, however the message was wrapped
         parser.exit(2, f"agents {args.command}: error: {message}\n")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
