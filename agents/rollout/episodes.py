@@ -197,6 +197,38 @@ class TurnRecord:
     weights_version: int | None = None
     token_versions: list[int] | None = None
 
+    def add_to(
+        self,
+        tree: RolloutTree,
+        parent: Node,
+        *,
+        obs_ids: Sequence[int],
+        env: TokenEnv | None,
+        terminal: bool,
+        reward: float | None,
+        info: dict[str, Any],
+    ) -> Node:
+        """Append this turn under ``parent`` as a node of ``tree`` and return it: the one place a turn becomes a
+        node, so the sampler's log-probs, entropies and weights versions reach every tree alike.
+
+        ``obs_ids`` are the observation tokens that came after ``parent``'s action (the node's
+        own, :attr:`Node.obs_ids`); ``env`` the state this turn starts from; see
+        :meth:`RolloutTree.add_turn` for the rest.
+        """
+        return tree.add_turn(
+            parent,
+            obs_ids=obs_ids,
+            action_ids=self.action_ids,
+            logprobs=self.logprobs,
+            token_entropies=self.entropies,
+            env=env,
+            terminal=terminal,
+            reward=reward,
+            info=info,
+            version=self.weights_version,
+            token_versions=self.token_versions,
+        )
+
 
 @dataclass
 class Trajectory:
@@ -331,12 +363,10 @@ class Trajectory:
         for position, turn in enumerate(self.turns):
             last = position == len(self.turns) - 1
             terminal = last and self.status in ("terminated", "truncated")
-            node = tree.add_turn(
+            node = turn.add_to(
+                tree,
                 node,
                 obs_ids=previous_obs,
-                action_ids=turn.action_ids,
-                logprobs=turn.logprobs,
-                token_entropies=turn.entropies,
                 env=turn.env,
                 terminal=terminal,
                 reward=self.reward if terminal else None,

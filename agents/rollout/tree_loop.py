@@ -450,18 +450,14 @@ class _PromptLoop:
         if "grade" in turn.info:  # an answered episode's grade (EM, F1, format), for the trainer's metrics
             info["grade"] = dict(turn.info["grade"])
         ended = status is not None
-        node = self.prompt.trees[branch.tree].add_turn(
+        node = turn.add_to(
+            self.prompt.trees[branch.tree],
             branch.parent,
             obs_ids=branch.obs_ids,
-            action_ids=turn.action_ids,
-            logprobs=turn.logprobs,
-            token_entropies=turn.entropies,
             env=fork,
             terminal=ended,
             reward=branch.reward if ended else None,
             info=info,
-            version=turn.weights_version,
-            token_versions=turn.token_versions,
         )
         if fork is not None:
             self.kept.append(node)

@@ -249,9 +249,10 @@ async def test_failing_episodes_are_recorded_and_never_stop_the_others():
 async def test_an_episode_over_its_timeout_is_recorded_and_the_others_finish():
     engine = ScriptEngine(lambda prompt, turn: None if "x2?" in prompt else SEARCH_THEN_ANSWER[min(turn, 1)])
     episodes = [Episode(make_env(), options={"index": i}) for i in range(4)]
-    trajectories = await run_episodes(engine, episodes, RolloutConfig(episode_timeout=0.2))
+    # 2 s: the others finish in milliseconds, with room on a loaded machine (0.2 s timed them out there too)
+    trajectories = await run_episodes(engine, episodes, RolloutConfig(episode_timeout=2.0))
     assert [t.status for t in trajectories] == ["terminated", "terminated", "timeout", "terminated"]
-    assert trajectories[2].error == "TimeoutError: the episode took longer than episode_timeout=0.2 s"
+    assert trajectories[2].error == "TimeoutError: the episode took longer than episode_timeout=2.0 s"
     assert engine.cancelled == 1 and engine.in_flight == 0
 
 
@@ -359,9 +360,15 @@ async def test_a_trajectory_becomes_a_chain_of_a_rollout_tree_with_the_same_trai
     trajectory = await run_episode(
         ScriptEngine(), Episode(make_env(), options={"index": 0}), RolloutConfig(keep_states=True)
     )
+    first, second = trajectory.turns
+    first.weights_version = 3  # as a worker's engine stamps them; the second turn's weights changed mid-action
+    second.token_versions = [4] * (len(second.action_ids) - 1) + [5]
+    second.weights_version = 4
     tree = RolloutTree(trajectory.prompt_ids)
     leaf = trajectory.add_to(tree)
     assert leaf.terminal and leaf.reward == 1.0 and leaf.depth == 2
+    assert (leaf.parent.version, leaf.parent.token_versions) == (3, None)  # the sampler's weights, as in a tree
+    assert (leaf.version, leaf.token_versions) == (4, second.token_versions)
     assert leaf.env is trajectory.turns[1].env and leaf.parent.env is trajectory.turns[0].env
     leaf.advantage = 0.5
     (path,) = tree.paths(advantage="leaf")
