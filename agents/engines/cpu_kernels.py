@@ -7,6 +7,8 @@ gradients) never see them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -14,10 +16,22 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-__all__ = ["CPU_GQA_ATTENTION", "WeightFirstLinear", "pack_linear_layers", "packed_linear_supported"]
+__all__ = [
+    "CPU_GQA_ATTENTION",
+    "WeightFirstLinear",
+    "pack_linear_layers",
+    "packed_linear_supported",
+    "weights_version",
+]
 
 #: The attention implementation HFEngine gives an ``sdpa`` model on CPU (see :func:`_sdpa_cpu_gqa`).
 CPU_GQA_ATTENTION = "sdpa-cpu-gqa"
+
+
+def weights_version(parameters: Iterable[torch.Tensor]) -> int:
+    """A number that changes whenever any of ``parameters`` is changed in place (an optimiser step, a
+    ``load_state_dict``): what a copy or a packing of the weights compares to know it is stale."""
+    return sum(p._version for p in parameters)  # bumped by every in-place change
 
 
 def _sdpa_cpu_gqa(

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agents.engines.cpu_kernels import _decode_attention, packed_linear_supported
+from agents.engines.cpu_kernels import _decode_attention, packed_linear_supported, weights_version
 from agents.engines.kv_cache import SlotCache
 
 __all__ = ["FusedDecodeStep"]
@@ -108,7 +108,7 @@ class FusedDecodeStep:
 
     def _pack(self) -> None:
         """Pack the fused products again if any weight changed since they were packed."""
-        version = sum(p._version for p in self._parameters)  # bumped by every in-place change
+        version = weights_version(self._parameters)
         if version == self._version:
             return
         self._fused = []

@@ -71,7 +71,13 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from agents.engines.base import BatchStats, Completion, Engine, FinishReason, SamplingParams, find_stop
-from agents.engines.cpu_kernels import CPU_GQA_ATTENTION, WeightFirstLinear, pack_linear_layers, packed_linear_supported
+from agents.engines.cpu_kernels import (
+    CPU_GQA_ATTENTION,
+    WeightFirstLinear,
+    pack_linear_layers,
+    packed_linear_supported,
+    weights_version,
+)
 from agents.engines.fused_decode import FusedDecodeStep
 from agents.engines.kv_cache import PrefixCache, SlotCache
 from agents.engines.sampling import RowSampler, to_device
@@ -160,11 +166,11 @@ class ComputeCopy:
         # On a CPU its bfloat16 linear layers run oneDNN on prepacked weights, packed again after each refresh.
         cpu_bfloat16 = dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu"
         self.packed_layers = pack_linear_layers(self.model) if cpu_bfloat16 and packed_linear_supported() else 0
-        self.version = _weights_version(self._sources)
+        self.version = weights_version(self._sources)
 
     def refresh(self) -> bool:
         """Copy the model's weights again if they changed; whether they had."""
-        version = _weights_version(self._sources)
+        version = weights_version(self._sources)
         if version == self.version:
             return False
         with torch.no_grad():
@@ -172,10 +178,6 @@ class ComputeCopy:
                 target.copy_(source)
         self.version = version
         return True
-
-
-def _weights_version(parameters) -> int:
-    return sum(p._version for p in parameters)  # bumped by every in-place change
 
 
 #: Tokens at the start of a stop-string window whose text may decode differently there than in the
@@ -478,7 +480,7 @@ class HFEngine(Engine):
         its next token. Row layout of the pass: [left padding | cached prefix | padding | new
         tokens], so that the new tokens of every row end at the right edge.
         """
-        version = _weights_version(self.model.parameters())
+        version = weights_version(self.model.parameters())
         if version != self._weights_version:
             self.prefix_cache.clear()
             self._weights_version = version
