@@ -13,7 +13,7 @@ from agents.run.config import build, resolve
 from agents.run.memory_plan import GIB, KNOWN_SHAPES, ModelShape, memory_plan, model_shape, run_plan
 from agents.training.trainer_config import TrainerConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SMALL = {
     "vocab_size": 32000,
     "hidden_size": 256,
