@@ -284,7 +284,7 @@ async def _simulated(
     import torch
 
     from agents.run.steps import PipelinedSteps
-    from agents.run.train import TaskOrder
+    from agents.run.task_order import TaskOrder
 
     agentenv.register("async-bench/long-tail-v0", LongTail)
     steps = _run_steps(etas, SIM_MEASURED)

@@ -80,7 +80,8 @@ from agents.eval.heldout import (
 from agents.eval.tables import text_table
 from agents.models import cache_root, resolve_model
 from agents.run.config import TrainConfig, build, resolve
-from agents.run.train import TaskOrder, TrainResult, plot_title, train
+from agents.run.task_order import TaskOrder
+from agents.run.train import TrainResult, plot_title, train
 from agents.training.metrics import draw_curve, label_axis, save_figure
 
 if TYPE_CHECKING:

@@ -143,8 +143,8 @@ class ArithmeticEnv(MathEnv):
         preimport: Modules each episode's session has imported: ``math`` only, as integer expressions
             need nothing more (numpy and sympy, MathEnv's default, take ~260 ms of each episode's start).
         reward: ``"em"``: 1 when the boxed answer is the value. ``"math"`` (math-verify's equivalence) is
-            gamed: AT²PO seed 2 of benchmarks/results/arithmetic_learning.json learned to box the expression
-            itself (held-out EM 70.0% → 38.5% while that reward read 73.0%).
+            gamed: AT²PO seed 2 of benchmarks/results/arithmetic_learning_reward_math.json learned to box
+            the expression itself (held-out EM 70.0% → 38.5% after step 3 while that reward read 73.0%).
         **options: The options of :class:`~agentenv.envs.math.MathEnv` (``sandbox``, ``timeout``,
             ``max_tool_calls``, …), but not its data: the tasks are generated.
     """

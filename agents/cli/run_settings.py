@@ -10,7 +10,7 @@ from typing import Any
 
 from agents.run.config import PRESETS, TrainConfig, resolve
 
-__all__ = ["add_run_settings", "check_env_options", "run_settings"]
+__all__ = ["add_run_settings", "check_env_options", "check_run_env", "run_settings"]
 
 
 def check_env_options(env_ids: Sequence[str], env_kwargs: Mapping[str, Any], source: str) -> None:
@@ -24,6 +24,16 @@ def check_env_options(env_ids: Sequence[str], env_kwargs: Mapping[str, Any], sou
         except (TypeError, ValueError) as error:
             options = ", ".join(f"{name}={value!r}" for name, value in env_kwargs.items())
             raise ValueError(f"{env_id} with the options {options} (from {source}): {error}") from None
+
+
+def check_run_env(config: TrainConfig) -> None:
+    """The run's environment id and options, checked before anything loads or is written: an unknown id raises
+    UnknownEnvError listing the registered ones, a bad option one line naming it (:func:`check_env_options`)."""
+    import agentenv
+
+    agentenv.spec(config.env)
+    if config.env_kwargs:
+        check_env_options([config.env], config.env_kwargs, "env_kwargs: --preset, --config or --set env_kwargs.NAME")
 
 
 def add_run_settings(p: argparse.ArgumentParser, uses: str) -> None:
@@ -52,13 +62,9 @@ def add_run_settings(p: argparse.ArgumentParser, uses: str) -> None:
 
 def run_settings(args: argparse.Namespace) -> TrainConfig:
     """The ``agents train`` config that :func:`add_run_settings`'s flags describe, its env options checked."""
-    import agentenv
-
     values = {
         name: getattr(args, name) for name in ("env", "holdout", "eval_questions") if getattr(args, name) is not None
     }
     config = resolve(preset_name=args.preset, file=args.config, values=values, assignments=args.assignments)
-    agentenv.spec(config.env)  # an unknown id: UnknownEnvError lists the registered ones
-    if config.env_kwargs:
-        check_env_options([config.env], config.env_kwargs, "env_kwargs: --preset, --config or --set env_kwargs.NAME")
+    check_run_env(config)
     return config

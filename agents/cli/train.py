@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agents.cli.run_settings import check_env_options
+from agents.cli.run_settings import check_run_env
 from agents.engines.factory import ENGINES
 from agents.models import DEFAULT_MODEL
 from agents.run.cluster.config import PLACEMENTS
@@ -255,8 +255,6 @@ def _trains_on_cpu(config: TrainConfig) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    import agentenv
-
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")
     # A flag named after a TrainConfig field sets it; an unset one leaves it to the preset, file or default.
@@ -286,9 +284,7 @@ def run(args: argparse.Namespace) -> int:
         values=values,
         assignments=args.assignments,
     )
-    agentenv.spec(config.env)  # an unknown id: UnknownEnvError lists the registered ones, before anything loads
-    if config.env_kwargs:
-        check_env_options([config.env], config.env_kwargs, "env_kwargs: --preset, --config or --set env_kwargs.NAME")
+    check_run_env(config)  # before anything loads
     # A run builds its parts itself, before anything else (and on --resume after checking the run's algo,
     # whose sections another learner would reject less clearly), so only what prints them builds them here.
     if args.print_config:
