@@ -6,8 +6,10 @@ One :meth:`Trainer.step` (read :meth:`Trainer._update` top to bottom):
    and plan the step's passes once (:meth:`agents.training.forward.PolicyForward.plan`): mini-batches
    of micro-batches, each packed into one row, reused by every pass below;
 2. old log-probs: recompute them with the current policy before any update (verl's
-   ``compute_log_prob``; the default), or take the sampler's. Either way the sampler's
-   log-probs are compared with the trainer's and the mismatch reported;
+   ``compute_log_prob``; the default), or take the sampler's. With one update per batch (one
+   epoch, one mini-batch) the recomputed ones are the update's own forward pass, detached, and
+   take no pass of their own. Either way the sampler's log-probs are compared with the
+   trainer's and the mismatch reported;
 3. reference log-probs, when a KL penalty to a reference policy is on;
 4. one epoch of ``mini_batches`` optimiser updates over the batch; each accumulates gradients
    over micro-batches of ``micro_batch_size`` sequences (padded, or packed into one row), clips
@@ -190,9 +192,20 @@ class Trainer:
         return self.ref_model is not None or self.config.kl_coef > 0
 
     @property
+    def _old_in_update(self) -> bool:
+        """Whether π_old's recomputed log-probs come from the update's own forward pass, without a pass of their own.
+
+        With one optimiser update per batch (one epoch, one mini-batch) every micro-batch is
+        scored by the weights π_old names, so its forward pass's log-probs, detached, are the
+        recomputed ones (TRL skips that pass for the same reason). docs/algorithms.md "Old log-probs".
+        """
+        cfg = self.config
+        return cfg.old_logprobs == "recompute" and cfg.epochs == 1 and cfg.mini_batches == 1
+
+    @property
     def _ranks_compare_own_passes(self) -> bool:
-        """Whether each rank measured the mismatch on its own passes only (π_old the sampler's, ranks > 1)."""
-        return self.world_size > 1 and self.config.old_logprobs == "sampler"
+        """Whether each rank measured the mismatch on its own passes only (π_old not recomputed by a pass of its own, ranks > 1)."""
+        return self.world_size > 1 and (self.config.old_logprobs == "sampler" or self._old_in_update)
 
     @property
     def pad_id(self) -> int:
@@ -371,11 +384,13 @@ class Trainer:
 
     def _old_and_reference(
         self, batch: PathBatch, plan: StepPlan, work: StepWork
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """π_old's log-probs of ``batch`` (recomputed, or the sampler's) and the reference's (KL on), timed into ``work``."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """π_old's log-probs of ``batch`` (recomputed, the sampler's, or None: the update's own) and the reference's (KL on), timed into ``work``."""
         start = time.perf_counter()
-        old_logprobs = batch.sampler_logprobs
-        if self.config.old_logprobs == "recompute":
+        old_logprobs: torch.Tensor | None = batch.sampler_logprobs
+        if self._old_in_update:
+            old_logprobs = None  # the update's own forward pass gives them (_backward)
+        elif self.config.old_logprobs == "recompute":
             old_logprobs = self.forward.score(self.model, batch, plan)
             work.mismatch.add(old_logprobs, batch.sampler_logprobs, batch.mask.bool())
         ref_logprobs = None
@@ -405,13 +420,14 @@ class Trainer:
         cfg = self.config
         cut = micro.cut
         old_logprobs, ref_logprobs = (None if values is None else values[cut] for values in old_and_reference)
-        assert old_logprobs is not None
         mask = batch.mask[cut].bool()
         # A_t ← w_t · A_t when shared turns are trained once (docs/algorithms.md eq. 35)
         advantages = batch.advantages[cut] * batch.weights[cut] if cfg.dedup_shared_turns else batch.advantages[cut]
         logprobs, entropy = self.forward(self.model, batch, micro, entropy_grad=cfg.entropy_coef > 0)
         assert entropy is not None  # the forward pass computes the entropy unless asked not to (entropy=False)
-        if cfg.old_logprobs == "sampler" and first and real:
+        if old_logprobs is None:  # π_old is the policy of this very pass (_old_in_update)
+            old_logprobs = logprobs.detach()
+        if (cfg.old_logprobs == "sampler" or self._old_in_update) and first and real:
             work.mismatch.add(logprobs.detach(), batch.sampler_logprobs[cut], mask)
         loss, metrics = self.loss(
             logprobs,

@@ -187,6 +187,25 @@ async def test_recomputed_old_logprobs_make_the_first_ratio_exactly_one():
     assert sampler["policy/ratio_mean"] == pytest.approx(1 / math.e, rel=1e-4)  # r = exp(log π − (log π + 1))
 
 
+@pytest.mark.parametrize("mini_batches", [1, 2])
+async def test_one_update_a_batch_takes_old_logprobs_from_its_own_pass(mini_batches, monkeypatch):
+    # One update a batch: π_old is the weights of the update itself, so the recompute is the
+    # update's forward pass, detached: no scoring pass, and the update of exact π_old log-probs.
+    model, reference = tiny_model(), tiny_model()
+    paths = with_sampler_logprobs(make_paths(), reference)
+    trainer = Trainer(model, config(loss="ppo_clip", mini_batches=mini_batches, micro_batch_size=1))
+    exact = Trainer(reference, config(loss="ppo_clip", mini_batches=mini_batches, micro_batch_size=1, old_logprobs="sampler"))
+    scored = []
+    score = trainer.forward.score
+    monkeypatch.setattr(trainer.forward, "score", lambda *a, **k: scored.append(1) or score(*a, **k))
+    metrics = await trainer.step(paths)
+    await exact.step(paths)
+    assert len(scored) == (0 if mini_batches == 1 else 1)
+    assert metrics["mismatch/tokens"] == 32 and metrics["mismatch/max_abs"] < 1e-5
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)  # lr 1e-3: Adam moves a weight ±1e-3
+
+
 async def test_aepo_gets_the_exact_token_entropy_for_its_entropy_aware_advantage():
     model, paths = tiny_model(), make_paths()
     batch = collate(paths, 0)
