@@ -194,7 +194,9 @@ async def test_one_update_a_batch_takes_old_logprobs_from_its_own_pass(mini_batc
     model, reference = tiny_model(), tiny_model()
     paths = with_sampler_logprobs(make_paths(), reference)
     trainer = Trainer(model, config(loss="ppo_clip", mini_batches=mini_batches, micro_batch_size=1))
-    exact = Trainer(reference, config(loss="ppo_clip", mini_batches=mini_batches, micro_batch_size=1, old_logprobs="sampler"))
+    exact = Trainer(
+        reference, config(loss="ppo_clip", mini_batches=mini_batches, micro_batch_size=1, old_logprobs="sampler")
+    )
     scored = []
     score = trainer.forward.score
     monkeypatch.setattr(trainer.forward, "score", lambda *a, **k: scored.append(1) or score(*a, **k))
