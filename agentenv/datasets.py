@@ -46,6 +46,7 @@ from typing import Any, Literal, get_args
 
 __all__ = [
     "BUILTIN_DATASETS",
+    "POOLED_DATASETS",
     "UNANSWERABLE",
     "DatasetError",
     "Example",
@@ -108,6 +109,11 @@ BUILTIN_DATASETS: dict[str, str] = {
 }
 #: The multi-hop sets whose paragraphs, pooled, form the offline corpus for sets without any.
 MULTIHOP_DATASETS = ("hotpotqa", "hotpotqa-official", "2wiki", "musique")
+#: Shipped datasets that are several others one after another, in this order: ``multihop`` is
+#: HotpotQA's 500, then 2WikiMultihopQA's 164, then MuSiQue's 200 (864 questions). A run's
+#: ``holdout`` takes the first rows, so ``holdout=400`` holds out 400 HotpotQA questions and trains
+#: on the other 464 (HotpotQA-official's 20 are left out: they may repeat HotpotQA dev questions).
+POOLED_DATASETS: dict[str, tuple[str, ...]] = {"multihop": ("hotpotqa", "2wiki", "musique")}
 
 
 def builtin_path(name: str) -> Path:
@@ -298,7 +304,7 @@ def load_examples(
     """Load a QA file (any supported format) or a shipped dataset by name.
 
     Args:
-        source: A shipped dataset name (:data:`BUILTIN_DATASETS`) or a path.
+        source: A shipped dataset name (:data:`BUILTIN_DATASETS`, :data:`POOLED_DATASETS`) or a path.
         aliases: 2WikiMultihopQA's alias file (``id_aliases.json``); each row's gold answers
             gain the ``aliases`` and ``demonyms`` of its ``answer_id``, as in the official
             evaluation. Only for files whose rows have an ``answer_id``.
@@ -312,6 +318,10 @@ def load_examples(
         raise ValueError(
             f"unanswerable must be one of {', '.join(map(repr, get_args(UnanswerableMode)))}, got {unanswerable!r}"
         )
+    if isinstance(source, str) and source in POOLED_DATASETS:
+        if aliases is not None:
+            raise DatasetError(f"aliases= is for one 2WikiMultihopQA file, not the pooled dataset {source!r}")
+        return [e for name in POOLED_DATASETS[source] for e in load_examples(name, unanswerable=unanswerable)]
     path = builtin_path(source) if isinstance(source, str) and source in BUILTIN_DATASETS else Path(source)
     if not path.is_file():
         raise DatasetError(f"no such data file: {path} (shipped datasets: {sorted(BUILTIN_DATASETS)})")

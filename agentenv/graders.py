@@ -92,6 +92,7 @@ DATASET_F1: dict[str, F1Variant] = {
     "hotpotqa": "hotpotqa",  # hotpotqa/hotpot, hotpot_evaluate_v1.py
     "hotpotqa-official": "hotpotqa",
     "2wiki": "hotpotqa",  # Alab-NII/2wikimultihop, 2wikimultihop_evaluate_v1.1.py (adapted from HotpotQA's)
+    "multihop": "hotpotqa",  # HotpotQA's 500 first, then 2Wiki's, then MuSiQue's (agentenv.datasets.POOLED_DATASETS)
 }
 
 #: The F1 that a data file's format implies (:func:`agentenv.datasets.detect_format`); a format not

@@ -20,6 +20,13 @@ _ENVIRONMENTS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("multihop-qa:hotpotqa", QA_ENTRY_POINT, {"dataset": "hotpotqa"}, f"HotpotQA dev 500, {_OWN}"),
     ("multihop-qa:2wiki", QA_ENTRY_POINT, {"dataset": "2wiki"}, f"2WikiMultihopQA dev 164, {_OWN}"),
     ("multihop-qa:musique", QA_ENTRY_POINT, {"dataset": "musique"}, f"MuSiQue dev 200, {_OWN}"),
+    (
+        "multihop-qa:pooled",
+        QA_ENTRY_POINT,
+        {"dataset": "multihop"},
+        "HotpotQA dev 500, then 2WikiMultihopQA dev 164 and MuSiQue dev 200 (held out first, trained on after); "
+        "BM25 over their pooled paragraphs; EM reward",
+    ),
     ("multihop-qa:bamboogle", QA_ENTRY_POINT, {"dataset": "bamboogle"}, f"Bamboogle 125, {_POOLED}"),
     ("singlehop-qa", QA_ENTRY_POINT, {"dataset": "nq"}, f"NQ-open test 1k, {_POOLED}"),
     ("singlehop-qa:nq", QA_ENTRY_POINT, {"dataset": "nq"}, f"NQ-open test 1k, {_POOLED}"),

@@ -252,6 +252,17 @@ def test_the_shipped_2wiki_file_takes_an_alias_file_keyed_by_its_answer_ids(tmp_
     assert load_examples("2wiki")[0].answers == ("Free Guy",)  # the cache keeps the two loads apart
 
 
+def test_the_pooled_multihop_dataset_is_hotpotqa_then_2wiki_then_musique():
+    pooled = load_examples("multihop")
+    parts = [load_examples(name) for name in ("hotpotqa", "2wiki", "musique")]
+    assert [len(part) for part in parts] == [500, 164, 200] and len(pooled) == 864
+    assert pooled == parts[0] + parts[1] + parts[2]  # in order: holdout=400 holds out HotpotQA questions only
+    with pytest.raises(
+        DatasetError, match="aliases= is for one 2WikiMultihopQA file, not the pooled dataset 'multihop'"
+    ):
+        load_examples("multihop", aliases="id_aliases.json")
+
+
 def test_2wiki_rows_that_carry_their_aliases_are_scored_against_them(tmp_path):
     rows = [
         _two_wiki_row("a", "New York City", "Q60", answer_aliases=["NYC", "New York City"]),

@@ -333,6 +333,19 @@ def test_singlehop_sets_search_the_pooled_multihop_corpus():
 REGISTERED = sorted(agentenv.registry)
 
 
+def test_the_pooled_env_searches_every_multihop_sets_paragraphs_and_grades_with_hotpotqas_f1():
+    env = agentenv.make("multihop-qa:pooled")
+    assert len(env.tasks) == 864 and env.tasks[500].question == agentenv.datasets.load_examples("2wiki")[0].question
+    own = {
+        (p.title, p.text)
+        for name in ("hotpotqa", "2wiki", "musique")
+        for e in agentenv.datasets.load_examples(name)
+        for p in e.paragraphs
+    }
+    assert len(env.backend.passages) == len(own) == 9293
+    assert env.grader.keywords["f1"] == "hotpotqa"
+
+
 def test_registered_ids():
     assert REGISTERED == [
         "multihop-qa",
@@ -340,6 +353,7 @@ def test_registered_ids():
         "multihop-qa:bamboogle",
         "multihop-qa:hotpotqa",
         "multihop-qa:musique",
+        "multihop-qa:pooled",
         "python-math",
         "python-math:arithmetic",
         "python-math:gsm8k",
