@@ -79,7 +79,7 @@ from agents.engines.cpu_kernels import (
     weights_version,
 )
 from agents.engines.fused_decode import FusedDecodeStep
-from agents.engines.kv_cache import PrefixCache, SlotCache
+from agents.engines.kv_cache import PREFIX_CACHE_BYTES, PrefixCache, SlotCache, kv_bytes_per_token
 from agents.engines.sampling import RowSampler, to_device
 from agents.models import DEFAULT_MODEL, cpu_compute_dtype, load_model, load_tokenizer, release_openmp_threads
 
@@ -230,7 +230,10 @@ class HFEngine(Engine):
     one forward pass; ``batch_window_s`` is how long an idle worker waits for more requests
     before starting a batch; ``seed`` seeds the generator of requests without their own seed;
     ``prefix_cache_tokens`` bounds the tokens whose KV the prefix cache keeps (0 turns it off;
-    the default holds 32 SmolLM2 episodes of 1,000 tokens in 1.5 GB). ``compute_dtype`` is what the
+    the default, None, is as many as :data:`~agents.engines.kv_cache.PREFIX_CACHE_BYTES` (3 GiB) of
+    KV hold: 139,810 tokens of SmolLM2-135M in bfloat16. A multihop-qa step of 128 concurrent episodes
+    rolled out in 48 s with 131,072 tokens against 75 s with 32,768, the default before: evicted
+    contexts are prefilled again at the next turn). ``compute_dtype`` is what the
     forward passes and the KV cache use: by default bfloat16 on a GPU; on a CPU, for a float32 model,
     :func:`~agents.models.cpu_compute_dtype` (bfloat16 where the CPU has AMX or AVX512-BF16),
     else the model's own dtype. A model in another dtype generates from a :class:`ComputeCopy` in it (memory for one
@@ -253,7 +256,7 @@ class HFEngine(Engine):
         max_batch_size: int = 32,
         batch_window_s: float = 0.005,
         seed: int | None = None,
-        prefix_cache_tokens: int = 32768,
+        prefix_cache_tokens: int | None = None,
         compute_dtype: torch.dtype | None = None,
         fused_decode: bool = True,
     ) -> None:
@@ -264,7 +267,7 @@ class HFEngine(Engine):
             raise ValueError("HFEngine(model=<loaded model>) needs tokenizer= as well (an object or a model name)")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if prefix_cache_tokens < 0:
+        if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0 (0 turns the cache off), got {prefix_cache_tokens}")
         layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
         if any(kind != "full_attention" for kind in layer_types):
@@ -310,6 +313,9 @@ class HFEngine(Engine):
         # for one pass at most: a threading.Lock is not fair, and a busy worker would take it back at once.
         self._turnstile = threading.Lock()
         self.stats = BatchStats()
+        if prefix_cache_tokens is None:
+            per_token = kv_bytes_per_token(model.config.get_text_config(), compute_dtype)
+            prefix_cache_tokens = PREFIX_CACHE_BYTES // per_token
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._weights_version = -1
         self._inflight_version: int | None = None  # the last update_weights_in_flight's version

@@ -22,7 +22,7 @@ from agents.engines.cpu_kernels import (
     packed_linear_supported,
 )
 from agents.engines.hf import shared_prefix_order
-from agents.engines.kv_cache import GROWTH, PrefixCache, SlotCache
+from agents.engines.kv_cache import GROWTH, PREFIX_CACHE_BYTES, PrefixCache, SlotCache, kv_bytes_per_token
 from agents.engines.sampling import sample_next_tokens
 from agents.models import CPU_BFLOAT16_VARIABLE, DEFAULT_MODEL, cpu_compute_dtype, load_model, load_tokenizer
 
@@ -239,6 +239,19 @@ def kv_of(ids):
     """Fake KV of one layer whose values are the token ids, so slices show which tokens they hold."""
     values = torch.tensor(ids, dtype=torch.float32)[None, :, None]
     return [(values, -values)]
+
+
+def test_the_prefix_cache_holds_3_gib_of_kv_by_default(tokenizer):
+    from agents.models import tiny_llama
+
+    model = tiny_llama(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    config = model.config  # 2 layers x keys and values x 2 kv heads x head dim 8, in bfloat16: 128 bytes a token
+    assert kv_bytes_per_token(config, torch.bfloat16) == config.num_hidden_layers * 2 * 2 * 8 * 2 == 128
+    engine = HFEngine(model=model, tokenizer=tokenizer, compute_dtype=torch.bfloat16)
+    assert engine.prefix_cache.max_tokens == PREFIX_CACHE_BYTES // 128 == 3 * 2**30 // 128
+    assert HFEngine(model=model, tokenizer=tokenizer, prefix_cache_tokens=100).prefix_cache.max_tokens == 100
+    with pytest.raises(ValueError, match="prefix_cache_tokens must be >= 0"):
+        HFEngine(model=model, tokenizer=tokenizer, prefix_cache_tokens=-1)
 
 
 def test_prefix_cache_finds_the_longest_common_prefix():
