@@ -16,7 +16,7 @@ run fits; a run on a GPU warns at start when it does not. The estimate counts, p
   micro-batch's without chunking;
 - the engine: vLLM's bfloat16 weights and its KV cache (the share it is given, or what the
   rollout's concurrency needs at full length), or HFEngine's KV cache (bfloat16 on a GPU, float32
-  on a CPU; it shares the trainer's weights).
+  on a CPU; it shares the trainer's weights) and its prefix cache, counted full.
 
 The update and the rollout take turns when the engine sleeps (vLLM on the trainer's GPU): the
 device's peak is the larger of the two phases; otherwise both are held at once. Checked against
@@ -226,10 +226,18 @@ def memory_plan(
     else:
         parts["engine weights"] = 0.0  # HFEngine generates with the trainer's own model object
         # bfloat16 on a GPU (HFEngine's autocast there), float32 on a CPU
-        parts["engine KV cache"] = (2.0 if on_gpu else 4.0) * kv_per_token * concurrency * max_tokens
+        kv_bytes = (2.0 if on_gpu else 4.0) * kv_per_token
+        parts["engine KV cache"] = kv_bytes * concurrency * max_tokens
+        # Its prefix cache, full: prefix_cache_tokens, else PREFIX_CACHE_BYTES. Imported here: the module
+        # brings transformers, and `agents train --help` reads this one.
+        from agents.engines.kv_cache import PREFIX_CACHE_BYTES
+
+        cached = engine_kwargs.get("prefix_cache_tokens")
+        parts["engine prefix cache"] = float(PREFIX_CACHE_BYTES) if cached is None else kv_bytes * int(cached)
     update = sum(parts[name] for name in ("trainer weights", "gradients", "optimizer state")) + activations
     update += parts["logits (scoring)"]
     rollout = parts["trainer weights"] + parts["optimizer state"] + parts["engine weights"] + parts["engine KV cache"]
+    rollout += parts.get("engine prefix cache", 0.0)
     if not sleeps:
         rollout += parts["gradients"]  # kept through the rollout when nothing asks for their memory
     return MemoryPlan(parts, update, rollout, device_bytes, sleeps, notes)

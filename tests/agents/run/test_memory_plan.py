@@ -171,3 +171,23 @@ def test_layers_left_out_of_checkpointing_keep_their_activations_in_the_plan():
     assert every == pytest.approx(1000 * 30 * 4 * 576 + per_layer)
     assert tenth == pytest.approx(1000 * 3 * 4 * 576 + 27 * per_layer + per_layer)
     assert every < tenth < none
+
+
+def test_hfengines_prefix_cache_counts_full_in_the_rollout_phase():
+    shape = model_shape("smollm2-135m")  # 30 layers x 3 kv heads x head dim 64
+
+    def plan(**engine_kwargs):
+        return memory_plan(
+            shape,
+            trainer=TrainerConfig(),
+            engine="hf",
+            engine_kwargs=engine_kwargs,
+            concurrency=8,
+            max_tokens=1000,
+            on_gpu=False,
+        )
+
+    default, small = plan(), plan(prefix_cache_tokens=1000)
+    assert default.parts["engine prefix cache"] == 3 * GIB
+    assert small.parts["engine prefix cache"] == 1000 * 4 * 2 * 30 * 3 * 64  # float32 keys and values
+    assert default.rollout_peak - small.rollout_peak == pytest.approx(3 * GIB - 1000 * 4 * 2 * 30 * 3 * 64)
