@@ -62,6 +62,7 @@ __all__ = [
     "heldout_request",
     "interval",
     "paired_difference",
+    "paired_line",
     "paired_table",
     "read_evaluation",
 ]
@@ -462,7 +463,7 @@ def paired_table(
         if name not in before.per_question or name not in after.per_question:
             continue
         display = SCORE_DISPLAY[name]
-        scale, unit = (100.0, " %") if display.bounds == FRACTION else (1.0, "")
+        scale, unit = _scale(name)
         a, b = before.per_question[name], after.per_question[name]
         mean_a, mean_b, diff = statistics.fmean(a), statistics.fmean(b), paired_difference(a, b)
         numbers[name] = {
@@ -481,3 +482,23 @@ def paired_table(
             ]
         )
     return text_table(head, body), numbers
+
+
+def paired_line(numbers: Mapping[str, Any], name: str, labels: tuple[str, str], questions: int) -> str:
+    """One line of :func:`paired_table`'s ``numbers``: score ``name`` before, after, and their paired difference."""
+    if name not in numbers:
+        raise ValueError(f"no paired score {name!r} in both evaluations; they have {', '.join(numbers) or 'none'}")
+    scale, unit = _scale(name)
+    row = numbers[name]
+    points = " points" if scale > 1 else ""
+    return (
+        f"held-out {SCORE_DISPLAY[name].name}{unit}: {labels[0]} {scale * row[labels[0]]:.1f}, "
+        f"{labels[1]} {scale * row[labels[1]]:.1f}; {labels[1]} − {labels[0]} "
+        f"{scale * row['difference']:+.1f}{points} [{scale * row['difference_low']:+.1f}, "
+        f"{scale * row['difference_high']:+.1f}] (paired 95%, {questions} questions)"
+    )
+
+
+def _scale(name: str) -> tuple[float, str]:
+    """How a score is shown: fractions as percentages."""
+    return (100.0, " %") if SCORE_DISPLAY[name].bounds == FRACTION else (1.0, "")

@@ -332,6 +332,13 @@ def test_evaluations_saved_in_run_folders_are_read_back_and_compared(tmp_path, c
     numbers = json.loads((tmp_path / "c.json").read_text())["scores"]
     assert numbers["f1"]["sft"] == 0.375 and numbers["f1"]["rl"] == 0.75 and numbers["f1"]["difference"] == 0.375
     assert numbers["em"]["difference"] == 0.25
+    assert main(["compare", str(sft), str(rl), "--labels", "sft", "rl", "--summary", "f1"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("held-out word F1 %: sft 37.5, rl 75.0; rl − sft +37.5 points [")
+    assert line.endswith("] (paired 95%, 4 questions)")
+    with pytest.raises(SystemExit):
+        main(["compare", str(sft), str(rl), "--summary", "bleu"])
+    assert "no paired score 'bleu' in both evaluations; they have f1, em" in capsys.readouterr().err
 
     with pytest.raises(FileNotFoundError, match="has no evaluation at step 7; it has steps \\[0, 40\\]"):
         read_evaluation(f"{sft}@7")
