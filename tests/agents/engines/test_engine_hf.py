@@ -677,6 +677,28 @@ async def test_a_float32_model_generates_from_a_bfloat16_copy_with_a_bfloat16_kv
         await half.close()
 
 
+async def test_after_a_weight_change_concurrent_prompts_still_prefill_their_shared_prefix_once(tokenizer):
+    # The prefix cache is emptied when the weights change; it once was emptied after the requests
+    # were ordered by it, so that every rollout after a training step prefilled each shared prompt
+    # once per request.
+    from agents.models import tiny_llama
+
+    model = tiny_llama(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    engine = HFEngine(model=model, tokenizer=tokenizer, batch_window_s=0.2)
+    task = list(range(100, 180))
+    chains = [task + [200 + n, 300 + n] for n in range(4)]
+    try:
+        for change in range(2):
+            passes, hits = engine.stats.prefill_passes, engine.stats.prefix_cache_hit_tokens
+            await asyncio.gather(*(engine.generate(chain, greedy(2)) for chain in chains))
+            assert engine.stats.prefill_passes - passes == 2  # the first alone, then the three others on its KV
+            assert engine.stats.prefix_cache_hit_tokens - hits == 3 * len(task)
+            with torch.no_grad():  # an optimiser step on a shared model: every cached KV is stale
+                next(model.parameters()).mul_(1.0 + 1e-3 * (change + 1))
+    finally:
+        await engine.close()
+
+
 async def test_one_request_at_a_time_serves_every_queued_request(tokenizer):
     # max_batch_size=1 leaves requests queued while one runs; the worker once waited for a new
     # arrival before taking them, so they hung.
