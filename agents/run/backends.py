@@ -1,9 +1,11 @@
-"""Where a run's rollouts and held-out evaluations run: the :class:`RolloutBackend` contract and its implementations.
+"""The two contracts of a run's parts: where its rollouts run (:class:`RolloutBackend`) and where it trains (:class:`TrainerBackend`).
 
-:class:`LocalRollout` runs them in this process, on one engine (``cluster.rollout_workers = 0``);
-:class:`agents.run.cluster.rollout_workers.RolloutPool` on Ray actors that each own an engine. The
-training loop (:mod:`agents.run.train`) and its step producers (:mod:`agents.run.steps`) use nothing
-else of either. :func:`run_engine` builds a run's engine, here or on a worker.
+:class:`LocalRollout` runs the rollouts and held-out evaluations in this process, on one engine
+(``cluster.rollout_workers = 0``); :class:`agents.run.cluster.rollout_workers.RolloutPool` on Ray
+actors that each own an engine. :class:`agents.training.trainer.Trainer` trains in this process;
+:class:`agents.run.cluster.trainer_ranks.TrainerGroup` on Ray ranks that shard it. The training loop
+(:mod:`agents.run.train`) and its step producers (:mod:`agents.run.steps`) use nothing else of
+either. :func:`run_engine` builds a run's engine, here or on a worker.
 """
 
 from __future__ import annotations
@@ -22,12 +24,74 @@ from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree_loop import rollout_trees
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from agentenv.wrappers import TokenEnv
     from agents.rollout.episodes import RolloutConfig
+    from agents.rollout.tree import TrainingPath
     from agents.run.config import RunParts, TrainConfig
     from agents.training.trainer import Trainer
+    from agents.training.trainer_config import TrainerConfig
 
-__all__ = ["LocalRollout", "RolloutBackend", "run_engine"]
+__all__ = ["LocalRollout", "RolloutBackend", "TrainerBackend", "run_engine"]
+
+
+class TrainerBackend(Protocol):
+    """What the training loop asks of the place it trains (steps 3-5 of :mod:`agents.run.train`)."""
+
+    config: TrainerConfig
+    #: Steps trained so far (the weights after step ``s`` are version ``s``).
+    step_count: int
+    tokenizer: Any
+    #: Receives the weights after every step (:meth:`step`, :meth:`sync_weights`); None: nothing does.
+    engine: Any
+
+    @property
+    def local(self) -> Trainer | None:
+        """The trainer object when it runs in this process (an engine here may share its model, and it logs
+        to W&B from here), else None."""
+        ...
+
+    @property
+    def placement(self) -> list[dict[str, Any]]:
+        """Where each rank runs, ``{"rank", "node", "ip", "pid"}``; empty for a trainer in this process."""
+        ...
+
+    @property
+    def rendezvous(self) -> tuple[str, int] | None:
+        """Where the ranks met (address, port); None for a trainer in this process."""
+        ...
+
+    async def step(
+        self, paths: Sequence[TrainingPath], rollout_metrics: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
+        """Train on one rollout batch (after :meth:`accumulate`, its remaining paths), sync :attr:`engine`, and
+        return the step's record (:meth:`agents.training.trainer.Trainer.step`)."""
+        ...
+
+    async def accumulate(self, paths: Sequence[TrainingPath]) -> None:
+        """Run the next step's passes on part of its batch now (asynchronous training's streamed update)."""
+        ...
+
+    async def sync_weights(self) -> None:
+        """Hand the current weights to :attr:`engine`."""
+        ...
+
+    def save_checkpoint(self, *, data_position: dict[str, Any] | None = None, plot_title: str | None = None) -> Path:
+        """Write a checkpoint of the step trained last; its folder."""
+        ...
+
+    def resume(self, path: str | Path) -> dict[str, Any]:
+        """Load a checkpoint (weights, optimiser, RNG, step count); its ``data_position``."""
+        ...
+
+    def open_steps_bar(self) -> None:
+        """Show the run's ``train`` progress bar now."""
+        ...
+
+    def close(self) -> None:
+        """Release what the trainer holds (its ranks, its reporters)."""
+        ...
 
 
 class RolloutBackend(Protocol):
@@ -43,6 +107,11 @@ class RolloutBackend(Protocol):
     def supports_sleep(self) -> bool:
         """Whether the engines share the trainer's GPUs and sleep through each update (so nothing can roll
         out during one)."""
+        ...
+
+    @property
+    def placement(self) -> list[dict[str, Any]]:
+        """Where each rollout worker runs, ``{"rank", "node", "ip", "pid"}``; empty when they run in this process."""
         ...
 
     async def rollout(
@@ -89,6 +158,10 @@ class LocalRollout(RolloutBackend):
     @property
     def supports_sleep(self) -> bool:
         return self._engine.supports_sleep
+
+    @property
+    def placement(self) -> list[dict[str, Any]]:
+        return []
 
     async def rollout(
         self, tasks: Sequence[int], seed: int, on_branches: Callable[[int], None] | None = None

@@ -25,8 +25,7 @@ from agents.training.checkpoint import (
 )
 
 if TYPE_CHECKING:
-    from agents.run.cluster.trainer_ranks import TrainerGroup
-    from agents.training.trainer import Trainer
+    from agents.run.backends import TrainerBackend
 
 __all__ = [
     "CONFIG_FILE",
@@ -183,7 +182,7 @@ def _replace_a_failed_start(out: Path, log: Callable[[str], None]) -> None:
 
 
 def resume_trainer(
-    trainer: Trainer | TrainerGroup, checkpoint: Path, log: Callable[[str], None]
+    trainer: TrainerBackend, checkpoint: Path, log: Callable[[str], None]
 ) -> tuple[Path, dict[str, Any]]:
     """``trainer.resume(checkpoint)``, or from the newest intact checkpoint before it when loading finds a
     damaged file that the checks before could not see (``torch.load`` reads all of ``trainer_state.pt``);

@@ -30,11 +30,9 @@ from agents.rollout.tree_loop import planned_branches
 from agents.run.task_order import TaskOrder
 
 if TYPE_CHECKING:
-    from agents.run.backends import RolloutBackend
+    from agents.run.backends import RolloutBackend, TrainerBackend
     from agents.run.cluster.rollout_workers import RolloutPool
-    from agents.run.cluster.trainer_ranks import TrainerGroup
     from agents.run.config import RunParts, TrainConfig
-    from agents.training.trainer import Trainer
 
 __all__ = [
     "PipelinedSteps",
@@ -489,7 +487,7 @@ def _drained(queue: asyncio.Queue[PromptTrees]) -> list[PromptTrees]:
 
 
 def streamed_update(
-    config: TrainConfig, trainer: Trainer | TrainerGroup
+    config: TrainConfig, trainer: TrainerBackend
 ) -> Callable[[list[TrainingPath]], Awaitable[None]] | None:
     """The trainer's ``accumulate`` when the run streams each prompt's trees to it (``stream_update``)."""
     one_update = trainer.config.mini_batches == trainer.config.epochs == 1

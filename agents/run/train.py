@@ -60,7 +60,7 @@ from agentenv.wrappers import TokenEnv
 from agents.eval.heldout import HeldOut, HeldOutEvaluation, HeldOutLog
 from agents.learners import Learner
 from agents.progress import note
-from agents.run.backends import LocalRollout, RolloutBackend, run_engine
+from agents.run.backends import LocalRollout, RolloutBackend, TrainerBackend, run_engine
 from agents.run.cluster.config import ClusterConfig
 from agents.run.cluster.rollout_workers import RolloutPool, WorkerSpec
 from agents.run.cluster.runtime import cpu_share, ensure_ray
@@ -208,7 +208,7 @@ async def train(
 
 
 def _checkpoint(
-    trainer: Trainer | TrainerGroup,
+    trainer: TrainerBackend,
     config: TrainConfig,
     step: int,
     position: dict[str, int],
@@ -244,11 +244,11 @@ def plot_title(algo: str, config: TrainConfig, out_dir: str | Path) -> str:
     return f"{algo} · {config.env} · {config.model} ({out_dir})"
 
 
-def _heldout_reporters(parts: RunParts, trainer: Trainer | TrainerGroup, log: Callable[[str], None]) -> tuple[str, ...]:
+def _heldout_reporters(parts: RunParts, trainer: TrainerBackend, log: Callable[[str], None]) -> tuple[str, ...]:
     """The held-out log's reporters: the trainer's, but W&B only in the process whose trainer logs to it (one
     W&B run takes one process; trainer ranks log from rank 0's)."""
     report_to = tuple(parts.trainer.report_to)
-    if "wandb" not in report_to or isinstance(trainer, Trainer):
+    if "wandb" not in report_to or trainer.local is not None:
         return report_to
     log("W&B gets the trainer's metrics from trainer rank 0's process, not the held-out scores (heldout/ has them)")
     return tuple(name for name in report_to if name != "wandb") or ("none",)
@@ -270,7 +270,7 @@ def _processes(cluster: ClusterConfig) -> int:
     return cluster.rollout_workers + (cluster.trainer_ranks if cluster.trainer_ranks > 1 else 0)
 
 
-def _make_trainer(config: TrainConfig, parts: RunParts, out: Path, progress: bool | None) -> Trainer | TrainerGroup:
+def _make_trainer(config: TrainConfig, parts: RunParts, out: Path, progress: bool | None) -> TrainerBackend:
     """The trainer in this process, or ``cluster.trainer_ranks`` ranks sharding it (Ray actors)."""
     trainer_config = dataclasses.replace(parts.trainer, progress=progress)
     if parts.cluster.trainer_ranks == 1:
@@ -290,14 +290,13 @@ def _make_trainer(config: TrainConfig, parts: RunParts, out: Path, progress: boo
 
 
 def _make_rollout(
-    config: TrainConfig, parts: RunParts, env: TokenEnv, trainer: Trainer | TrainerGroup, log: Callable[[str], None]
+    config: TrainConfig, parts: RunParts, env: TokenEnv, trainer: TrainerBackend, log: Callable[[str], None]
 ) -> RolloutBackend:
     """Where the rollouts run: this process's engine (on the trainer's own model when it is here),
     or ``cluster.rollout_workers`` Ray actors."""
     cluster = parts.cluster
     if not cluster.rollout_workers:
-        here = trainer if isinstance(trainer, Trainer) else None
-        return LocalRollout(env, run_engine(config, parts.tree.rollout, here, log), trainer.tokenizer, parts)
+        return LocalRollout(env, run_engine(config, parts.tree.rollout, trainer.local, log), trainer.tokenizer, parts)
     engine = cluster.worker_engine or config.engine
     own_engine = _load_entry_point(engine) if ":" in engine else None  # "module:attr", the user's engine
     worker_config = dataclasses.replace(config, engine=config.engine if own_engine else engine)
@@ -340,19 +339,16 @@ def _load_entry_point(name: str) -> Callable[[], Any]:
         ) from None
 
 
-def _record_placement(
-    out: Path, trainer: Trainer | TrainerGroup, rollout: RolloutBackend, log: Callable[[str], None]
-) -> None:
+def _record_placement(out: Path, trainer: TrainerBackend, rollout: RolloutBackend, log: Callable[[str], None]) -> None:
     """Say where each trainer rank and rollout worker landed, and keep it in ``placement.json``."""
-    ranks = trainer.placement if isinstance(trainer, TrainerGroup) else []
-    workers = [{key: info[key] for key in ("rank", "node", "ip", "pid")} for info in getattr(rollout, "info", [])]
+    ranks, workers = trainer.placement, rollout.placement
     if not ranks and not workers:
         return
     for kind, entries in (("trainer rank", ranks), ("rollout worker", workers)):
         for entry in entries:
             log(f"{kind} {entry['rank']} on node {str(entry['node'])[:12]} ({entry['ip']}), pid {entry['pid']}")
     placement: dict[str, Any] = {"trainer_ranks": ranks, "rollout_workers": workers}
-    if isinstance(trainer, TrainerGroup):
+    if trainer.rendezvous is not None:
         placement["rendezvous"] = "{}:{}".format(*trainer.rendezvous)
     (out / PLACEMENT_FILE).write_text(json.dumps(placement, indent=2) + "\n", encoding="utf-8")
 
@@ -363,7 +359,7 @@ def _step_producer(
     rollout: RolloutBackend,
     order: TaskOrder,
     progress: bool | None,
-    trainer: Trainer | TrainerGroup,
+    trainer: TrainerBackend,
 ) -> SynchronousSteps | PipelinedSteps:
     """Where each step's batch comes from: the rollout workers' pipeline (at η = 0 the synchronous steps,
     with the workers' idle time measured), or one rollout after another in this process."""

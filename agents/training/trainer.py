@@ -51,7 +51,13 @@ import torch
 from torch import distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from agents.models import cpu_compute_dtype, load_model, load_tokenizer, release_openmp_threads
+from agents.models import (
+    cpu_compute_dtype,
+    load_model,
+    load_tokenizer,
+    release_free_memory,
+    release_openmp_threads,
+)
 from agents.progress import progress_bar, transformers_bars
 from agents.rollout.tree import TrainingPath
 from agents.training.batch import PathBatch, collate
@@ -182,6 +188,21 @@ class Trainer:
         self._engine = engine
 
     @property
+    def local(self) -> Trainer:
+        """This trainer, which runs in this process (:class:`agents.run.backends.TrainerBackend`)."""
+        return self
+
+    @property
+    def placement(self) -> list[dict[str, Any]]:
+        """None of its own: it runs in this process (:class:`agents.run.backends.TrainerBackend`)."""
+        return []
+
+    @property
+    def rendezvous(self) -> None:
+        """None: it meets no other ranks itself (:class:`agents.run.backends.TrainerBackend`)."""
+        return None
+
+    @property
     def shares_weights_with_engine(self) -> bool:
         """Whether the engine generates with this very model object (no copy needed)."""
         shared = getattr(self.engine, "model", None)
@@ -290,7 +311,8 @@ class Trainer:
 
     async def _in_thread(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` in an executor thread, whose OpenMP helpers end after it on CPU: an engine decoding next
-        in another thread runs at full speed (:func:`~agents.models.release_openmp_threads`)."""
+        in another thread runs at full speed (:func:`~agents.models.release_openmp_threads`). The memory the
+        update freed goes back to the system (:func:`~agents.models.release_free_memory`)."""
 
         def run() -> Any:
             try:
@@ -298,6 +320,7 @@ class Trainer:
             finally:
                 if self.device.type == "cpu":
                     release_openmp_threads()
+                release_free_memory()
 
         return await asyncio.to_thread(run)
 
@@ -405,7 +428,7 @@ class Trainer:
         batch: PathBatch,
         micro: MicroBatch,
         real: bool,
-        old_and_reference: tuple[torch.Tensor, torch.Tensor | None],
+        old_and_reference: tuple[torch.Tensor | None, torch.Tensor | None],
         weight: float,
         work: StepWork,
         *,

@@ -477,6 +477,11 @@ class RolloutPool(RolloutBackend):
         """Whether the workers' engines share the trainer's GPUs (``colocated``) and can sleep through its updates."""
         return self._sleeps
 
+    @property
+    def placement(self) -> list[dict[str, Any]]:
+        """Where each worker runs, ``{"rank", "node", "ip", "pid"}`` (their latest incarnation)."""
+        return [{key: info[key] for key in ("rank", "node", "ip", "pid")} for info in self.info]
+
     def set_version(self, version: int) -> None:
         """The workers hold the weights of ``version`` (a resumed run's: the next sync is ``version + 1``)."""
         self.version = version

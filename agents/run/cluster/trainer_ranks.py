@@ -289,6 +289,11 @@ class TrainerGroup:
 
     # ---- the driver's calls ---------------------------------------------------------------
 
+    @property
+    def local(self) -> None:
+        """None: the trainer runs on the ranks, not in this process (:class:`agents.run.backends.TrainerBackend`)."""
+        return None
+
     async def step(self, paths: Sequence[Any], rollout_metrics: Mapping[str, float] | None = None) -> dict[str, float]:
         """One training step on every rank; the record (Trainer.step's, without an engine sync), rank 0's."""
         batch = self._ray.put(list(paths))  # once in the object store, read by every rank

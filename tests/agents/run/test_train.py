@@ -514,3 +514,32 @@ async def test_keep_checkpoints_bounds_the_run_folder_and_resume_continues_exact
     a = load_file(tmp_path / "a" / "checkpoints" / "step_000003" / "model" / "model.safetensors")
     b = load_file(checkpoints / "step_000003" / "model" / "model.safetensors")
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_placement_json_comes_from_the_backends_placement_and_rendezvous(tmp_path):
+    from agents.models import tiny_llama
+    from agents.run.train import _record_placement
+    from agents.training.trainer import Trainer
+    from agents.training.trainer_config import TrainerConfig
+
+    class Ranks:  # what TrainerGroup gives the TrainerBackend contract
+        local = None
+        placement = [{"rank": 0, "node": "0123456789abcdef", "ip": "10.0.0.1", "pid": 7}]
+        rendezvous = ("10.0.0.1", 29500)
+
+    class Here:  # LocalRollout's: its engine runs in this process
+        placement: list = []
+
+    lines: list[str] = []
+    _record_placement(tmp_path, Ranks(), Here(), lines.append)
+    assert json.loads((tmp_path / "placement.json").read_text()) == {
+        "trainer_ranks": Ranks.placement,
+        "rollout_workers": [],
+        "rendezvous": "10.0.0.1:29500",
+    }
+    assert lines == ["trainer rank 0 on node 0123456789ab (10.0.0.1), pid 7"]
+    (tmp_path / "placement.json").unlink()
+    trainer = Trainer(tiny_llama(), TrainerConfig(progress=False, report_to=("none",)))
+    assert trainer.local is trainer and trainer.placement == [] and trainer.rendezvous is None
+    _record_placement(tmp_path, trainer, Here(), lines.append)  # everything in this process: nothing to record
+    assert not (tmp_path / "placement.json").exists() and len(lines) == 1
