@@ -30,7 +30,7 @@ import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,7 @@ __all__ = [
     "Engine",
     "FinishReason",
     "SamplingParams",
+    "WeightReceiver",
     "find_stop",
     "stop_overshoot",
 ]
@@ -177,6 +178,28 @@ class BatchStats:
             "engine/mean_rows": self.decode_rows / self.decode_passes if self.decode_passes else 0.0,
             "engine/busy_tokens_per_s": self.generated_tokens / busy if busy > 0 else 0.0,
         }
+
+
+class WeightReceiver(Protocol):
+    """What a trainer hands its new weights to after each step: an :class:`Engine`, or a pool of engines on
+    rollout workers (:class:`agents.run.cluster.rollout_workers.RolloutPool`)."""
+
+    @property
+    def supports_sleep(self) -> bool:
+        """Whether :meth:`sleep` releases accelerator memory the trainer's update may use."""
+        ...
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load the full weights (names as the trainer's model has them)."""
+        ...
+
+    async def sleep(self, level: int = 1) -> None:
+        """Release accelerator memory until :meth:`wake_up` (level 2: the weights too)."""
+        ...
+
+    async def wake_up(self) -> None:
+        """Take the memory back (after a level-2 sleep, the next :meth:`update_weights` restores the weights)."""
+        ...
 
 
 class Engine(abc.ABC):

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agents.engines.base import BatchStats, Engine
+from agents.engines.base import BatchStats, Engine, WeightReceiver
 from agents.engines.factory import ColocatedTrainer, make_engine
 from agents.eval.heldout import HeldOut, evaluate_heldout
 from agents.rollout.episodes import task_episode
@@ -44,7 +44,7 @@ class TrainerBackend(Protocol):
     step_count: int
     tokenizer: Any
     #: Receives the weights after every step (:meth:`step`, :meth:`sync_weights`); None: nothing does.
-    engine: Any
+    engine: WeightReceiver | None
 
     @property
     def local(self) -> Trainer | None:
@@ -98,9 +98,8 @@ class RolloutBackend(Protocol):
     """What the training loop asks of the place its rollouts run (steps 2 and 5 of :mod:`agents.run.train`)."""
 
     @property
-    def engine(self) -> Any:
-        """What receives the trainer's weights after every step (the trainer's ``engine``): an object with a
-        coroutine ``update_weights(state_dict)``, and ``sleep``/``wake_up`` when :attr:`supports_sleep`."""
+    def engine(self) -> WeightReceiver:
+        """What receives the trainer's weights after every step (the trainer's ``engine``)."""
         ...
 
     @property

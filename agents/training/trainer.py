@@ -76,6 +76,8 @@ from agents.training.tree_attention import attention_shape, check_tree_attention
 if TYPE_CHECKING:
     from peft import PeftModel
 
+    from agents.engines.base import WeightReceiver
+
 __all__ = ["Trainer", "TrainerConfig"]
 
 
@@ -89,8 +91,10 @@ class Trainer:
             adapters into this very object, so an engine sharing it generates with them.
         config: hyper-parameters (defaults: :class:`TrainerConfig`).
         tokenizer: saved with checkpoints; loaded by name when ``model`` is a name.
-        engine: receives the new weights after every step: any object with a coroutine
-            ``update_weights(state_dict)``; an engine whose ``model`` is this model shares
+        engine: receives the new weights after every step
+            (:class:`~agents.engines.base.WeightReceiver`: any :class:`~agents.engines.base.Engine`, or an
+            object with a coroutine ``update_weights(state_dict)`` and ``supports_sleep = False``; with
+            True, ``sleep``/``wake_up`` coroutines too); an engine whose ``model`` is this model shares
             the weights and needs no copy (its ``forward_lock``, if any, is held while the
             weights change). Can be set later as ``trainer.engine``.
         ref_model: the reference policy of the KL penalty. Without it, ``kl_coef > 0`` uses
@@ -113,7 +117,7 @@ class Trainer:
         config: TrainerConfig | None = None,
         *,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        engine: Any = None,
+        engine: WeightReceiver | None = None,
         ref_model: PreTrainedModel | None = None,
         out_dir: str | Path | None = None,
         distributed: bool = False,
@@ -175,15 +179,20 @@ class Trainer:
         return self._log.metrics
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> WeightReceiver | None:
         """The engine that receives new weights after every step (``None``: none)."""
         return self._engine
 
     @engine.setter
-    def engine(self, engine: Any) -> None:
+    def engine(self, engine: WeightReceiver | None) -> None:
         if engine is not None and not inspect.iscoroutinefunction(getattr(engine, "update_weights", None)):
             raise TypeError(
                 f"engine must have a coroutine update_weights(state_dict); {type(engine).__name__} has none"
+            )
+        if engine is not None and not isinstance(getattr(engine, "supports_sleep", None), bool):
+            raise TypeError(
+                f"engine must say whether it sleeps through updates (supports_sleep, a bool; every Engine has it, "
+                f"False by default); {type(engine).__name__} does not"
             )
         self._engine = engine
 
@@ -259,12 +268,13 @@ class Trainer:
             raise ValueError("Trainer.step got no paths and none were accumulated: there is nothing to train on")
         if self._log.metrics is None:  # before the update, so that a folder holding another run fails first
             self._log.open()
-        sleeps = self.config.sleep_engine and bool(getattr(self.engine, "supports_sleep", False))
+        engine = self.engine  # the one that sleeps through the update, if it can
+        sleeping = engine if self.config.sleep_engine and engine is not None and engine.supports_sleep else None
         start = time.perf_counter()
-        if sleeps:
+        if sleeping is not None:
             # Level 2 drops the engine's weights: the sync below reloads them all. A LoRA sync sends
             # only the adapted layers, so the engine keeps a CPU copy of the rest (level 1).
-            await self.engine.sleep(level=1 if self.config.lora_rank else 2)
+            await sleeping.sleep(level=1 if self.config.lora_rank else 2)
         time_sleep = time.perf_counter() - start
         # The update runs in a worker thread so the event loop (and a shared engine) keeps going.
         if self._accumulated is None:
@@ -273,9 +283,9 @@ class Trainer:
         else:
             metrics = await self._in_thread(self._finish_accumulated, batch)
         start = time.perf_counter()
-        if sleeps:
+        if sleeping is not None:
             self.optimizer.zero_grad(set_to_none=True)  # the engine's KV cache takes their memory
-            await self.engine.wake_up()
+            await sleeping.wake_up()
         await self.sync_weights()
         metrics["time/sync_s"] = time.perf_counter() - start + time_sleep
         self.step_count += 1

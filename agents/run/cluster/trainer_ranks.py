@@ -33,7 +33,7 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from agents.run.cluster.runtime import cpu_share, import_ray, node_alive, requir
 from agents.run.cluster.weight_sync import put_buckets
 from agents.training.trainer import Trainer
 from agents.training.trainer_config import TrainerConfig
+
+if TYPE_CHECKING:
+    from agents.engines.base import WeightReceiver
 
 __all__ = ["TrainerGroup"]
 
@@ -234,7 +237,7 @@ class TrainerGroup:
         #: Receives the weights after every step (and :meth:`sync_weights`): a
         #: :class:`~agents.run.cluster.rollout_workers.RolloutPool` loads rank 0's buckets from the
         #: object store; any other engine gets them by ``update_weights``, bucket by bucket.
-        self.engine: Any = None
+        self.engine: WeightReceiver | None = None
         self.tokenizer = _tokenizer_of(model)
         self.step_count = 0
         self._ray = ray
@@ -299,13 +302,14 @@ class TrainerGroup:
         batch = self._ray.put(list(paths))  # once in the object store, read by every rank
         metrics = dict(rollout_metrics) if rollout_metrics else None
         # Colocated engines release the GPUs for the update (as Trainer.step does with its engine).
-        sleeps = self.config.sleep_engine and bool(getattr(self.engine, "supports_sleep", False))
-        if sleeps:
-            await self.engine.sleep(level=1 if self.config.lora_rank else 2)
+        engine = self.engine
+        sleeping = engine if self.config.sleep_engine and engine is not None and engine.supports_sleep else None
+        if sleeping is not None:
+            await sleeping.sleep(level=1 if self.config.lora_rank else 2)
         records = await self._collect_async([a.step.remote(batch, metrics) for a in self._actors])
         self.step_count += 1
-        if sleeps:
-            await self.engine.wake_up()
+        if sleeping is not None:
+            await sleeping.wake_up()
         await self.sync_weights()
         return records[0]
 

@@ -275,6 +275,8 @@ async def test_lora_trains_only_the_adapter_weights_and_syncs_merged_weights():
     received = {}
 
     class Receiver:  # an engine that only records what it is sent
+        supports_sleep = False
+
         async def update_weights(self, state_dict):
             received.update({name: t.clone() for name, t in state_dict.items()})
 
@@ -319,6 +321,8 @@ async def test_lora_kl_reference_is_the_base_model_with_adapters_off():
 
 async def test_engine_sharing_the_model_needs_no_copy_and_others_get_the_state_dict():
     class SharingEngine:
+        supports_sleep = False
+
         def __init__(self, model):
             self.model = model
 
@@ -333,6 +337,8 @@ async def test_engine_sharing_the_model_needs_no_copy_and_others_get_the_state_d
     sent = []
 
     class CopyingEngine:
+        supports_sleep = False
+
         async def update_weights(self, state_dict):
             sent.append({name: t.clone() for name, t in state_dict.items()})
 
@@ -344,6 +350,13 @@ async def test_engine_sharing_the_model_needs_no_copy_and_others_get_the_state_d
     assert all(torch.equal(sent[0][name], state[name]) for name in state)
     with pytest.raises(TypeError, match="coroutine update_weights"):
         trainer.engine = object()
+
+    class Unsaid:
+        async def update_weights(self, state_dict):
+            pass
+
+    with pytest.raises(TypeError, match="engine must say whether it sleeps through updates .* Unsaid does not"):
+        trainer.engine = Unsaid()
 
 
 async def test_step_merges_the_callers_rollout_numbers(tmp_path):
