@@ -72,7 +72,9 @@ def _loss_parameters(loss_fn: LossFn, cfg: TrainerConfig, uses_reference: bool) 
         )
     unknown = sorted(set(cfg.loss_kwargs) - set(params)) if not takes_any else []
     if unknown:
-        raise ValueError(f"loss {name} has no parameter {', '.join(unknown)}; it takes {', '.join(list(params)[4:])}")
+        tensors = list(signature.parameters)[:4]  # logprobs, old_logprobs, advantages, mask, however declared
+        takes = [key for key in params if key not in tensors]
+        raise ValueError(f"loss {name} has no parameter {', '.join(unknown)}; it takes {', '.join(takes)}")
     needed = {
         "kl_coef": uses_reference,
         "ref_logprobs": uses_reference,
