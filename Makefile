@@ -79,7 +79,7 @@ demo: $(STAMP)
 	@echo "=== after: the cold start and AT2PO on the same question"
 	$(PY) -m agents eval $(DEMO_EVAL) --model $$(ls -d $(DEMO_RUN)/rl/checkpoints/step_* | tail -1)/model --no-progress
 	@echo "curves: $(DEMO_RUN)/sft/curves.png, $(DEMO_RUN)/rl/curves.png; held-out: $(DEMO_RUN)/sft/heldout.png, $(DEMO_RUN)/rl/heldout.png"
-	@$(PY) -m agents compare $(DEMO_RUN)/sft $(DEMO_RUN)/rl --labels "cold start" "+ at2po" --summary f1
+	@$(PY) -m agents compare $(DEMO_RUN)/sft $(DEMO_RUN)/rl --labels "after sft" "after sft + at2po" --summary f1
 
 test: $(STAMP)
 	$(PY) -m pytest -q

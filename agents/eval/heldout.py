@@ -492,10 +492,10 @@ def paired_line(numbers: Mapping[str, Any], name: str, labels: tuple[str, str], 
     row = numbers[name]
     points = " points" if scale > 1 else ""
     return (
-        f"held-out {SCORE_DISPLAY[name].name}{unit}: {labels[0]} {scale * row[labels[0]]:.1f}, "
-        f"{labels[1]} {scale * row[labels[1]]:.1f}; {labels[1]} − {labels[0]} "
-        f"{scale * row['difference']:+.1f}{points} [{scale * row['difference_low']:+.1f}, "
-        f"{scale * row['difference_high']:+.1f}] (paired 95%, {questions} questions)"
+        f"held-out {SCORE_DISPLAY[name].name}{unit}: {scale * row[labels[0]]:.1f} ({labels[0]}) → "
+        f"{scale * row[labels[1]]:.1f} ({labels[1]}), {scale * row['difference']:+.1f}{points} "
+        f"[{scale * row['difference_low']:+.1f}, {scale * row['difference_high']:+.1f}] "
+        f"(paired 95%, {questions} questions)"
     )
 
 

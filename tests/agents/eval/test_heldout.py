@@ -334,7 +334,7 @@ def test_evaluations_saved_in_run_folders_are_read_back_and_compared(tmp_path, c
     assert numbers["em"]["difference"] == 0.25
     assert main(["compare", str(sft), str(rl), "--labels", "sft", "rl", "--summary", "f1"]) == 0
     line = capsys.readouterr().out.strip()
-    assert line.startswith("held-out word F1 %: sft 37.5, rl 75.0; rl − sft +37.5 points [")
+    assert line.startswith("held-out word F1 %: 37.5 (sft) → 75.0 (rl), +37.5 points [")
     assert line.endswith("] (paired 95%, 4 questions)")
     with pytest.raises(SystemExit):
         main(["compare", str(sft), str(rl), "--summary", "bleu"])
