@@ -88,7 +88,9 @@ SECTIONS = (
 )
 #: Values that may change when a run resumes; any other change would make it another run.
 #: (A run resumes at any number of trainer ranks and rollout workers: ``cluster`` may change too;
-#: where metrics are reported, ``trainer.report_to`` and ``trainer.wandb_project``, as well.)
+#: where metrics are reported, ``trainer.report_to`` and ``trainer.wandb_project``, as well; and how
+#: the update is split and laid out in memory, which leaves it the same up to rounding: a run that ran
+#: out of memory resumes with smaller micro-batches.)
 RESUMABLE = frozenset(
     {
         "steps",
@@ -103,6 +105,13 @@ RESUMABLE = frozenset(
         "cluster",
         "trainer.report_to",
         "trainer.wandb_project",
+        "trainer.micro_batch_size",
+        "trainer.micro_batch_tokens",
+        "trainer.gradient_checkpointing",
+        "trainer.checkpoint_layers",
+        "trainer.score_chunk",
+        "trainer.packing",
+        "trainer.tree_kernel",
     }
 )
 # Set by the run itself (or by the learner), never through a section.
