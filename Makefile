@@ -45,7 +45,7 @@ endif
 	  || echo "warning: bubblewrap not installed; sandboxes run without namespace isolation"
 	touch $(STAMP)
 
-# The main job: a cold start, then AT2PO, on multihop-qa with the embedded model (about 15 minutes
+# The main job: a cold start, then AT2PO, on multihop-qa with the embedded model (about 8 minutes
 # on 2 cores). `agents demonstrations` plays the training tasks (search the question, answer with the
 # gold answer) and keeps those whose search returned the answer; `agents sft` fine-tunes on them for
 # one epoch (a light cold start: it leaves the policy 1.3x the entropy of two epochs) and scores 96
