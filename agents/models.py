@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,7 @@ __all__ = [
     "CPU_BFLOAT16_VARIABLE",
     "DEFAULT_MODEL",
     "EMBEDDED_MODELS",
+    "AttentionShape",
     "ModelNotAvailableError",
     "cache_root",
     "cpu_compute_dtype",
@@ -63,6 +64,31 @@ DEFAULT_MODEL = "smollm2-135m"
 _CONVERSION_RECORD = "agentenv_conversion.json"
 # What a Hugging Face download needs for a causal LM (skips other frameworks' weights).
 _HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A model's attention heads: what its key-value cache, the tree-attention kernels and the memory plan read."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any] | object) -> AttentionShape:
+        """From a transformers (text) config or its ``config.json`` mapping.
+
+        Without ``num_key_value_heads`` every head has its own keys and values; without ``head_dim``
+        it is ``hidden_size / num_attention_heads`` (Llama's convention; Qwen3 gives it).
+        """
+
+        def read(name: str) -> Any:
+            return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+        heads = int(read("num_attention_heads"))
+        return cls(
+            heads, int(read("num_key_value_heads") or heads), int(read("head_dim") or read("hidden_size") // heads)
+        )
 
 
 @dataclass(frozen=True)

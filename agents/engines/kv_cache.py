@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from agents.models import AttentionShape
+
 __all__ = ["GROWTH", "PREFIX_CACHE_BYTES", "PrefixCache", "SlotCache", "kv_bytes_per_token"]
 
 GROWTH = 256  # spare columns a batch's cache allocates when a row outgrows its room
@@ -20,11 +22,9 @@ PREFIX_CACHE_BYTES = 3 * 2**30
 
 def kv_bytes_per_token(config: object, dtype: torch.dtype) -> int:
     """Bytes of keys and values one token takes in every layer of a model with this (text) config, in ``dtype``."""
-    heads = int(config.num_attention_heads)  # type: ignore[attr-defined]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    shape = AttentionShape.of(config)
     layers = int(config.num_hidden_layers)  # type: ignore[attr-defined]
-    return layers * 2 * kv_heads * int(head_dim) * dtype.itemsize
+    return layers * 2 * shape.kv_heads * shape.head_dim * dtype.itemsize
 
 
 class _SlotLayer(DynamicLayer):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.models import resolve_model
+from agents.models import AttentionShape, resolve_model
 
 __all__ = ["KNOWN_SHAPES", "MemoryPlan", "ModelShape", "memory_plan", "model_shape", "run_plan", "set_flags"]
 
@@ -64,15 +64,14 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
         """From a transformers ``config.json`` mapping."""
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
+        attention = AttentionShape.of(config)
         return cls(
             layers=int(config["num_hidden_layers"]),
-            hidden=hidden,
+            hidden=int(config["hidden_size"]),
             intermediate=int(config["intermediate_size"]),
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            heads=attention.heads,
+            kv_heads=attention.kv_heads,
+            head_dim=attention.head_dim,
             vocab=int(config["vocab_size"]),
             tied=bool(config.get("tie_word_embeddings", False)),
             qk_norm=str(config.get("model_type", "")).startswith("qwen3"),

@@ -39,13 +39,13 @@ import torch
 from torch import distributed as dist
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from agents.models import AttentionShape
 from agents.training.batch import PathBatch
 from agents.training.packing import PackedPaths, new_tokens, pack_paths
 from agents.training.scoring import score_logits, score_positions, score_states, score_tokens
 from agents.training.sharding import rank_passes
 from agents.training.trainer_config import TrainerConfig
 from agents.training.tree_attention import (
-    AttentionShape,
     Kernel,
     choose_kernel,
     enable_tree_attention,

@@ -52,7 +52,6 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
@@ -60,12 +59,12 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from agents.models import AttentionShape
 from agents.training.packing import PackedPaths
 
 __all__ = [
     "ATTENTION_NAME",
     "KERNELS",
-    "AttentionShape",
     "attention_shape",
     "check_tree_attention",
     "choose_kernel",
@@ -92,21 +91,9 @@ Kernel = Literal["per-path", "batched", "flex", "varlen"]
 KERNELS: tuple[Kernel, ...] = ("per-path", "batched", "flex", "varlen")
 
 
-@dataclass(frozen=True)
-class AttentionShape:
-    """A model's attention heads: what the kernels' choice and the flex warm-up depend on."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-
 def attention_shape(model: torch.nn.Module) -> AttentionShape:
     """The query heads, key-value heads and head dimension of ``model``'s attention (from its config)."""
-    config = _text_config(model)
-    heads = int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return AttentionShape(heads, int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim))
+    return AttentionShape.of(_text_config(model))
 
 
 def kernel_unavailable(

@@ -16,9 +16,31 @@ import pytest
 import torch
 
 from agents import models
-from agents.models import DEFAULT_MODEL, ModelNotAvailableError, release_openmp_threads, torch_libgomp
+from agents.models import (
+    DEFAULT_MODEL,
+    AttentionShape,
+    ModelNotAvailableError,
+    release_openmp_threads,
+    torch_libgomp,
+)
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_attention_shape_reads_configs_and_their_json():
+    from transformers import LlamaConfig, Qwen3Config
+
+    # SmolLM2-135M's config.json: 9 query heads sharing 3 key-value heads, 576 / 9 = 64 dimensions.
+    smollm2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    assert AttentionShape.of(smollm2) == AttentionShape(9, 3, 64)
+    assert AttentionShape.of(LlamaConfig(**smollm2)) == AttentionShape(9, 3, 64)
+    # No key-value heads given: one per query head (multi-head attention).
+    assert AttentionShape.of({"num_attention_heads": 8, "hidden_size": 512}) == AttentionShape(8, 8, 64)
+    assert AttentionShape.of({"num_attention_heads": 8, "num_key_value_heads": None, "hidden_size": 512}).kv_heads == 8
+    # Qwen3 gives head_dim, which is not hidden_size / heads (Qwen3-4B: 2560 / 32 = 80, head_dim 128).
+    qwen3 = {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 2560, "head_dim": 128}
+    assert AttentionShape.of(qwen3) == AttentionShape(32, 8, 128)
+    assert AttentionShape.of(Qwen3Config(**qwen3)) == AttentionShape(32, 8, 128)
 
 
 @pytest.fixture(scope="module")

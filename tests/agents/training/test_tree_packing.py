@@ -22,13 +22,13 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import LlamaForCausalLM
 
 import agents.training.tree_attention as tree_attention_module
-from agents.models import tiny_llama
+from agents.models import AttentionShape, tiny_llama
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
 from agents.training.losses import AGGREGATIONS, LOSSES
 from agents.training.packing import new_tokens, pack_paths
 from agents.training.trainer import Trainer, TrainerConfig
-from agents.training.tree_attention import AttentionShape, attention_shape, choose_kernel, kernel_unavailable
+from agents.training.tree_attention import attention_shape, choose_kernel, kernel_unavailable
 
 VOCAB = 50
 # (depth, branching): one leaf, chains sharing the prompt, one long single-child chain, deep, wide.
@@ -193,6 +193,7 @@ import json, random, sys
 import torch
 from torch._dynamo.testing import CompileCounter
 import agents.training.tree_attention as tree_attention
+from agents.models import AttentionShape
 from agents.training.batch import collate
 from agents.training.packing import pack_paths
 sys.path.insert(0, sys.argv[1])
@@ -200,7 +201,7 @@ from test_tree_packing import tree_paths
 
 counter = CompileCounter()
 tree_attention.COMPILE_BACKENDS = {"cpu": counter}
-shape = tree_attention.AttentionShape(4, 2, 16)
+shape = AttentionShape(4, 2, 16)
 tree_attention.warm_up_flex(shape, torch.device("cpu"), torch.float32)
 counts, sizes = [counter.frame_count], []
 rng = random.Random(0)
