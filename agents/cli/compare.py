@@ -12,7 +12,7 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Compare two held-out evaluations of the same questions, saved in run folders, question by question: "
-        "each score before and after, and the mean difference with a paired bootstrap 95%% interval."
+        "each score before and after, and the mean difference with a paired bootstrap 95% interval."
     )
     p.add_argument(
         "before", help="RUN (its last held-out evaluation) or RUN@STEP (after STEP steps; 0: before training)"
