@@ -112,6 +112,9 @@ RESUMABLE = frozenset(
         "trainer.score_chunk",
         "trainer.packing",
         "trainer.tree_kernel",
+        # How many episodes run at once: the same episodes, sampled in other batches (a run killed for
+        # memory during its rollouts resumes with fewer).
+        "rollout.concurrency",
     }
 )
 # Set by the run itself (or by the learner), never through a section.

@@ -200,6 +200,9 @@ async def test_resume_refuses_a_changed_run_and_a_new_run_refuses_a_used_folder(
     # How the update is split in memory may change (a run out of memory resumes with smaller micro-batches).
     smaller = letters_config(tiny_model, steps=2, eval_questions=0, trainer={"micro_batch_tokens": 64})
     assert (await train(smaller, tmp_path, resume=True, progress=False, log=lambda note: None)).steps == 2
+    # So may how many episodes roll out at once (a run out of memory during its rollouts resumes with fewer).
+    fewer = letters_config(tiny_model, steps=3, eval_questions=0, rollout={"concurrency": 1})
+    assert (await train(fewer, tmp_path, resume=True, progress=False, log=lambda note: None)).steps == 3
     with pytest.raises(FileNotFoundError, match="holds no checkpoint to resume from"):
         await train(config, tmp_path / "empty", resume=True, progress=False)
     with pytest.raises(
