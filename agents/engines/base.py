@@ -28,9 +28,10 @@ import abc
 import asyncio
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +46,7 @@ __all__ = [
     "WeightReceiver",
     "find_stop",
     "stop_overshoot",
+    "update_then_sync",
 ]
 
 FinishReason = Literal["stop", "length", "eos"]
@@ -200,6 +202,43 @@ class WeightReceiver(Protocol):
     async def wake_up(self) -> None:
         """Take the memory back (after a level-2 sleep, the next :meth:`update_weights` restores the weights)."""
         ...
+
+
+_Result = TypeVar("_Result")
+
+
+async def update_then_sync(
+    engine: WeightReceiver | None,
+    update: Callable[[], Awaitable[_Result]],
+    sync: Callable[[], Awaitable[None]],
+    *,
+    sleep: bool,
+    keep_weights: bool,
+    before_wake: Callable[[], None] | None = None,
+) -> tuple[_Result, float]:
+    """A training step's turn with its engine: ``engine`` sleeps through ``update`` (when ``sleep`` and it
+    can), wakes, and ``sync`` hands it the new weights.
+
+    The one place that orders these (:class:`agents.training.trainer.Trainer` and
+    :class:`agents.run.cluster.trainer_ranks.TrainerGroup` both step through it). ``keep_weights``: the
+    engine keeps its weights while asleep (level 1), for a sync that sends only some of them (LoRA's
+    adapted layers); otherwise level 2 drops them and the sync reloads them all. ``before_wake`` runs
+    before the engine takes its memory back (the trainer drops its gradients). Returns the update's
+    result and the seconds spent on the engine (sleeping, waking, syncing).
+    """
+    sleeping = engine if sleep and engine is not None and engine.supports_sleep else None
+    start = time.perf_counter()
+    if sleeping is not None:
+        await sleeping.sleep(level=1 if keep_weights else 2)
+    engine_seconds = time.perf_counter() - start
+    result = await update()
+    start = time.perf_counter()
+    if sleeping is not None:
+        if before_wake is not None:
+            before_wake()
+        await sleeping.wake_up()
+    await sync()
+    return result, engine_seconds + time.perf_counter() - start
 
 
 class Engine(abc.ABC):

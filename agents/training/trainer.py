@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +52,7 @@ import torch
 from torch import distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from agents.engines.base import update_then_sync
 from agents.models import (
     cpu_compute_dtype,
     load_model,
@@ -268,26 +270,21 @@ class Trainer:
             raise ValueError("Trainer.step got no paths and none were accumulated: there is nothing to train on")
         if self._log.metrics is None:  # before the update, so that a folder holding another run fails first
             self._log.open()
-        engine = self.engine  # the one that sleeps through the update, if it can
-        sleeping = engine if self.config.sleep_engine and engine is not None and engine.supports_sleep else None
-        start = time.perf_counter()
-        if sleeping is not None:
-            # Level 2 drops the engine's weights: the sync below reloads them all. A LoRA sync sends
-            # only the adapted layers, so the engine keeps a CPU copy of the rest (level 1).
-            await sleeping.sleep(level=1 if self.config.lora_rank else 2)
-        time_sleep = time.perf_counter() - start
         # The update runs in a worker thread so the event loop (and a shared engine) keeps going.
         if self._accumulated is None:
             assert batch is not None
-            metrics = await self._in_thread(self._update, batch, release_memory=True)
+            update = functools.partial(self._in_thread, self._update, batch, release_memory=True)
         else:
-            metrics = await self._in_thread(self._finish_accumulated, batch, release_memory=True)
-        start = time.perf_counter()
-        if sleeping is not None:
-            self.optimizer.zero_grad(set_to_none=True)  # the engine's KV cache takes their memory
-            await sleeping.wake_up()
-        await self.sync_weights()
-        metrics["time/sync_s"] = time.perf_counter() - start + time_sleep
+            update = functools.partial(self._in_thread, self._finish_accumulated, batch, release_memory=True)
+        metrics, engine_seconds = await update_then_sync(
+            self.engine,
+            update,
+            self.sync_weights,
+            sleep=self.config.sleep_engine,
+            keep_weights=bool(self.config.lora_rank),  # a LoRA sync sends only the adapted layers
+            before_wake=lambda: self.optimizer.zero_grad(set_to_none=True),  # the engine's KV cache takes their memory
+        )
+        metrics["time/sync_s"] = engine_seconds
         self.step_count += 1
         record = merge_rollout_metrics(metrics, rollout_metrics)
         if self.world_size > 1:  # rank 0's timings: one record, the same on every rank

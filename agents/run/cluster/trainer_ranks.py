@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agents.engines.base import update_then_sync
 from agents.models import load_model, load_tokenizer
 from agents.run.cluster.runtime import cpu_share, import_ray, node_alive, require_resources, this_process
 from agents.run.cluster.weight_sync import put_buckets
@@ -301,16 +302,20 @@ class TrainerGroup:
         """One training step on every rank; the record (Trainer.step's, without an engine sync), rank 0's."""
         batch = self._ray.put(list(paths))  # once in the object store, read by every rank
         metrics = dict(rollout_metrics) if rollout_metrics else None
+
+        async def update() -> list[dict[str, float]]:
+            records = await self._collect_async([a.step.remote(batch, metrics) for a in self._actors])
+            self.step_count += 1  # before the sync: the weights it sends are this step's
+            return records
+
         # Colocated engines release the GPUs for the update (as Trainer.step does with its engine).
-        engine = self.engine
-        sleeping = engine if self.config.sleep_engine and engine is not None and engine.supports_sleep else None
-        if sleeping is not None:
-            await sleeping.sleep(level=1 if self.config.lora_rank else 2)
-        records = await self._collect_async([a.step.remote(batch, metrics) for a in self._actors])
-        self.step_count += 1
-        if sleeping is not None:
-            await sleeping.wake_up()
-        await self.sync_weights()
+        records, _ = await update_then_sync(
+            self.engine,
+            update,
+            self.sync_weights,
+            sleep=self.config.sleep_engine,
+            keep_weights=bool(self.config.lora_rank),
+        )
         return records[0]
 
     async def accumulate(self, paths: Sequence[Any]) -> None:

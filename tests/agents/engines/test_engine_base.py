@@ -3,7 +3,7 @@
 import pytest
 
 from agents.engines import Completion, SamplingParams
-from agents.engines.base import find_stop
+from agents.engines.base import find_stop, update_then_sync
 
 
 def test_defaults_are_plain_sampling():
@@ -68,3 +68,48 @@ async def test_an_engine_without_sleep_mode_says_so_when_asked_to_sleep():
         await engine.sleep(level=2)
     with pytest.raises(TypeError, match="ScriptedEngine cannot sleep"):
         await engine.wake_up()
+
+
+@pytest.mark.parametrize(
+    ("sleep", "supports_sleep", "keep_weights", "expected"),
+    [
+        (True, True, False, ["sleep 2", "update", "before_wake", "wake_up", "sync"]),
+        (True, True, True, ["sleep 1", "update", "before_wake", "wake_up", "sync"]),
+        (False, True, False, ["update", "sync"]),  # the trainer keeps the engine awake
+        (True, False, False, ["update", "sync"]),  # an engine that cannot sleep is not asked to
+    ],
+)
+async def test_update_then_sync_orders_an_engines_turn_around_a_training_step(
+    sleep, supports_sleep, keep_weights, expected
+):
+    calls = []
+
+    class Receiver:
+        def __init__(self):
+            self.supports_sleep = supports_sleep
+
+        async def sleep(self, level=1):
+            calls.append(f"sleep {level}")
+
+        async def wake_up(self):
+            calls.append("wake_up")
+
+    async def update():
+        calls.append("update")
+        return {"loss": 0.5}
+
+    async def sync():
+        calls.append("sync")
+
+    result, seconds = await update_then_sync(
+        Receiver(),
+        update,
+        sync,
+        sleep=sleep,
+        keep_weights=keep_weights,
+        before_wake=lambda: calls.append("before_wake"),
+    )
+    assert calls == expected and result == {"loss": 0.5} and seconds >= 0
+    calls.clear()
+    assert (await update_then_sync(None, update, sync, sleep=True, keep_weights=False))[0] == {"loss": 0.5}
+    assert calls == ["update", "sync"]  # no engine: the trainer's sync decides what that means
