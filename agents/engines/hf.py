@@ -93,7 +93,14 @@ from agents.models import (
 if TYPE_CHECKING:
     from peft import PeftModel
 
-__all__ = ["SHARED_PREFIX_TOKENS", "ComputeCopy", "HFEngine", "completion_stop", "shared_prefix_order"]
+__all__ = [
+    "MAX_PREFILL_TOKENS",
+    "SHARED_PREFIX_TOKENS",
+    "ComputeCopy",
+    "HFEngine",
+    "completion_stop",
+    "shared_prefix_order",
+]
 
 
 @dataclass(eq=False)
@@ -123,9 +130,19 @@ class _Batch:
 
 _CLOSE = object()
 
+#: A prefix-cache lookup: the length of a prompt's cached prefix and its KV per layer, or None.
+_Hit = tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None
+
 #: Fewest uncached prompt tokens that requests arriving together must share for the first of them
 #: to be prefilled before the others (one more forward pass, so it must save more than it costs).
 SHARED_PREFIX_TOKENS = 64
+
+#: KV positions one prefill pass holds at most by default (HFEngine's ``max_prefill_tokens``): 377 MB of
+#: SmolLM2-135M's bfloat16 KV a copy. 128 multihop-qa episodes joining at once in one pass grew the process
+#: by ~5 GB (three copies of every row's KV held together). Splitting costs little: 1,024 new tokens
+#: already run the matrix products at their large-matrix rate on a CPU, and rows that reuse a cached
+#: prompt (the samples of one prompt) run one new token each, in passes of tens of milliseconds.
+MAX_PREFILL_TOKENS = 16_384
 
 
 def shared_prefix_order(
@@ -247,7 +264,10 @@ class HFEngine(Engine):
     more copy of the weights in ``compute_dtype``); the sampled tokens' log-probs and entropies are
     computed from float32 logits either way. ``fused_decode`` lets a bfloat16 Llama-family model on a CPU decode with
     a :class:`~agents.engines.fused_decode.FusedDecodeStep` (the same logits, without transformers' modules;
-    :attr:`fused_decode` is ``None`` where it does not apply or was turned off).
+    :attr:`fused_decode` is ``None`` where it does not apply or was turned off). ``max_prefill_tokens`` bounds
+    the KV positions (rows x padded columns, cached prefixes included) of one prefill pass: requests
+    that join together beyond it are prefilled in several passes (a prompt longer than it goes alone),
+    as vLLM bounds a step's tokens with ``max_num_batched_tokens``.
     """
 
     supports_entropy = True
@@ -266,6 +286,7 @@ class HFEngine(Engine):
         prefix_cache_tokens: int | None = None,
         compute_dtype: torch.dtype | None = None,
         fused_decode: bool = True,
+        max_prefill_tokens: int = MAX_PREFILL_TOKENS,
     ) -> None:
         if isinstance(model, str):
             tokenizer = model if tokenizer is None else tokenizer
@@ -274,6 +295,10 @@ class HFEngine(Engine):
             raise ValueError("HFEngine(model=<loaded model>) needs tokenizer= as well (an object or a model name)")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_prefill_tokens < 1:
+            raise ValueError(
+                f"max_prefill_tokens must be >= 1 (KV positions of one prefill pass), got {max_prefill_tokens}"
+            )
         if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0 (0 turns the cache off), got {prefix_cache_tokens}")
         layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
@@ -309,6 +334,7 @@ class HFEngine(Engine):
         self.model: PreTrainedModel | PeftModel = model
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.batch_window_s = batch_window_s
         self.eos_token_ids = _eos_token_ids(model, self.tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -422,6 +448,8 @@ class HFEngine(Engine):
             except Exception as error:  # a failed forward pass fails its rows, not the worker
                 for request in (batch.requests if batch else []) + newcomers:
                     _settle(request.future, exception=error)
+                if batch is not None:
+                    batch.cache.release()
                 batch = None
         for request in list(waiting) + (batch.requests if batch else []):
             _settle(request.future, exception=RuntimeError("HFEngine was closed before this request finished"))
@@ -460,22 +488,51 @@ class HFEngine(Engine):
             hits = [self.prefix_cache.lookup(r.prompt, limit=len(r.prompt) - 1) for r in requests]
             order = shared_prefix_order([r.prompt for r in requests], [hit[0] if hit else 0 for hit in hits])
             requests, then = [requests[i] for i in order[0]], [requests[i] for i in order[1]]
-        sequences, logits = self._prefill(requests)
-        if then:  # their shared prefixes are now cached: they prefill only the rest
-            for request, kv in zip(requests, sequences):
-                self.prefix_cache.add(request.prompt, kv)
-            more, more_logits = self._prefill(then)
-            requests, sequences, logits = requests + then, sequences + more, torch.cat([logits, more_logits])
-        if batch is None:
-            cache = SlotCache(len(sequences[0]), self.max_batch_size, device=logits.device, dtype=self.compute_dtype)
-            batch = _Batch([], cache, logits[:0], RowSampler(logits.device))
-        batch.cache.add_rows(sequences)
-        for request in requests:
-            request.next_version, request.loads_at_prefill = self._inflight_version, self._inflight_loads
-        batch.requests += requests
-        batch.logits = torch.cat([batch.logits, logits])
+        for group, cache_them in ((requests, bool(then)), (then, False)):
+            # Their shared prefixes cached by the first group, the others prefill only the rest.
+            for chunk, hits in self._prefill_chunks(group):
+                sequences, logits = self._prefill(chunk, hits)
+                if cache_them:
+                    for request, kv in zip(chunk, sequences):
+                        self.prefix_cache.add(request.prompt, kv)
+                if batch is None:
+                    cache = SlotCache(
+                        len(sequences[0]), self.max_batch_size, device=logits.device, dtype=self.compute_dtype
+                    )
+                    batch = _Batch([], cache, logits[:0], RowSampler(logits.device))
+                batch.cache.add_rows(sequences)
+                for request in chunk:
+                    request.next_version, request.loads_at_prefill = self._inflight_version, self._inflight_loads
+                batch.requests += chunk
+                batch.logits = torch.cat([batch.logits, logits])
+                del sequences  # the chunk's KV now lives in the batch's room (and the prefix cache)
+        assert batch is not None  # requests is never empty
         self._set_sampler_rows(batch)
         return batch
+
+    def _prefill_chunks(self, requests: list[_Request]) -> list[tuple[list[_Request], list[_Hit]]]:
+        """``requests`` in prefill passes of at most ``max_prefill_tokens`` KV positions each, with their cache hits.
+
+        A pass holds rows x (longest cached prefix + longest uncached rest) positions several times
+        over (the prefix cache's KV gathered, the pass's own cache, each row's copy), so one pass of
+        every joining request grew a 128-episode multihop-qa rollout by ~5 GB at once. Rows sorted by
+        their cached and uncached lengths share a pass with rows like them, which also pads less.
+        """
+        hits = [self.prefix_cache.lookup(r.prompt, limit=len(r.prompt) - 1) for r in requests]
+        reused = [hit[0] if hit else 0 for hit in hits]
+        order = sorted(range(len(requests)), key=lambda i: (reused[i], len(requests[i].prompt) - reused[i]))
+        chunks: list[tuple[list[_Request], list[_Hit]]] = []
+        cached = new = 0
+        for i in order:
+            row_cached, row_new = max(cached, reused[i]), max(new, len(requests[i].prompt) - reused[i])
+            rows = len(chunks[-1][0]) if chunks else 0
+            if not chunks or (rows + 1) * (row_cached + row_new) > self.max_prefill_tokens:
+                chunks.append(([], []))
+                row_cached, row_new = reused[i], len(requests[i].prompt) - reused[i]
+            chunks[-1][0].append(requests[i])
+            chunks[-1][1].append(hits[i])
+            cached, new = row_cached, row_new
+        return chunks
 
     def _set_sampler_rows(self, batch: _Batch) -> None:
         """Give the batch's sampler its rows' parameters and generators (after rows joined or left)."""
@@ -499,16 +556,17 @@ class HFEngine(Engine):
                 release_free_memory()  # up to PREFIX_CACHE_BYTES just freed, among other sizes
             self._weights_version = version
 
-    def _prefill(self, requests: list[_Request]) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]:
+    def _prefill(
+        self, requests: list[_Request], hits: list[_Hit]
+    ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]:
         """One forward pass over the prompts' tokens that the prefix cache does not hold.
 
-        Returns each prompt's KV per layer ([kv heads, prompt length, head dim]) and the logits of
-        its next token. Row layout of the pass: [left padding | cached prefix | padding | new
-        tokens], so that the new tokens of every row end at the right edge.
+        ``hits`` are the prompts' prefix-cache lookups (at most their length less one: a prompt token
+        is always run, its logits give the first sampled token). Returns each prompt's KV per layer
+        ([kv heads, prompt length, head dim]) and the logits of its next token. Row layout of the
+        pass: [left padding | cached prefix | padding | new tokens], so that the new tokens of every
+        row end at the right edge.
         """
-        self._drop_stale_prefixes()
-        # Keep at least one prompt token to run: its logits give the first sampled token.
-        hits = [self.prefix_cache.lookup(r.prompt, limit=len(r.prompt) - 1) for r in requests]
         reused = [hit[0] if hit else 0 for hit in hits]
         cached = max(reused)
         new = max(len(r.prompt) - n for r, n in zip(requests, reused))
@@ -587,6 +645,7 @@ class HFEngine(Engine):
             batch.requests[row] = batch.requests[-1]
             batch.requests.pop()
         if not batch.requests:
+            batch.cache.release()
             self.stats.decode_seconds += time.perf_counter() - start
             return None
         if leaving:

@@ -116,6 +116,17 @@ class SlotCache(Cache):
             host_lengths[row] = length
         self._set_lengths(self.lengths[:last], host_lengths)
 
+    def release(self) -> None:
+        """Free every layer's room now (the batch is done).
+
+        Not left to the garbage collector: the layers and the cache refer to each other, and Python's
+        cyclic collector runs on counts of Python objects, not bytes, so finished batches' rooms
+        (3.4 GB for 128 multihop-qa rows) stayed alive beside the next ones.
+        """
+        for layer in self.slot_layers:
+            layer.room = None
+        self._set_lengths(self.lengths[:0], [])
+
     def row(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of ``row``'s keys and values per layer, [kv heads, length, head dim] each."""
         length = self.host_lengths[row]

@@ -15,8 +15,10 @@ run fits; a run on a GPU warns at start when it does not. The estimate counts, p
   (logits, logits / T, softmax, its product with the logits, their gradients), or the whole
   micro-batch's without chunking;
 - the engine: vLLM's bfloat16 weights and its KV cache (the share it is given, or what the
-  rollout's concurrency needs at full length), or HFEngine's KV cache (bfloat16 on a GPU, float32
-  on a CPU; it shares the trainer's weights) and its prefix cache, counted full.
+  rollout's concurrency needs at full length), or HFEngine's: it shares the trainer's weights, and
+  in bfloat16 (a GPU, or a CPU with bfloat16 units) keeps a bfloat16 copy of them; its running
+  batch's KV room (the rollout's concurrency at full length, in bfloat16 or float32 likewise) and
+  its prefix cache, counted full.
 
 The update and the rollout take turns when the engine sleeps (vLLM on the trainer's GPU): the
 device's peak is the larger of the two phases; otherwise both are held at once. Checked against
@@ -147,6 +149,7 @@ def memory_plan(
     max_tokens: int,
     on_gpu: bool,
     device_bytes: float | None = None,
+    cpu_bfloat16: bool = False,
 ) -> MemoryPlan:
     """The plan of a run whose trainer has the settings ``trainer`` (a TrainerConfig) and whose paths are at
     most ``max_tokens`` long (prompt and response).
@@ -160,6 +163,8 @@ def memory_plan(
         max_tokens: The longest path (max_prompt_tokens + max_response_tokens).
         on_gpu: Whether the trainer computes in bfloat16 (a GPU) or float32.
         device_bytes: The device's memory, to say whether the run fits.
+        cpu_bfloat16: On a CPU, whether HFEngine generates in bfloat16
+            (:func:`~agents.models.cpu_compute_dtype`); float32 otherwise.
     """
     s = shape
     parameters = s.parameters
@@ -223,13 +228,16 @@ def memory_plan(
                 "(vLLM queues the sequences that do not fit)"
             )
     else:
-        parts["engine weights"] = 0.0  # HFEngine generates with the trainer's own model object
-        # bfloat16 on a GPU (HFEngine's autocast there), float32 on a CPU
-        kv_bytes = (2.0 if on_gpu else 4.0) * kv_per_token
-        parts["engine KV cache"] = kv_bytes * concurrency * max_tokens
-        # Its prefix cache, full: prefix_cache_tokens, else PREFIX_CACHE_BYTES. Imported here: the module
-        # brings transformers, and `agents train --help` reads this one.
-        from agents.engines.kv_cache import PREFIX_CACHE_BYTES
+        # HFEngine generates with the trainer's own model object, in bfloat16 on a GPU and on a CPU with
+        # bfloat16 units: from a bfloat16 copy of float32 weights (ComputeCopy), with a bfloat16 KV cache.
+        # Imported here: the module brings transformers, and `agents train --help` reads this one.
+        from agents.engines.kv_cache import GROWTH, PREFIX_CACHE_BYTES
+
+        half = on_gpu or cpu_bfloat16
+        parts["engine weights"] = 2.0 * parameters if half and trainer.base_dtype != "bfloat16" else 0.0
+        kv_bytes = (2.0 if half else 4.0) * kv_per_token
+        # The running batch's room (SlotCache): every row as long as the longest, GROWTH spare columns.
+        parts["engine KV cache"] = kv_bytes * concurrency * (max_tokens + GROWTH)
 
         cached = engine_kwargs.get("prefix_cache_tokens")
         parts["engine prefix cache"] = float(PREFIX_CACHE_BYTES) if cached is None else kv_bytes * int(cached)
@@ -292,6 +300,13 @@ def _plan_of(config: Any, parts: Any, device_gib: float | None) -> MemoryPlan:
         if torch.cuda.is_available():
             on_gpu, device_bytes = True, float(torch.cuda.get_device_properties(config.device or 0).total_memory)
     rollout = parts.tree.rollout
+    cpu_bfloat16 = False
+    if not on_gpu and config.engine == "hf":
+        import torch
+
+        from agents.models import cpu_compute_dtype
+
+        cpu_bfloat16 = cpu_compute_dtype() == torch.bfloat16
     return memory_plan(
         model_shape(config.model),
         trainer=parts.trainer,
@@ -301,4 +316,5 @@ def _plan_of(config: Any, parts: Any, device_gib: float | None) -> MemoryPlan:
         max_tokens=rollout.max_prompt_tokens + rollout.max_response_tokens,
         on_gpu=on_gpu,
         device_bytes=device_bytes,
+        cpu_bfloat16=cpu_bfloat16,
     )

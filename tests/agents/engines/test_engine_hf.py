@@ -3,6 +3,7 @@ join a running batch, cancellation, a model shared with the trainer, weight upda
 cache."""
 
 import asyncio
+import gc
 import math
 import os
 
@@ -22,7 +23,7 @@ from agents.engines.cpu_kernels import (
     packed_linear_supported,
 )
 from agents.engines.hf import shared_prefix_order
-from agents.engines.kv_cache import GROWTH, PREFIX_CACHE_BYTES, PrefixCache, SlotCache, kv_bytes_per_token
+from agents.engines.kv_cache import GROWTH, PREFIX_CACHE_BYTES, PrefixCache, SlotCache, _SlotLayer, kv_bytes_per_token
 from agents.engines.sampling import sample_next_tokens
 from agents.models import CPU_BFLOAT16_VARIABLE, DEFAULT_MODEL, cpu_compute_dtype, load_model, load_tokenizer
 
@@ -151,6 +152,32 @@ def test_batch_stats_give_a_rollouts_engine_usage():
         "engine/mean_rows": 0.0,
         "engine/busy_tokens_per_s": 0.0,
     }
+
+
+@pytest.mark.slow
+async def test_requests_joining_together_beyond_the_prefill_budget_take_several_passes(model, tokenizer, prompts):
+    longest = max(len(p) for p in prompts)
+    one_pass = HFEngine(model=model, tokenizer=tokenizer, batch_window_s=0.05, prefix_cache_tokens=0)
+    # Two rows of at most `longest` positions a pass: four prompts in two passes.
+    pairs = HFEngine(
+        model=model, tokenizer=tokenizer, batch_window_s=0.05, prefix_cache_tokens=0, max_prefill_tokens=2 * longest
+    )
+    # Fewer positions than any prompt: each goes alone.
+    alone = HFEngine(model=model, tokenizer=tokenizer, batch_window_s=0.05, prefix_cache_tokens=0, max_prefill_tokens=1)
+    try:
+        results = []
+        for engine in (one_pass, pairs, alone):
+            results.append(await asyncio.gather(*(engine.generate(p, greedy(6)) for p in prompts)))
+        assert [e.stats.prefill_passes for e in (one_pass, pairs, alone)] == [1, 2, 4]
+        assert pairs.stats.largest_batch == alone.stats.largest_batch == 4  # every row decodes in one batch
+        for chunked in results[1:]:
+            assert [c.token_ids for c in chunked] == [c.token_ids for c in results[0]]
+            assert [c.logprobs for c in chunked] == [pytest.approx(c.logprobs, abs=1e-4) for c in results[0]]
+        with pytest.raises(ValueError, match="max_prefill_tokens must be >= 1"):
+            HFEngine(model=model, tokenizer=tokenizer, max_prefill_tokens=0)
+    finally:
+        for engine in (one_pass, pairs, alone):
+            await engine.close()
 
 
 @pytest.mark.slow
@@ -447,6 +474,25 @@ def test_slot_cache_rows_join_grow_and_leave_without_touching_the_others():
     cache.remove_row(1)
     cache.remove_row(0)
     assert cache.num_rows == 0 and cache.width == 0
+    cache.add_rows([a])
+    cache.release()
+    assert cache.num_rows == 0 and all(layer.room is None for layer in cache.slot_layers)
+
+
+@pytest.mark.slow
+async def test_a_finished_batch_frees_its_kv_room_without_the_garbage_collector(engine, prompts):
+    # The layers and their cache refer to each other: left to the cyclic collector, which counts Python
+    # objects rather than bytes, finished batches' rooms once piled up (3.4 GB each at 128 rows).
+    gc.collect()
+    gc.disable()
+    try:
+        await asyncio.gather(*(engine.generate(p, greedy(4)) for p in prompts))
+        await asyncio.gather(*(engine.generate(p, greedy(4)) for p in prompts[:2]))
+        # Every layer of both batches' caches, reachable or not, holds no room.
+        layers = [o for o in gc.get_objects() if isinstance(o, _SlotLayer)]
+        assert len(layers) >= 2 * 30 and all(layer.room is None for layer in layers)
+    finally:
+        gc.enable()
 
 
 async def test_engine_attention_is_stock_sdpa_without_the_kv_copy(tokenizer):

@@ -191,3 +191,28 @@ def test_hfengines_prefix_cache_counts_full_in_the_rollout_phase():
     assert default.parts["engine prefix cache"] == 3 * GIB
     assert small.parts["engine prefix cache"] == 1000 * 4 * 2 * 30 * 3 * 64  # float32 keys and values
     assert default.rollout_peak - small.rollout_peak == pytest.approx(3 * GIB - 1000 * 4 * 2 * 30 * 3 * 64)
+
+
+def test_hfengine_in_bfloat16_holds_a_bfloat16_copy_and_a_bfloat16_kv_room():
+    shape = model_shape("smollm2-135m")  # 30 layers x 3 kv heads x head dim 64
+    per_token = 2 * 30 * 3 * 64  # keys and values
+
+    def plan(cpu_bfloat16: bool, **trainer):
+        return memory_plan(
+            shape,
+            trainer=TrainerConfig(**trainer),
+            engine="hf",
+            engine_kwargs={},
+            concurrency=128,
+            max_tokens=1000,
+            on_gpu=False,
+            cpu_bfloat16=cpu_bfloat16,
+        )
+
+    full, half = plan(False), plan(True)
+    # The room: 128 rows as long as the longest (1,000 positions) plus GROWTH (256) spare columns.
+    assert full.parts["engine KV cache"] == 4 * per_token * 128 * 1256
+    assert half.parts["engine KV cache"] == 2 * per_token * 128 * 1256
+    assert full.parts["engine weights"] == 0  # generates with the trainer's float32 model itself
+    assert half.parts["engine weights"] == 2 * shape.parameters  # its bfloat16 copy
+    assert plan(True, lora_rank=8, base_dtype="bfloat16").parts["engine weights"] == 0  # bfloat16 already
