@@ -248,6 +248,21 @@ def test_the_agents_package_keeps_its_rooms_and_a_small_lobby():
     assert all(f"agents.{room}.{member}" in MODULES for room, member in rooms.items())
 
 
+def test_the_training_loop_asks_its_backends_rather_than_testing_their_classes():
+    # Where a run trains and rolls out is behind two protocols (agents.run.backends); a branch on a concrete
+    # class there would make a third backend edit the loop.
+    backends = {"Trainer", "TrainerGroup", "LocalRollout", "RolloutPool"}
+    tree = ast.parse(MODULES["agents.run.train"].read_text(encoding="utf-8"))
+    branches = [
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "isinstance"
+        and {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & backends
+    ]
+    assert branches == [], f"agents/run/train.py branches on a backend's class: {branches}"
+
+
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n == "agents.rollout" or n.startswith("agents.rollout.")))
 def test_the_rollout_side_imports_nothing_above_it(name):
     above = sorted(m for m in _reachable(name) if m.startswith(ABOVE_ROLLOUT))

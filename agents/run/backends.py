@@ -22,6 +22,7 @@ from agents.eval.heldout import HeldOut, evaluate_heldout
 from agents.rollout.episodes import task_episode
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree_loop import rollout_trees
+from agents.run.steps import SynchronousSteps
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from agents.rollout.episodes import RolloutConfig
     from agents.rollout.tree import TrainingPath
     from agents.run.config import RunParts, TrainConfig
+    from agents.run.steps import PipelinedSteps
+    from agents.run.task_order import TaskOrder
     from agents.training.trainer import Trainer
     from agents.training.trainer_config import TrainerConfig
 
@@ -125,6 +128,12 @@ class RolloutBackend(Protocol):
         """:func:`agents.eval.heldout.evaluate_heldout` with ``kwargs`` on the engine (or one of them)."""
         ...
 
+    def steps(
+        self, config: TrainConfig, parts: RunParts, order: TaskOrder, progress: bool | None, trainer: TrainerBackend
+    ) -> SynchronousSteps | PipelinedSteps:
+        """Where each step's batch comes from on this backend (:mod:`agents.run.steps`)."""
+        ...
+
     def metrics(self) -> dict[str, float]:
         """Numbers of the last rollout to add to the step's metrics (``{}`` when there are none)."""
         ...
@@ -161,6 +170,12 @@ class LocalRollout(RolloutBackend):
     @property
     def placement(self) -> list[dict[str, Any]]:
         return []
+
+    def steps(
+        self, config: TrainConfig, parts: RunParts, order: TaskOrder, progress: bool | None, trainer: TrainerBackend
+    ) -> SynchronousSteps:
+        """One rollout after another in this process, each after the previous step's update and sync."""
+        return SynchronousSteps(config, parts, self, order, progress)
 
     async def rollout(
         self, tasks: Sequence[int], seed: int, on_branches: Callable[[int], None] | None = None

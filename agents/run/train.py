@@ -74,7 +74,6 @@ from agents.run.folder import (
     resume_trainer,
 )
 from agents.run.memory_plan import GIB, run_plan, set_flags
-from agents.run.steps import PipelinedSteps, SynchronousSteps, streamed_update
 from agents.run.task_order import TaskOrder
 from agents.training.checkpoint import prune_checkpoints
 from agents.training.metrics import read_jsonl
@@ -182,7 +181,7 @@ async def train(
         if trainer.step_count == 0 and config.eval_before:
             await evaluation.run(step=0)
         last_checkpoint = checkpoint
-        batches = _step_producer(config, parts, rollout, order, progress, trainer)
+        batches = rollout.steps(config, parts, order, progress, trainer)
         cleanup.push_async_callback(batches.close)
         spent = RolloutTokens(config.max_rollout_tokens, out, trainer.step_count)
         for step in range(trainer.step_count + 1, config.steps + 1):
@@ -351,22 +350,6 @@ def _record_placement(out: Path, trainer: TrainerBackend, rollout: RolloutBacken
     if trainer.rendezvous is not None:
         placement["rendezvous"] = "{}:{}".format(*trainer.rendezvous)
     (out / PLACEMENT_FILE).write_text(json.dumps(placement, indent=2) + "\n", encoding="utf-8")
-
-
-def _step_producer(
-    config: TrainConfig,
-    parts: RunParts,
-    rollout: RolloutBackend,
-    order: TaskOrder,
-    progress: bool | None,
-    trainer: TrainerBackend,
-) -> SynchronousSteps | PipelinedSteps:
-    """Where each step's batch comes from: the rollout workers' pipeline (at η = 0 the synchronous steps,
-    with the workers' idle time measured), or one rollout after another in this process."""
-    if not isinstance(rollout, RolloutPool):
-        return SynchronousSteps(config, parts, rollout, order, progress)
-    accumulate = streamed_update(config, trainer)
-    return PipelinedSteps(config, parts, rollout, order, progress, ahead=config.max_staleness, accumulate=accumulate)
 
 
 def _step_note(step: int, steps: int, record: dict[str, float], prompts_per_step: int) -> str:

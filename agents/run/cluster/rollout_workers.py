@@ -54,9 +54,12 @@ from agents.run.backends import RolloutBackend, run_engine
 from agents.run.cluster.config import ClusterConfig
 from agents.run.cluster.runtime import import_ray, require_resources, this_process
 from agents.run.cluster.weight_sync import SyncReport, put_buckets, weights_digest
+from agents.run.steps import PipelinedSteps, streamed_update
 
 if TYPE_CHECKING:
-    from agents.run.config import TrainConfig
+    from agents.run.backends import TrainerBackend
+    from agents.run.config import RunParts, TrainConfig
+    from agents.run.task_order import TaskOrder
 
 __all__ = ["REQUEST_PRIORITY", "RolloutPool", "RolloutWorker", "VersionGate", "WorkerSpec"]
 
@@ -656,6 +659,15 @@ class RolloutPool(RolloutBackend):
         """Each live worker's :func:`weights_digest` (equal after a sync)."""
         live = [worker for worker in self.workers if worker.live]
         return list(await asyncio.gather(*(_awaited(w.handle.digest.remote(names)) for w in live)))
+
+    def steps(
+        self, config: TrainConfig, parts: RunParts, order: TaskOrder, progress: bool | None, trainer: TrainerBackend
+    ) -> PipelinedSteps:
+        """The workers' pipeline: rollouts up to η = ``max_staleness`` steps ahead of the trainer (at η = 0 the
+        synchronous steps, with the workers' idle time measured), each prompt's trees streamed to the trainer
+        when the run asks for it."""
+        accumulate = streamed_update(config, trainer)
+        return PipelinedSteps(config, parts, self, order, progress, ahead=config.max_staleness, accumulate=accumulate)
 
     async def evaluate(self, kwargs: Mapping[str, Any]) -> HeldOut:
         """The held-out evaluation on the first live worker (no progress bar: it has no terminal); run

@@ -23,8 +23,7 @@ from agents.engines.scripted import ScriptedEngine
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree import RolloutTree
 from agents.run import steps as steps_module
-from agents.run import train as train_module
-from agents.run.cluster.rollout_workers import REQUEST_PRIORITY, RolloutWorker, VersionGate, WorkerSpec
+from agents.run.cluster.rollout_workers import REQUEST_PRIORITY, RolloutPool, RolloutWorker, VersionGate, WorkerSpec
 from agents.run.config import TrainConfig, build, merge
 from agents.run.steps import PipelinedSteps, SynchronousSteps
 from agents.run.task_order import TaskOrder
@@ -576,7 +575,13 @@ async def test_max_staleness_0_through_the_pipeline_is_the_synchronous_run_bit_f
 ):
     config = run_config(tiny_model)
     with monkeypatch.context() as patch:  # the steps a run without rollout workers takes
-        patch.setattr(train_module, "PipelinedSteps", lambda *args, ahead, accumulate: SynchronousSteps(*args))
+        patch.setattr(
+            RolloutPool,
+            "steps",
+            lambda pool, config, parts, order, progress, trainer: SynchronousSteps(
+                config, parts, pool, order, progress
+            ),
+        )
         synchronous = await train(config, tmp_path / "sync", progress=False, log=lambda note: None)
     assert "async/version" not in synchronous.history[0]
     seen = capture_trees(monkeypatch)
