@@ -479,38 +479,50 @@ class HFEngine(Engine):
 
     def _join(self, batch: _Batch | None, requests: list[_Request]) -> _Batch:
         """Prefill ``requests`` and add them to the running ``batch`` (or start one)."""
-        # Before the lookups below: ordered by a stale cache, requests sharing a prompt would all be
-        # prefilled whole in one pass once _prefill found the weights changed (the first rollout after
-        # each training step: one 64-row pass of 520-token prompts took 40.7 s instead of ~2 s).
+        # Before the lookups below: ordered by a stale cache that was emptied only at their prefill, requests
+        # sharing a prompt were all prefilled whole in one pass (the first rollout after each training step:
+        # one 64-row pass of 520-token prompts took 40.7 s instead of ~2 s).
         self._drop_stale_prefixes()
+        hits = self._lookups(requests)
         then: list[_Request] = []
         if self.prefix_cache.max_tokens and len(requests) > 1:
-            hits = [self.prefix_cache.lookup(r.prompt, limit=len(r.prompt) - 1) for r in requests]
-            order = shared_prefix_order([r.prompt for r in requests], [hit[0] if hit else 0 for hit in hits])
-            requests, then = [requests[i] for i in order[0]], [requests[i] for i in order[1]]
-        for group, cache_them in ((requests, bool(then)), (then, False)):
-            # Their shared prefixes cached by the first group, the others prefill only the rest.
-            for chunk, hits in self._prefill_chunks(group):
-                sequences, logits = self._prefill(chunk, hits)
-                if cache_them:
-                    for request, kv in zip(chunk, sequences):
-                        self.prefix_cache.add(request.prompt, kv)
-                if batch is None:
-                    cache = SlotCache(
-                        len(sequences[0]), self.max_batch_size, device=logits.device, dtype=self.compute_dtype
-                    )
-                    batch = _Batch([], cache, logits[:0], RowSampler(logits.device))
-                batch.cache.add_rows(sequences)
-                for request in chunk:
-                    request.next_version, request.loads_at_prefill = self._inflight_version, self._inflight_loads
-                batch.requests += chunk
-                batch.logits = torch.cat([batch.logits, logits])
-                del sequences  # the chunk's KV now lives in the batch's room (and the prefix cache)
-        assert batch is not None  # requests is never empty
+            first, later = shared_prefix_order([r.prompt for r in requests], [hit[0] if hit else 0 for hit in hits])
+            requests, hits, then = [requests[i] for i in first], [hits[i] for i in first], [requests[i] for i in later]
+        batch = self._add_prefilled(batch, requests, hits, cache_prompts=bool(then))
+        if then:  # their shared prefixes are now cached: they prefill only the rest
+            batch = self._add_prefilled(batch, then, self._lookups(then), cache_prompts=False)
         self._set_sampler_rows(batch)
         return batch
 
-    def _prefill_chunks(self, requests: list[_Request]) -> list[tuple[list[_Request], list[_Hit]]]:
+    def _lookups(self, requests: list[_Request]) -> list[_Hit]:
+        """Each request's longest cached prefix (a prompt token is always run: its logits give the first sampled token)."""
+        return [self.prefix_cache.lookup(r.prompt, limit=len(r.prompt) - 1) for r in requests]
+
+    def _add_prefilled(
+        self, batch: _Batch | None, requests: list[_Request], hits: list[_Hit], cache_prompts: bool
+    ) -> _Batch:
+        """Prefill ``requests`` (``hits``: their lookups) in bounded passes, each pass's rows joining ``batch``
+        (or starting one) before the next; with ``cache_prompts`` their prompts' KV goes to the prefix cache."""
+        for chunk, chunk_hits in self._prefill_chunks(requests, hits):
+            sequences, logits = self._prefill(chunk, chunk_hits)
+            if cache_prompts:
+                for request, kv in zip(chunk, sequences):
+                    self.prefix_cache.add(request.prompt, kv)
+            if batch is None:
+                cache = SlotCache(
+                    len(sequences[0]), self.max_batch_size, device=logits.device, dtype=self.compute_dtype
+                )
+                batch = _Batch([], cache, logits[:0], RowSampler(logits.device))
+            batch.cache.add_rows(sequences)
+            for request in chunk:
+                request.next_version, request.loads_at_prefill = self._inflight_version, self._inflight_loads
+            batch.requests += chunk
+            batch.logits = torch.cat([batch.logits, logits])
+            del sequences  # the chunk's KV now lives in the batch's room (and the prefix cache)
+        assert batch is not None  # requests is never empty
+        return batch
+
+    def _prefill_chunks(self, requests: list[_Request], hits: list[_Hit]) -> list[tuple[list[_Request], list[_Hit]]]:
         """``requests`` in prefill passes of at most ``max_prefill_tokens`` KV positions each, with their cache hits.
 
         A pass holds rows x (longest cached prefix + longest uncached rest) positions several times
@@ -518,20 +530,22 @@ class HFEngine(Engine):
         every joining request grew a 128-episode multihop-qa rollout by ~5 GB at once. Rows sorted by
         their cached and uncached lengths share a pass with rows like them, which also pads less.
         """
-        hits = [self.prefix_cache.lookup(r.prompt, limit=len(r.prompt) - 1) for r in requests]
         reused = [hit[0] if hit else 0 for hit in hits]
         order = sorted(range(len(requests)), key=lambda i: (reused[i], len(requests[i].prompt) - reused[i]))
         chunks: list[tuple[list[_Request], list[_Hit]]] = []
-        cached = new = 0
+        cached = new = 0  # the last chunk's padded widths
         for i in order:
-            row_cached, row_new = max(cached, reused[i]), max(new, len(requests[i].prompt) - reused[i])
-            rows = len(chunks[-1][0]) if chunks else 0
-            if not chunks or (rows + 1) * (row_cached + row_new) > self.max_prefill_tokens:
+            row_cached, row_new = reused[i], len(requests[i].prompt) - reused[i]
+            if (
+                chunks
+                and (len(chunks[-1][0]) + 1) * (max(cached, row_cached) + max(new, row_new)) <= self.max_prefill_tokens
+            ):
+                cached, new = max(cached, row_cached), max(new, row_new)
+            else:
                 chunks.append(([], []))
-                row_cached, row_new = reused[i], len(requests[i].prompt) - reused[i]
+                cached, new = row_cached, row_new
             chunks[-1][0].append(requests[i])
             chunks[-1][1].append(hits[i])
-            cached, new = row_cached, row_new
         return chunks
 
     def _set_sampler_rows(self, batch: _Batch) -> None:
@@ -561,8 +575,7 @@ class HFEngine(Engine):
     ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]:
         """One forward pass over the prompts' tokens that the prefix cache does not hold.
 
-        ``hits`` are the prompts' prefix-cache lookups (at most their length less one: a prompt token
-        is always run, its logits give the first sampled token). Returns each prompt's KV per layer
+        ``hits`` are the prompts' prefix-cache lookups (:meth:`_lookups`). Returns each prompt's KV per layer
         ([kv heads, prompt length, head dim]) and the logits of its next token. Row layout of the
         pass: [left padding | cached prefix | padding | new tokens], so that the new tokens of every
         row end at the right edge.
