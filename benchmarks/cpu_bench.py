@@ -18,8 +18,10 @@ is given as a fraction of a peak measured minutes before on the same machine:
   ``benchmarks.engine_bench``, exactly ``--new-tokens`` each (``ignore_eos``; runs before issue 47's
   third part stopped at end-of-sequence: one request then sampled 8 tokens), temperature 1, seeded), with its forward
   passes in float32 and from a bfloat16 copy of the weights (its decode steps fused, ``hf``, and through
-  transformers' modules, ``hf-tf``, alternated twice on one engine, the better of each:
-  :class:`~agents.engines.fused_decode.FusedDecodeStep`); model GFLOP/s (2 × 134.5 M FLOPs a
+  transformers' modules, ``hf-tf``, and on a CPU with AMX the fused step with its attention as two
+  batched products instead of torch's flash kernel, ``hf-products``, alternated twice on one engine,
+  the better of each: :class:`~agents.engines.fused_decode.FusedDecodeStep`,
+  :data:`~agents.engines.cpu_kernels.FLASH_DECODE`); model GFLOP/s (2 × 134.5 M FLOPs a
   token) and their fraction of the matmul peak at that many rows; the largest difference of a
   sampled log-prob to a float32 forward pass over the same tokens (``--engines hf``, the default);
   the same for the inference a CPU user would otherwise pick: vLLM's CPU engine (``vllm``, the
@@ -170,7 +172,7 @@ async def decode_rates(
 ) -> list[dict[str, Any]]:
     """``hf``: HFEngine generating from the float32 model and from its bfloat16 copy; ``vllm``: vLLM's CPU engine
     with the model in float32 and in bfloat16."""
-    from agents.engines import Engine, make_engine
+    from agents.engines import Engine, cpu_kernels, make_engine
     from agents.engines.hf import HFEngine
 
     rows = []
@@ -191,17 +193,23 @@ async def decode_rates(
                 max_model_len=2048,
                 engine_kwargs={"dtype": dtype_name},
             )
-        # The fused decode step and transformers' forward pass ("hf-tf"), alternated on one engine: the ratio of
-        # two engines run minutes apart carries the machine's drift (2 cores, shared).
+        # The fused decode step, transformers' forward pass ("hf-tf") and, where the step's attention is torch's
+        # flash kernel (AMX), the step with the two batched products instead ("hf-products"), alternated on one
+        # engine: the ratio of two engines run minutes apart carries the machine's drift (2 cores, shared).
         fused = getattr(engine, "fused_decode", None)
-        variants = {engine_name: fused, "hf-tf": None} if fused is not None else {engine_name: fused}
+        flash = cpu_kernels.FLASH_DECODE
+        variants = {engine_name: (fused, flash)}
+        if fused is not None:
+            variants["hf-tf"] = (None, flash)
+            if flash and dtype == torch.bfloat16:
+                variants["hf-products"] = (fused, False)
         try:
             await engine.generate(*requests(tokenizer, 1, 4)[0])  # warm-up
             for n in concurrency:
                 best: dict[str, dict[str, Any]] = {}
                 for label in [*variants] * (2 if len(variants) > 1 else 1):
                     if fused is not None:
-                        engine.fused_decode = variants[label]  # type: ignore[attr-defined]  # an HFEngine's
+                        engine.fused_decode, cpu_kernels.FLASH_DECODE = variants[label]  # type: ignore[attr-defined]
                     row = await concurrent_rate(engine, tokenizer, n, new_tokens, reference_model, ignore_eos=True)
                     if label not in best or row["tokens_per_s"] > best[label]["tokens_per_s"]:
                         best[label] = row
@@ -212,6 +220,7 @@ async def decode_rates(
                         f"  decode {label} {dtype_name} {n:>3} requests: {row['tokens_per_s']:7.1f} tok/s", flush=True
                     )
         finally:
+            cpu_kernels.FLASH_DECODE = flash
             await engine.close()
     return rows
 
@@ -372,6 +381,7 @@ def print_tables(result: dict[str, Any]) -> None:
             )
         by = {(r.get("engine", "hf"), r["dtype"], r["requests"]): r["tokens_per_s"] for r in result["decode"]}
         pairs = [(("hf", "bfloat16"), ("hf", "float32")), (("hf", "bfloat16"), ("hf-tf", "bfloat16"))]
+        pairs += [(("hf", "bfloat16"), ("hf-products", "bfloat16"))]
         pairs += [(("hf", dtype), ("vllm", dtype)) for dtype in DTYPES] + [(("hf", "bfloat16"), ("llama.cpp", "BF16"))]
         for n in sorted({r["requests"] for r in result["decode"]}):
             for a, b in pairs:

@@ -172,11 +172,13 @@ class BatchStats:
 
         ``engine/busy_frac``: the fraction of the time the worker ran forward passes or sampled;
         ``engine/mean_rows``: rows per decode pass (how full it kept its batches); ``engine/busy_tokens_per_s``:
-        generated tokens per busy second (the engine's own rate at those rows).
+        generated tokens per busy second (the engine's own rate at those rows); ``engine/prefill_frac``: the
+        share of the busy time in prefill passes (prompts and the turns' new tokens joining the batch).
         """
         busy = self.prefill_seconds + self.decode_seconds
         return {
             "engine/busy_frac": busy / seconds if seconds > 0 else 0.0,
+            "engine/prefill_frac": self.prefill_seconds / busy if busy > 0 else 0.0,
             "engine/mean_rows": self.decode_rows / self.decode_passes if self.decode_passes else 0.0,
             "engine/busy_tokens_per_s": self.generated_tokens / busy if busy > 0 else 0.0,
         }

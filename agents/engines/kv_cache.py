@@ -69,7 +69,8 @@ class SlotCache(Cache):
     copied into free room, a leaving row is overwritten by the last row, and a decode step writes
     each row's new key and value at its own column (its position id, too). Attention reads columns
     [0, width] (``width`` is the longest row) under a padding mask. Room is added ``GROWTH``
-    columns at a time, rows doubling up to ``max_rows``. The lengths are kept on the host too
+    columns at a time, rows doubling up to ``max_rows``, and columns are given back when the
+    longest row left needs less than half of them. The lengths are kept on the host too
     (``host_lengths``), so that a decode step never reads them from the device.
     """
 
@@ -115,6 +116,7 @@ class SlotCache(Cache):
             self.lengths[row] = self.lengths[last]
             host_lengths[row] = length
         self._set_lengths(self.lengths[:last], host_lengths)
+        self._shrink()
 
     def release(self) -> None:
         """Free every layer's room now (the batch is done).
@@ -153,6 +155,22 @@ class SlotCache(Cache):
         self.host_lengths = host_lengths
         self.width = max(host_lengths, default=0)
         self.rows_index = torch.arange(len(host_lengths), device=lengths.device)
+
+    def _shrink(self) -> None:
+        """Give back columns once the longest row needs less than half the room: a decode step's attention
+        reads every column of the room (:func:`~agents.engines.cpu_kernels._whole_rows`), so a room left wide
+        by rows that have left made every later step pay for their length."""
+        for layer in self.slot_layers:
+            if layer.room is None:
+                return
+            held_rows, heads, held_columns, dim = layer.room[0].shape
+            if held_columns <= 2 * (self.width + GROWTH):
+                return
+            shape = (held_rows, heads, self.width + GROWTH, dim)
+            room = (layer.room[0].new_zeros(shape), layer.room[0].new_zeros(shape))
+            for old, new in zip(layer.room, room):
+                new[: self.num_rows, :, : self.width] = old[: self.num_rows, :, : self.width]
+            layer.room = room
 
     def _reserve(self, rows: int, columns: int, example: torch.Tensor | None = None) -> None:
         """Grow every layer's room to at least ``rows`` x ``columns``, keeping what it holds."""

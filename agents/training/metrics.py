@@ -22,7 +22,7 @@ A record is a flat ``{name: float}`` dict. Names are ``group/quantity``; the tra
 - ``throughput/update_tokens_per_s`` and, from the caller's numbers,
   ``throughput/rollout_tokens_per_s``;
 - from a rollout on an engine that keeps :class:`~agents.engines.base.BatchStats`, ``engine/busy_frac``,
-  ``engine/mean_rows`` and ``engine/busy_tokens_per_s`` (:meth:`~agents.engines.base.BatchStats.usage`).
+  ``engine/mean_rows``, ``engine/busy_tokens_per_s`` and ``engine/prefill_frac`` (:meth:`~agents.engines.base.BatchStats.usage`).
 
 The rollout side is the caller's: it passes its own numbers, for instance
 :data:`ROLLOUT_TIME` (``time/rollout_s``), :data:`GENERATED_TOKENS` (``tokens/generated``) and

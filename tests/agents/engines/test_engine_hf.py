@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agents.engines import HFEngine, SamplingParams
+from agents.engines import HFEngine, SamplingParams, cpu_kernels
 from agents.engines.base import BatchStats
 from agents.engines.cpu_kernels import (
     CPU_GQA_ATTENTION,
@@ -142,6 +142,7 @@ def test_batch_stats_give_a_rollouts_engine_usage():
     assert (counts.decode_passes, counts.decode_rows, counts.largest_batch) == (20, 100, 6)
     assert counts.usage(8.0) == {
         "engine/busy_frac": 0.75,  # (1 s prefill + 5 s decode) of 8 s
+        "engine/prefill_frac": 1 / 6,  # 1 s prefill of 6 busy seconds
         "engine/mean_rows": 5.0,  # 100 rows over 20 passes
         "engine/busy_tokens_per_s": 20.0,  # 120 tokens over 6 busy seconds
     }
@@ -149,6 +150,7 @@ def test_batch_stats_give_a_rollouts_engine_usage():
     assert (both.decode_passes, both.decode_rows, both.largest_batch) == (25, 105, 9)
     assert BatchStats().usage(0.0) == {
         "engine/busy_frac": 0.0,
+        "engine/prefill_frac": 0.0,
         "engine/mean_rows": 0.0,
         "engine/busy_tokens_per_s": 0.0,
     }
@@ -479,6 +481,26 @@ def test_slot_cache_rows_join_grow_and_leave_without_touching_the_others():
     assert cache.num_rows == 0 and all(layer.room is None for layer in cache.slot_layers)
 
 
+def test_slot_cache_gives_back_columns_when_its_longest_row_leaves():
+    # A decode step's attention reads every column of the room: a room left wide by a long row that left
+    # would make every later step pay for that row's length.
+    cache = SlotCache(num_layers=2, max_rows=8)
+    short, long = kv(3, 0), kv(3 * GROWTH, 1)
+    cache.add_rows([short, long])
+    assert cache.layers[0].room[0].shape[2] == 3 * GROWTH + GROWTH
+    cache.remove_row(1)  # 4 x GROWTH columns held, 3 + GROWTH needed: more than twice, so they go
+    assert [layer.room[0].shape for layer in cache.slot_layers] == [(2, 2, 3 + GROWTH, 4)] * 2
+    assert torch.equal(cache.row(0)[1][0], short[1][0]) and torch.equal(cache.row(0)[1][1], short[1][1])
+    assert not cache.layers[0].room[0][0, :, 3:].any()  # zeros past the row, as attention needs
+    mask, positions = cache.decode_inputs()
+    assert mask.tolist() == [[1, 1, 1, 1]] and positions.tolist() == [[3]]
+    # Within twice the need the room stays: rows leaving and joining do not reallocate it each time.
+    cache.add_rows([kv(GROWTH // 2, 2)])
+    held = cache.layers[0].room[0]
+    cache.remove_row(1)
+    assert cache.layers[0].room[0] is held
+
+
 @pytest.mark.slow
 async def test_a_finished_batch_frees_its_kv_room_without_the_garbage_collector(engine, prompts):
     # The layers and their cache refer to each other: left to the cyclic collector, which counts Python
@@ -514,8 +536,10 @@ async def test_engine_attention_is_stock_sdpa_without_the_kv_copy(tokenizer):
     await engine.close()
 
 
+@pytest.mark.parametrize("flash", [False, True], ids=["products", "flash"])  # each CPU's kernel, tested on any
 @pytest.mark.parametrize("additive", [False, True])
-def test_bfloat16_decode_attention_is_grouped_query_attention(additive):
+def test_bfloat16_decode_attention_is_grouped_query_attention(additive, flash, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "FLASH_DECODE", flash)
     torch.manual_seed(0)
     rows, heads, kv_heads, width, dim = 5, 9, 3, 40, 64
     query = torch.randn(rows, heads, 1, dim).bfloat16()
