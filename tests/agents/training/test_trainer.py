@@ -408,11 +408,7 @@ async def test_resume_from_a_checkpoint_continues_bit_identically(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]  # the first run's step 3 was replaced
 
 
-def test_config_errors_name_the_field_and_the_fix():
-    with pytest.raises(ValueError, match="unknown loss 'ppo'; choose one of ppo_clip, gspo, atpo, aepo"):
-        TrainerConfig(loss="ppo")
-    with pytest.raises(ValueError, match="TrainerConfig.micro_batch_size must be a finite number > 0"):
-        TrainerConfig(micro_batch_size=0)
+def test_trainer_errors_name_the_setting_and_the_fix():
     with pytest.raises(ValueError, match="loss ppo_clip_loss has no parameter eps"):
         Trainer(tiny_model(), config(loss_kwargs={"eps": 0.1}))
     with pytest.raises(ValueError, match=r"loss_kwargs sets \['kl_coef'\], which the trainer supplies"):
@@ -509,22 +505,6 @@ async def test_a_registered_loss_is_chosen_by_name_in_the_trainer_the_learner_an
         TrainerConfig(loss="scaled_ppo_clip_test")
 
 
-def test_micro_batches_by_token_budget_hold_at_most_that_many_padded_tokens():
-    trainer = Trainer(tiny_model(), config(micro_batch_size=4, micro_batch_tokens=40, packing="padded"))
-    lengths = torch.tensor([18, 21, 13, 6, 30, 50, 5])
-    groups = [g.tolist() for g in trainer.forward.micro_batches(torch.arange(7), lengths)]
-    # 18+21 -> 2 x 21 = 42 > 40 splits; 21, 13 -> 42 again; 13, 6 -> 26; +30 -> 90; 50 alone; 5.
-    assert groups == [[0], [1], [2, 3], [4], [5], [6]]
-    assert [
-        g.tolist()
-        for g in Trainer(tiny_model(), config(micro_batch_size=2, packing="padded")).forward.micro_batches(
-            torch.arange(5), torch.ones(5, dtype=torch.long)
-        )
-    ] == [[0, 1], [2, 3], [4]]
-    with pytest.raises(ValueError, match="micro_batch_tokens must be an int >= 1 or None, got 0"):
-        TrainerConfig(micro_batch_tokens=0)
-
-
 @pytest.mark.parametrize("loss", ["ppo_clip", "atpo"])
 async def test_token_budget_micro_batches_give_the_same_update_as_sequence_counts(loss):
     paths = with_sampler_logprobs(make_paths(), tiny_model(), shift=lambda i: 0.3 * (-1) ** i)
@@ -600,23 +580,6 @@ async def test_action_only_chunked_scoring_gives_the_full_logits_update(packing)
         assert metrics_chunked[name] == pytest.approx(metrics_full[name], abs=1e-6)
     for name, grad in grads_full.items():
         torch.testing.assert_close(grads_chunked[name], grad, atol=1e-6, rtol=1e-5)
-
-
-def test_score_positions_equals_score_tokens_at_the_chosen_tokens():
-    from agents.training.scoring import score_positions, score_tokens
-
-    torch.manual_seed(0)
-    head = torch.nn.Linear(8, 11, bias=False)
-    hidden = torch.randn(2, 5, 8)
-    ids = torch.randint(0, 11, (2, 5))
-    positions = torch.tensor([[0, 1], [0, 4], [1, 2], [1, 3]])
-    full, full_entropy = score_tokens(head(hidden), ids, 0.7, entropy=True)
-    chosen, chosen_entropy = score_positions(hidden, head, ids, positions, 0.7, entropy=True, chunk_size=3)
-    expected = full[positions[:, 0], positions[:, 1] - 1]  # score_tokens' column t - 1 is token t
-    torch.testing.assert_close(chosen, expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(chosen_entropy, full_entropy[positions[:, 0], positions[:, 1] - 1], atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="columns >= 1"):
-        score_positions(hidden, head, ids, torch.tensor([[0, 0]]))
 
 
 class SleepingEngine:
