@@ -40,7 +40,7 @@ import torch
 from agents.engines.base import update_then_sync
 from agents.models import load_model, load_tokenizer
 from agents.run.cluster.runtime import cpu_share, import_ray, node_alive, require_resources, this_process
-from agents.run.cluster.weight_sync import put_buckets
+from agents.run.cluster.weight_sync import BucketReceiver, put_buckets
 from agents.training.trainer import Trainer
 from agents.training.trainer_config import TrainerConfig
 
@@ -337,9 +337,8 @@ class TrainerGroup:
             return
         start = time.perf_counter()
         refs, size = await self.weight_refs(self.bucket_bytes)
-        load = getattr(self.engine, "load_buckets", None)
-        if load is not None:
-            await load(refs, size, time.perf_counter() - start)
+        if isinstance(self.engine, BucketReceiver):
+            await self.engine.load_buckets(refs, size, time.perf_counter() - start)
             return
         for ref in refs:
             await self.engine.update_weights(await ref)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SyncReport", "buckets", "put_buckets", "weights_digest"]
+__all__ = ["BucketReceiver", "SyncReport", "buckets", "put_buckets", "weights_digest"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,18 @@ class SyncReport:
             "sync/put_s": self.put_s,
             "sync/load_s": self.load_s,
         }
+
+
+@runtime_checkable
+class BucketReceiver(Protocol):
+    """What takes the weights as object-store buckets rather than state dicts: the rollout workers
+    (:class:`agents.run.cluster.rollout_workers.RolloutPool`), each fetching them itself.
+    :class:`agents.run.cluster.trainer_ranks.TrainerGroup` hands any other engine the buckets one by one
+    through ``update_weights``."""
+
+    async def load_buckets(self, refs: list[Any], size: int, put_s: float = 0.0) -> SyncReport:
+        """Load the buckets ``refs`` (``size`` bytes, put in ``put_s`` seconds) everywhere; what the sync moved."""
+        ...
 
 
 def buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
