@@ -19,7 +19,7 @@ import asyncio
 import atexit
 import copy
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import gymnasium as gym
@@ -138,6 +138,9 @@ class Env(gym.Env[str, str]):
     - ``fork() -> Env``: an independent copy of the current state (mid-episode or after the end).
       Stepping either copy never changes the other; the same actions on two forks give the same
       observations and rewards when the tools are deterministic.
+    - ``tasks``: the environment's fixed task list, where it has one (``reset(options={"index": i})``
+      poses task ``i``: a run holds the first out and trains on the rest), or ``None`` (the class
+      default) when each reset draws its own task from the seed.
     - ``close()``: release resources; calling it twice is allowed. A closed environment is done
       for good: ``reset``, ``step``, their async forms and ``fork`` raise ``RuntimeError``
       rather than quietly start new sandboxes or sessions that nothing would close. The base
@@ -154,6 +157,8 @@ class Env(gym.Env[str, str]):
 
     observation_space = Text()
     action_space = Text()
+    #: The fixed task list, or ``None``: each reset draws its task from the seed (see the contract above).
+    tasks: Sequence[Any] | None = None
     _closed = False  # a class default: subclasses need not call __init__ for it
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

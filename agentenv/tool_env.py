@@ -184,7 +184,7 @@ class ToolEnv(Env):
         super().__init__(render_mode=render_mode)  # checks render_mode, naming the subclass
         if not tasks:
             raise ValueError("ToolEnv needs at least one task")
-        self.tasks = tasks
+        self.tasks: Sequence[Example] = tasks
         self.tools: dict[str, Tool] = {}
         for t in map(as_tool, tools):
             check_tool_name(t.name)

@@ -24,8 +24,8 @@ thread, off the event loop, where the tokenizer is a Rust (``tokenizers``) one, 
 the GIL while it works.
 
 ``TokenEnv`` is a wrapper as Gymnasium's are: ``env`` is the wrapped environment, ``unwrapped``
-the innermost one, and a public attribute it does not define itself is read from ``env``
-(``token_env.tasks`` is ``token_env.env.tasks``).
+the innermost one, and a public attribute it does not define itself is read from ``env``;
+``token_env.tasks`` is the innermost environment's task list (:attr:`agentenv.Env.tasks`).
 """
 
 from __future__ import annotations
@@ -291,6 +291,12 @@ class TokenEnv:
 
     #: Attributes never read from the wrapped env (they would misstate what TokenEnv takes).
     _NOT_FORWARDED = frozenset({"observation_space", "action_space"})
+
+    @property
+    def tasks(self) -> Sequence[Any] | None:
+        """The wrapped environment's task list (:attr:`agentenv.Env.tasks`), or ``None`` where each reset
+        draws its own task."""
+        return self.unwrapped.tasks  # type: ignore[attr-defined]  # an agentenv.Env's
 
     @property
     def unwrapped(self) -> gymnasium.Env[Any, Any]:

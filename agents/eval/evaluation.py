@@ -439,7 +439,7 @@ def build_episodes(
     reset with ``seed=i`` for ``i < limit`` (then ``limit`` is required).
     """
     env = TokenEnv(agentenv.make(env_id, **dict(env_kwargs or {})), tokenizer, **dict(token_env_kwargs or {}))
-    tasks = getattr(env, "tasks", None)
+    tasks = env.tasks
     if tasks is not None:
         count = len(tasks) if limit is None else min(limit, len(tasks))
         return [
@@ -551,7 +551,7 @@ def _task_lists(episodes: Sequence[Episode], judge: Judge | None) -> dict[str, S
     for episode in episodes:
         env_id = episode.key[0]
         if env_id not in tasks:
-            tasks[env_id] = getattr(episode.env, "tasks", None)
+            tasks[env_id] = episode.env.tasks
             if judge is not None and tasks[env_id] is None:
                 raise ValueError(
                     f"the judge compares answers with gold answers, and {env_id!r} has no task list of questions "

@@ -488,7 +488,7 @@ def write_dataset(
     (the task). ``env_kwargs`` go to ``agentenv.make``; give the agent loop the same ones.
     """
     text_env = agentenv.make(env, **env_kwargs)
-    count = len(text_env.tasks) if hasattr(text_env, "tasks") else None
+    count = len(text_env.tasks) if text_env.tasks is not None else None
     if tasks is None:
         if count is None:
             raise ValueError(f"{env} has no task list; pass tasks= (the reset seeds)")

@@ -593,7 +593,7 @@ async def run_episodes(
 
 def task_episode(env: TokenEnv, task: int) -> Episode:
     """The episode of ``task`` on a fork of ``env``: its task-list entry, or a reset seeded with it."""
-    if hasattr(env, "tasks"):
+    if env.tasks is not None:
         return Episode(env.fork(), options={"index": task}, key=task)
     return Episode(env.fork(), seed=task, key=task)
 

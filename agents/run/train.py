@@ -174,7 +174,8 @@ async def train(
             wandb_project=parts.trainer.wandb_project,
         )
         cleanup.callback(heldout.close)
-        order = TaskOrder(len(env.tasks) if hasattr(env, "tasks") else None, config.holdout, config.seed, **position)
+        count = len(env.tasks) if env.tasks is not None else None  # None: each reset draws its task
+        order = TaskOrder(count, config.holdout, config.seed, **position)
         title = plot_title(parts.learner.name, config, out)
         evaluation = HeldOutEvaluation(config, parts.tree, rollout.evaluate, heldout, progress, log, title)
         trainer.open_steps_bar()  # the run's bar from its first step on, before any rollout

@@ -86,9 +86,9 @@ def demonstrations(
 
     env = agentenv.make(env_id, **(env_kwargs or {}))
     try:
-        task_list = getattr(env.unwrapped, "tasks", None)
+        task_list = env.tasks
         if task_list is None:
-            raise TypeError(f"{env_id} has no task list (env.unwrapped.tasks), so it has no training tasks to play")
+            raise TypeError(f"{env_id} has no task list (env.tasks), so it has no training tasks to play")
         tasks = len(task_list)
         if holdout >= tasks:
             raise ValueError(

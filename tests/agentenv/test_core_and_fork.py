@@ -78,6 +78,14 @@ async def test_reset_inside_a_running_loop_names_areset():
     assert await AsyncOnly().areset(seed=0) == ("add numbers", {})
 
 
+def test_tasks_is_the_fixed_task_list_or_none_when_resets_draw_their_own():
+    assert AsyncOnly().tasks is None  # the contract's default: each reset draws its task from the seed
+    qa = agentenv.make("multihop-qa")
+    assert len(qa.tasks) == 500
+    obs, _ = qa.reset(options={"index": 3})  # reset(options={"index": i}) poses tasks[i]
+    assert qa.tasks[3].question in obs
+
+
 def test_fork_strategy_is_checked_when_the_class_is_defined():
     with pytest.raises(
         TypeError, match=r"Magic.fork_strategy = 'magic' is not one of \('immutable',.*override fork\(\)"

@@ -61,6 +61,22 @@ def test_public_attributes_are_forwarded_to_the_wrapped_env():
             getattr(env, name)
 
 
+class Counting(agentenv.Env):
+    """An environment without a task list: each reset draws its own task."""
+
+    def reset(self, *, seed=None, options=None):
+        return "count", {}
+
+    def step(self, action):
+        return "", 0.0, True, False, {}
+
+
+def test_tasks_is_the_innermost_envs_task_list_or_none():
+    qa = agentenv.make("multihop-qa")
+    assert TokenEnv(qa, BYTES).tasks is qa.tasks and TokenEnv(gymnasium.Wrapper(qa), BYTES).tasks is qa.tasks
+    assert TokenEnv(Counting(), BYTES).tasks is None
+
+
 def test_private_attributes_are_not_forwarded():
     env = TokenEnv(agentenv.make("multihop-qa"), BYTES)
     assert hasattr(env.env, "_np_random")
