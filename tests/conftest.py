@@ -1,6 +1,8 @@
 """Fixtures shared by the test packages."""
 
 import os
+import subprocess
+import sys
 
 # The suite checks the sampler's log-probs against float32 forward passes to 1e-5: HFEngine generates in float32
 # here, as on a CPU without bfloat16 units, in this process and those it starts (Ray workers, the CLI); the tests
@@ -46,6 +48,30 @@ def tiny_model(tmp_path_factory) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture
+def gloo_ranks(tmp_path):
+    """``run(code, env=None)``: ``code`` in two fresh interpreters, ranks 0 and 1 of a gloo group (``sys.argv``:
+    the rank, then a rendezvous file for ``init_method="file://" + sys.argv[2]``); their stdouts, once both
+    exited with 0 (else their stderr in the failure)."""
+
+    def run(code: str, env: dict[str, str] | None = None) -> list[str]:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(rank), str(tmp_path / "rendezvous")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        outputs = [rank.communicate(timeout=300) for rank in ranks]
+        assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+        return [out for out, _ in outputs]
+
+    return run
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def test_cache_root_follows_agentenv_cache(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_first_load_on_trainer_rank_1_converts_a_checkpoint_every_rank_loads(tmp_path):
+def test_a_first_load_on_trainer_rank_1_converts_a_checkpoint_every_rank_loads(tmp_path, gloo_ranks):
     # transformers 5.19's save_pretrained writes nothing on a torch.distributed rank other than 0: a
     # conversion through it left a folder marked done with no config and no weights (issue 46).
     code = (
@@ -133,19 +133,7 @@ def test_a_first_load_on_trainer_rank_1_converts_a_checkpoint_every_rank_loads(t
         "dist.destroy_process_group()\n"
     )
     env = {**os.environ, "AGENTENV_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(rank), str(tmp_path / "rendezvous")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = [rank.communicate(timeout=300) for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
-    first, second = (out.split() for out, _ in outputs)
+    first, second = (out.split() for out in gloo_ranks(code, env))
     assert first == second and first[0] == "134515008"
     folder = tmp_path / "cache" / "models" / DEFAULT_MODEL
     config = json.loads((folder / "config.json").read_text())
@@ -215,8 +203,6 @@ def test_tokenizer_alone_converts_without_the_weights(monkeypatch, tmp_path):
 
 def test_generic_tokenizer_loads_without_torch_and_equals_autotokenizer(tokenizer):
     import json
-    import subprocess
-    import sys
 
     from transformers import AutoTokenizer
 

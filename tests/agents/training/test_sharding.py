@@ -1,8 +1,6 @@
 """agents.training.sharding: which passes each trainer rank runs, and what two real gloo ranks share."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -51,19 +49,8 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_share_rank_0s_weights_sum_in_rank_order_and_gather_the_full_state(tmp_path):
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK, str(rank), str(tmp_path / "rendezvous")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = [rank.communicate(timeout=300) for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
-    results = [json.loads(out.splitlines()[-1]) for out, _ in outputs]
+def test_two_gloo_ranks_share_rank_0s_weights_sum_in_rank_order_and_gather_the_full_state(gloo_ranks):
+    results = [json.loads(out.splitlines()[-1]) for out in gloo_ranks(RANK)]
     assert [r["place"] for r in results] == [[0, 2], [1, 2]]
     for r in results:
         assert r["sum"] == {"tokens": 30.0, "only_0": 1.0, "only_1": 1.0}
