@@ -166,11 +166,7 @@ class SlotCache(Cache):
             held_rows, heads, held_columns, dim = layer.room[0].shape
             if held_columns <= 2 * (self.width + GROWTH):
                 return
-            shape = (held_rows, heads, self.width + GROWTH, dim)
-            room = (layer.room[0].new_zeros(shape), layer.room[0].new_zeros(shape))
-            for old, new in zip(layer.room, room):
-                new[: self.num_rows, :, : self.width] = old[: self.num_rows, :, : self.width]
-            layer.room = room
+            self._move(layer, (held_rows, heads, self.width + GROWTH, dim))
 
     def _reserve(self, rows: int, columns: int, example: torch.Tensor | None = None) -> None:
         """Grow every layer's room to at least ``rows`` x ``columns``, keeping what it holds."""
@@ -189,12 +185,16 @@ class SlotCache(Cache):
                 held_columns if columns <= held_columns else columns + GROWTH,
                 dim,
             )
-            # Zeros, not empty memory: attention reads masked columns too, and a NaN there (0 x NaN) spoils the row.
-            room = (layer.room[0].new_zeros(shape), layer.room[0].new_zeros(shape))
-            used_rows, used_columns = self.num_rows, self.width
-            for old, new in zip(layer.room, room):
-                new[:used_rows, :, :used_columns] = old[:used_rows, :, :used_columns]
-            layer.room = room
+            self._move(layer, shape)
+
+    def _move(self, layer: _SlotLayer, shape: tuple[int, int, int, int]) -> None:
+        """Give ``layer`` a room of ``shape``, holding the rows and columns in use."""
+        # Zeros, not empty memory: attention reads masked columns too, and a NaN there (0 x NaN) spoils the row.
+        room = (layer.kv()[0].new_zeros(shape), layer.kv()[0].new_zeros(shape))
+        rows, columns = self.num_rows, self.width
+        for old, new in zip(layer.kv(), room):
+            new[:rows, :, :columns] = old[:rows, :, :columns]
+        layer.room = room
 
 
 class PrefixCache:

@@ -35,14 +35,14 @@ ids = torch.tensor([[3, 7, 1, 9, 4]])
 with torch.no_grad():
     expected = reference(input_ids=ids).logits
     logits = shard([model], torch.device("cpu"), torch.float32)[id(model)](lambda m, x: m(input_ids=x).logits, ids)
-state = gathered_state_dict(model)
+state, full = gathered_state_dict(model), reference.state_dict()
 print(json.dumps({
     "place": place_in_group(True),
     "sum": sum_over_ranks({"tokens": 10.0 * (rank + 1), f"only_{rank}": 1.0}),
     "logits_diff": (logits - expected).abs().max().item(),
     "state_keys": sorted(state),
-    "state_equal": all(torch.equal(value, reference.state_dict()[name]) for name, value in state.items()),
-    "full_keys": sorted(reference.state_dict()),
+    "state_equal": all(torch.equal(value, full[name]) for name, value in state.items()),
+    "full_keys": sorted(full),
 }))
 dist.destroy_process_group()
 """
