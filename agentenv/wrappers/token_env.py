@@ -235,9 +235,11 @@ class _Segment:
 class TokenEnv:
     """Wrap an :class:`~agentenv.core.Env` so that it takes and returns token ids.
 
-    A public attribute that ``TokenEnv`` does not define is looked up on ``env`` (through any
-    Gymnasium wrappers there, as ``get_wrapper_attr`` does); private ones (``_name``) are not,
-    nor are ``observation_space`` and ``action_space``, which describe the wrapped env's text.
+    It forwards what it documents: :attr:`tasks`, :attr:`spec`, :attr:`unwrapped` and :attr:`stop_strings`
+    are the wrapped environment's. Anything else of ``env``'s is reached explicitly, as Gymnasium 1.x
+    wrappers have it: ``token_env.get_wrapper_attr("max_tool_calls")`` (through any wrappers between)
+    or ``token_env.unwrapped.max_tool_calls``. ``observation_space`` and ``action_space`` describe the
+    wrapped env's text, not the token ids ``TokenEnv`` exchanges, so it has neither.
 
     Args:
         env: The text environment.
@@ -286,11 +288,8 @@ class TokenEnv:
     # -- the wrapper protocol -------------------------------------------------------------------
     # Not a gymnasium.Wrapper subclass on purpose: that would make TokenEnv a gymnasium.Env whose
     # action_space/observation_space are (by default) the wrapped env's Text spaces while it takes
-    # and returns token ids; and Gymnasium 1.x's Wrapper has no __getattr__, so subclassing would
-    # not give the forwarding anyway. The protocol (env, unwrapped, *_wrapper_attr) is mirrored here.
-
-    #: Attributes never read from the wrapped env (they would misstate what TokenEnv takes).
-    _NOT_FORWARDED = frozenset({"observation_space", "action_space"})
+    # and returns token ids. The protocol (env, unwrapped, spec, *_wrapper_attr) is mirrored here,
+    # and like Gymnasium 1.x's Wrapper it forwards no other attribute implicitly.
 
     @property
     def tasks(self) -> Sequence[Any] | None:
@@ -303,27 +302,26 @@ class TokenEnv:
         """The innermost environment, under this and any other wrappers."""
         return self.env.unwrapped
 
+    @property
+    def spec(self) -> gymnasium.envs.registration.EnvSpec | None:
+        """The registry entry the wrapped environment was made from (``None`` if it was built directly)."""
+        return self.env.spec
+
     def __getattr__(self, name: str) -> Any:
-        # Called only when normal lookup fails: forward public names to the wrapped env.
-        if name.startswith("_"):
-            raise AttributeError(
-                f"accessing private attribute {name!r} through {type(self).__name__} is prohibited; "
-                f"use .unwrapped.{name} if you mean the environment's"
-            )
-        if name in self._NOT_FORWARDED:
+        # Called only when normal lookup fails: say how to reach the wrapped env's attribute, never forward it.
+        env = self.__dict__.get("env")  # absent mid-copy or unpickling: never recurse through self.env
+        has = env.has_wrapper_attr if isinstance(env, gymnasium.Env) else lambda n: hasattr(env, n)
+        if name.startswith("__") or env is None or not has(name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name in ("observation_space", "action_space"):
             raise AttributeError(
                 f"{type(self).__name__} has no {name}: it takes and returns token ids, not the "
                 f"wrapped env's text (its text space is .env.{name})"
             )
-        if "env" not in self.__dict__:  # not initialised (e.g. mid-copy): never recurse through self.env
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        env = self.__dict__["env"]
-        try:
-            return env.get_wrapper_attr(name) if isinstance(env, gymnasium.Env) else getattr(env, name)
-        except AttributeError as e:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r}, nor has its env ({type(env).__name__})"
-            ) from e
+        raise AttributeError(
+            f"{type(self).__name__} does not forward {name!r} of its env ({type(env).__name__}): "
+            f"use .get_wrapper_attr({name!r}) or .unwrapped.{name}"
+        )
 
     # Gymnasium's lookups through a stack of wrappers: TokenEnv's own attributes first, then env's.
     def _has_own(self, name: str) -> bool:

@@ -22,7 +22,7 @@ from agents.eval.heldout import HeldOut, evaluate_heldout
 from agents.rollout.episodes import task_episode
 from agents.rollout.strategies import PromptTrees
 from agents.rollout.tree_loop import rollout_trees
-from agents.run.steps import SynchronousSteps
+from agents.run.steps import StepProducer, SynchronousSteps
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from agents.rollout.episodes import RolloutConfig
     from agents.rollout.tree import TrainingPath
     from agents.run.config import RunParts, TrainConfig
-    from agents.run.steps import PipelinedSteps
     from agents.run.task_order import TaskOrder
     from agents.training.trainer import Trainer
     from agents.training.trainer_config import TrainerConfig
@@ -130,7 +129,7 @@ class RolloutBackend(Protocol):
 
     def steps(
         self, config: TrainConfig, parts: RunParts, order: TaskOrder, progress: bool | None, trainer: TrainerBackend
-    ) -> SynchronousSteps | PipelinedSteps:
+    ) -> StepProducer:
         """Where each step's batch comes from on this backend (:mod:`agents.run.steps`)."""
         ...
 

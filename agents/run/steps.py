@@ -1,6 +1,7 @@
 """Each training step's batch: its tasks rolled out, credit assigned, the rollout's metrics (steps 2-3 of :mod:`agents.run.train`).
 
-Two producers give the training loop its batches, one ``batch(step)`` a step:
+Two producers give the training loop its batches, one ``batch(step)`` a step (the :class:`StepProducer`
+contract):
 :class:`SynchronousSteps` rolls each step out after the previous step's update and sync (a run
 without rollout workers); :class:`PipelinedSteps` keeps the rollout workers up to η =
 ``max_staleness`` steps ahead of the trainer and, with ``stream_update``, hands each prompt's
@@ -18,7 +19,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PipelinedSteps",
     "Refill",
+    "StepProducer",
     "SynchronousSteps",
     "has_signal",
     "rollout_seed",
@@ -45,6 +47,24 @@ __all__ = [
     "sample_with_signal",
     "streamed_update",
 ]
+
+
+class StepProducer(Protocol):
+    """Where the training loop's batches come from (:meth:`agents.run.backends.RolloutBackend.steps`)."""
+
+    async def batch(self, step: int) -> tuple[list[TrainingPath], dict[str, float], dict[str, int]]:
+        """Step ``step``'s paths (empty when they went to the trainer as they came back), its rollout metrics, and
+        the task order's position after its tasks (what a checkpoint saves)."""
+        ...
+
+    def trained(self, step: int) -> None:
+        """The trainer has updated on step ``step`` and synced the engines."""
+        ...
+
+    async def close(self) -> None:
+        """Stop what is still rolling out."""
+        ...
+
 
 #: A step's rounds of rollouts: ``roll(tasks, round)`` gives the trees of ``tasks`` under round ``round``'s seed.
 Roll = Callable[[list[int], int], Awaitable[list[PromptTrees]]]
@@ -221,7 +241,7 @@ def _rollout_record(
     return metrics
 
 
-class SynchronousSteps:
+class SynchronousSteps(StepProducer):
     """The batches of a run without rollout workers: each step's rollout after the previous step's update and sync."""
 
     def __init__(
@@ -262,7 +282,7 @@ class SynchronousSteps:
         pass
 
 
-class PipelinedSteps:
+class PipelinedSteps(StepProducer):
     """The batches of a run on rollout workers: rollouts up to ``ahead`` = η steps ahead of the trainer.
 
     Step ``s``'s prompts go to the pool once the trainer has updated on step ``s − η − 1`` (so every

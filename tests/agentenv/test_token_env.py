@@ -42,18 +42,23 @@ def test_unwrapped_is_the_innermost_env():
     assert through.tasks is wrapped.unwrapped.tasks  # forwarding goes through them too (get_wrapper_attr)
 
 
-def test_public_attributes_are_forwarded_to_the_wrapped_env():
+def test_only_the_documented_attributes_are_forwarded():
     env = TokenEnv(agentenv.make("multihop-qa", max_tool_calls=2), BYTES)
-    assert env.tasks is env.env.tasks and len(env.tasks) == 500
-    assert env.max_tool_calls == 2 and env.spec.id == "agentenv/multihop-qa"
-    assert hasattr(env, "tasks") and not hasattr(env, "no_such_attribute")
+    assert env.tasks is env.env.tasks and len(env.tasks) == 500 and env.spec.id == "agentenv/multihop-qa"
+    assert env.stop_strings == ["</search>"] and env.stop_strings is not env.env.stop_strings
+    # the env's other attributes are reached explicitly, and the error says how
+    assert env.env.max_tool_calls == 2 and not hasattr(env, "max_tool_calls")
     with pytest.raises(
-        AttributeError, match=r"'TokenEnv' object has no attribute 'no_such_attribute', nor has its env \(QAEnv\)"
+        AttributeError,
+        match=r"TokenEnv does not forward 'max_tool_calls' of its env \(QAEnv\): "
+        r"use \.get_wrapper_attr\('max_tool_calls'\) or \.unwrapped\.max_tool_calls",
     ):
+        _ = env.max_tool_calls
+    assert env.get_wrapper_attr("max_tool_calls") == 2 and env.unwrapped.max_tool_calls == 2
+    with pytest.raises(AttributeError, match=r"^'TokenEnv' object has no attribute 'no_such_attribute'$"):
         _ = env.no_such_attribute
     # what TokenEnv defines is its own
-    assert env.tokenizer is BYTES and env.stop_strings == ["</search>"] and env.stop_strings is not env.env.stop_strings
-    assert env.reset.__self__ is env and env.fork.__self__ is env
+    assert env.tokenizer is BYTES and env.reset.__self__ is env and env.fork.__self__ is env
     # the text spaces are not forwarded: TokenEnv exchanges token ids
     for name in ("observation_space", "action_space"):
         assert hasattr(env.env, name)
@@ -80,9 +85,9 @@ def test_tasks_is_the_innermost_envs_task_list_or_none():
 def test_private_attributes_are_not_forwarded():
     env = TokenEnv(agentenv.make("multihop-qa"), BYTES)
     assert hasattr(env.env, "_np_random")
-    with pytest.raises(AttributeError, match="accessing private attribute '_np_random' through TokenEnv is prohibited"):
+    with pytest.raises(AttributeError, match=r"does not forward '_np_random' .*use \.get_wrapper_attr"):
         _ = env._np_random
-    with pytest.raises(AttributeError, match="private attribute '_before_obs'"):
+    with pytest.raises(AttributeError, match="no attribute '_before_obs'"):
         _ = env._before_obs  # only set with observations="turn"; never looked up on the env
     assert not hasattr(env, "__deepcopy__") and not hasattr(env, "__setstate__")  # copy looks these up
     assert copy.copy(env).env is env.env
@@ -103,17 +108,17 @@ def test_wrapper_attr_lookups_prefer_the_wrapper():
     assert not env.set_wrapper_attr("nope", 1, force=False) and not hasattr(env, "nope")
 
 
-def test_a_forks_forwarded_attributes_are_its_own_envs():
+def test_a_forks_wrapped_attributes_are_its_own_envs():
     env = TokenEnv(agentenv.make("multihop-qa"), BYTES)
     env.reset(options={"index": 0})
     env.step(BYTES.encode("<search>Shirley Temple</search>"))
     branch = env.fork()
     assert branch.env is not env.env and branch.unwrapped is branch.env
-    assert branch.state is branch.env.state
+    assert branch.get_wrapper_attr("state") is branch.env.state
     branch.step(BYTES.encode("<answer>\\boxed{Chief of Protocol}</answer>"))
     env.step(BYTES.encode("<answer>\\boxed{Ambassador}</answer>"))
-    assert (branch.state.reward, env.state.reward) == (1.0, 0.0)
-    assert branch.state is branch.env.state and env.state is env.env.state and branch.state is not env.state
+    assert (branch.unwrapped.state.reward, env.unwrapped.state.reward) == (1.0, 0.0)
+    assert branch.get_wrapper_attr("state") is not env.get_wrapper_attr("state")
     (a, _), (b, _) = env.sequence(), branch.sequence()
     assert a != b and len(branch) == len(b)
 

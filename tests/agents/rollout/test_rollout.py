@@ -324,7 +324,7 @@ async def test_states_at_turn_boundaries_fork_the_episode_where_each_action_was_
     # Resample turn 2 from its state: a wrong answer, without touching the recorded episode.
     obs, reward, terminated, _, info = await second.env.astep(ids_of("<answer> \\boxed{41} </answer>"))
     assert (reward, terminated, info["grade"]["em"]) == (0.0, True, 0.0)
-    assert env.sequence()[0] == trajectory.ids and env.state.reward == 1.0
+    assert env.sequence()[0] == trajectory.ids and env.unwrapped.state.reward == 1.0
 
     bare = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 5}), RolloutConfig())
     assert [t.env for t in bare.turns] == [None, None]  # off by default: a fork may hold a sandbox
