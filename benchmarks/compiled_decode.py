@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from agents.engines.cpu_kernels import pack_linear_layers
-from agents.engines.fused_decode import FusedDecodeStep
+from agents.engines.fused_decode import FusedDecodeStep, _attention_projections, _mlp_projections, _rotate
 from agents.engines.kv_cache import SlotCache
 from agents.models import DEFAULT_MODEL, load_model
 from benchmarks.cpu_bench import bandwidth, cpu_features
@@ -46,10 +46,8 @@ class FrozenDecodeStep(torch.nn.Module):
         def fused(*linears: torch.nn.Linear) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.cat([linear.weight.detach() for linear in linears]), requires_grad=False)
 
-        self.qkv = torch.nn.ParameterList(
-            fused(a.self_attn.q_proj, a.self_attn.k_proj, a.self_attn.v_proj) for a in layers
-        )
-        self.gate_up = torch.nn.ParameterList(fused(a.mlp.gate_proj, a.mlp.up_proj) for a in layers)
+        self.qkv = torch.nn.ParameterList(fused(*_attention_projections(layer)) for layer in layers)
+        self.gate_up = torch.nn.ParameterList(fused(*_mlp_projections(layer)) for layer in layers)
 
     def forward(
         self,
@@ -88,11 +86,6 @@ class FrozenDecodeStep(torch.nn.Module):
             gate, up = F.linear(layer.post_attention_layernorm(hidden), self.gate_up[i]).chunk(2, -1)
             hidden = hidden + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
         return F.linear(model.norm(hidden), self.model.lm_head.weight).float()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
 def filled_cache(model: Any, rows: int, context: int) -> SlotCache:
