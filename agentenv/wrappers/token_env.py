@@ -412,8 +412,12 @@ class TokenEnv:
 
     @property
     def stop_strings(self) -> list[str]:
-        """Where generation of a turn must stop (from the wrapped environment)."""
-        return list(getattr(self.env, "stop_strings", []))
+        """Where generation of a turn must stop: the wrapped environment's, through any Gymnasium wrappers
+        between (which forward no attribute themselves); none if it has none."""
+        env = self.env
+        if isinstance(env, gymnasium.Env):
+            return list(env.get_wrapper_attr("stop_strings")) if env.has_wrapper_attr("stop_strings") else []
+        return list(getattr(env, "stop_strings", []))
 
     def fork(self) -> TokenEnv:
         """An independent copy: the environment is forked, the token history shared (O(1))."""

@@ -40,6 +40,7 @@ def test_unwrapped_is_the_innermost_env():
     through = TokenEnv(gymnasium.Wrapper(wrapped), BYTES)
     assert through.unwrapped is wrapped.unwrapped and type(through.unwrapped).__name__ == "QAEnv"
     assert through.tasks is wrapped.unwrapped.tasks  # forwarding goes through them too (get_wrapper_attr)
+    assert through.stop_strings == ["</search>"]  # a Gymnasium wrapper forwards none: a turn would never stop
 
 
 def test_only_the_documented_attributes_are_forwarded():
