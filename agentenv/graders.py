@@ -163,7 +163,7 @@ def f1_score(prediction: str, golds: Iterable[str], *, f1: F1Variant = "squad", 
     if f1 not in F1_VARIANTS:
         raise ValueError(f"unknown F1 {f1!r}; choose one of {list(F1_VARIANTS)}")
     pred = normalize_answer(prediction)
-    known = set(normalize_answer(given).split())  # F1_new of docs/algorithms.md "Reward hacking" when given
+    known = set(normalize_answer(given).split())  # F1_new of docs/algorithms/rewards.md "Reward hacking" when given
     pred_tokens = [word for word in pred.split() if word not in known]
     best = 0.0
     for gold in golds:

@@ -102,7 +102,7 @@ class RewardScheme:
             (:func:`agentenv.graders.f1_score` with ``given=`` the question). Plain F1 pays an
             answer that repeats the question for the words it shares with the gold ("New York
             City"), a reward RL finds: under it six AT²PO steps took the demo's 135M policy from
-            4% to 37% of sampled answers that repeat the question (docs/algorithms.md "Reward hacking").
+            4% to 37% of sampled answers that repeat the question (docs/algorithms/rewards.md "Reward hacking").
     """
 
     metric: str = "em"

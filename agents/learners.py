@@ -10,7 +10,7 @@ A :class:`Learner` is a plain composition a user can take apart or replace piece
   the losses' signature, with ``loss_kwargs``, and the KL coefficient to a reference policy.
 
 The five learners of the papers are subclasses that only change the defaults (each names its
-sources; the formulas: docs/algorithms.md "Learners"):
+sources; the formulas: docs/algorithms/learners.md "Learners"):
 
 =============  ============================  ==================  ===========================
 learner        strategy                      credit              loss
@@ -195,13 +195,13 @@ class GRPO(Learner):
     """GRPO (Shao et al. 2024, DeepSeekMath): 16 independent chains, group z-scores, PPO clip and KL.
 
     Chain n=16; ``ppo_clip_loss`` ε 0.2, dual clip 3, token-mean; KL (k3) to the initial
-    policy with coefficient 0.001 (docs/algorithms.md eq. 50).
+    policy with coefficient 0.001 (docs/algorithms/losses.md eq. 50).
     """
 
     strategy: Strategy = Chain()
     credit: Credit = GRPOCredit()
     loss: str | LossFn = "ppo_clip"
-    kl_coef: float = 0.001  # DeepSeekMath's β; docs/algorithms.md "KL penalty (k3)"
+    kl_coef: float = 0.001  # DeepSeekMath's β; docs/algorithms/losses.md "KL penalty (k3)"
     name: str = "grpo"
 
 
@@ -210,7 +210,7 @@ class TreeGRPO(Learner):
     """Tree-GRPO (Ji et al. 2025, arXiv 2509.21240): random tree expansion, intra- plus inter-tree advantages.
 
     RandomTree M=2, N=2, L=1, K=3 (6 leaves per prompt); ``ppo_clip_loss`` with its defaults; no
-    KL (docs/algorithms.md "KL penalty (k3)": a KL term for GRPO only).
+    KL (docs/algorithms/losses.md "KL penalty (k3)": a KL term for GRPO only).
     """
 
     strategy: Strategy = RandomTree()
@@ -225,7 +225,7 @@ class ARPO(Learner):
     """ARPO (Dong et al. 2025, arXiv 2507.19849): entropy-adaptive branching after tool results.
 
     EntropyBranching n=16, N=8; GRPO advantages; ``ppo_clip_loss`` with its defaults; no KL
-    (docs/algorithms.md "KL penalty (k3)": a KL term for GRPO only).
+    (docs/algorithms/losses.md "KL penalty (k3)": a KL term for GRPO only).
     """
 
     strategy: Strategy = EntropyBranching()

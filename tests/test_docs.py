@@ -28,7 +28,14 @@ BLOCKS = {
     "scaling.md": (0, 0),
     "integrations.md": (1, 0),
     "benchmarks.md": (0, 0),
-    "algorithms.md": (0, 0),
+    "algorithms/index.md": (0, 0),
+    "algorithms/rollout.md": (0, 0),
+    "algorithms/credit.md": (0, 0),
+    "algorithms/losses.md": (0, 0),
+    "algorithms/training.md": (0, 0),
+    "algorithms/rewards.md": (0, 0),
+    "algorithms/steps.md": (0, 0),
+    "algorithms/learners.md": (0, 0),
     "contributing.md": (0, 0),
 }
 # What a page's blocks print, beside the assertions they make themselves.

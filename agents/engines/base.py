@@ -52,7 +52,7 @@ __all__ = [
 FinishReason = Literal["stop", "length", "eos"]
 
 # Long enough for one agent turn (reasoning + one tool call); the papers cap a whole response,
-# tool results included, at 6192 tokens (docs/algorithms.md "Token budgets").
+# tool results included, at 6192 tokens (docs/algorithms/training.md "Token budgets").
 DEFAULT_MAX_NEW_TOKENS = 512
 
 

@@ -120,7 +120,7 @@ class RowSampler:
         logprobs = full_logprobs if filtered is scaled else torch.log_softmax(filtered, dim=-1)
         entropies = None
         if self.entropy:
-            # H = -Σ p log p over the whole vocabulary (the exact token entropy, docs/algorithms.md eq. 2).
+            # H = -Σ p log p over the whole vocabulary (the exact token entropy, docs/algorithms/index.md eq. 2).
             entropies = -(full_logprobs.exp() * full_logprobs).sum(-1)
         if self.sampled_generators and self.sampled_rows is None:  # every row samples
             token_ids = _inverse_cdf_sample(logprobs, self.sampled_generators, filtered=self.filtered)

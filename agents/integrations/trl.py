@@ -78,13 +78,13 @@ class AgentsGRPOTrainer(GRPOTrainer):
     :func:`~agents.training.losses.atpo_loss`; everything else (generation, rewards, group advantages,
     the optimiser, logging) is TRL's. ``loss_kwargs`` are the loss's hyper-parameters (``eps_low``,
     ``eps_high``, ``agg``, AEPO's ``entropy_advantage_coef`` …); without them the loss runs with its
-    papers' defaults (docs/algorithms.md "Losses"), not with ``GRPOConfig.epsilon``. ``GRPOConfig.beta``
+    papers' defaults (docs/algorithms/losses.md "Losses"), not with ``GRPOConfig.epsilon``. ``GRPOConfig.beta``
     is the loss's ``kl_coef`` (with TRL's reference log-probs) and ``GRPOConfig.entropy_coef`` its
     ``entropy_coef``.
 
     What TRL's tensors become: the loss's ``mask`` is ``completion_mask × tool_mask``, so the
     observation tokens of a multi-turn completion are off it and ATPO finds its turns as the runs of
-    1s (docs/algorithms.md eq. 44; TRL has no turn ids); ``advantages`` is TRL's one advantage per
+    1s (docs/algorithms/losses.md eq. 44; TRL has no turn ids); ``advantages`` is TRL's one advantage per
     completion on each of its tokens; ``old_logprobs`` TRL's recomputed ones, or the current ones
     detached when TRL skips them on-policy; AEPO's ``entropy`` is the entropy TRL's fused head
     computes in the same forward pass. The loss's metrics are logged as ``<loss_type>/<name>``.
@@ -153,7 +153,7 @@ class AgentsGRPOTrainer(GRPOTrainer):
         return loss * self._share(mask, inputs, mode)
 
     def _share(self, mask: torch.Tensor, inputs: dict[str, Any], mode: str) -> torch.Tensor | float:
-        """This micro-batch's weight in the gradient TRL accumulates (docs/algorithms.md eq. 58)."""
+        """This micro-batch's weight in the gradient TRL accumulates (docs/algorithms/training.md eq. 58)."""
         if mode != "train":  # TRL neither splits nor accumulates in evaluation
             return 1.0
         if self._agg == "token-mean":

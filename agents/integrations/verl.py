@@ -254,12 +254,13 @@ def turnwise_advantages(
 
     Rows that share turns (a tree from this project's own rollout loop) need ``node_ids``, one id
     per turn of each row (equal ids: the same node), and ``rollout_log_probs`` for the node
-    entropies of the backup (docs/algorithms.md eqs. 1, 24). verl's ``compute_advantage`` passes
-    neither; a custom trainer step can. The credit is :func:`~agents.training.credit.turnwise_credit`
-    with its defaults, the official code's (leaf z-scores, child-softmax backup, ``A_n = V_n``;
-    docs/algorithms.md "AT²PO turn-wise credit"). Without ``node_ids`` only the root has several
-    children and its value trains nothing (eq. 28), so no log-probs are needed. ``config`` and
-    verl's other keyword arguments are not used.
+    entropies of the backup (docs/algorithms/index.md eq. 1 and docs/algorithms/credit.md eq. 24).
+    verl's ``compute_advantage`` passes neither; a custom trainer step can. The credit is
+    :func:`~agents.training.credit.turnwise_credit` with its defaults, the official code's (leaf
+    z-scores, child-softmax backup, ``A_n = V_n``;
+    docs/algorithms/credit.md "AT²PO turn-wise credit"). Without ``node_ids`` only the root has
+    several children and its value trains nothing (eq. 28), so no log-probs are needed. ``config``
+    and verl's other keyword arguments are not used.
     """
     if index is None:
         raise ValueError("at2po_turnwise needs index (verl's uid of each row's prompt) to group a prompt's paths")

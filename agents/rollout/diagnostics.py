@@ -18,10 +18,10 @@ Per tree:
 - ``high_entropy_frac``: of the branches a node caused, the fraction whose node's H(n) was above
   the median H(n) of the turns open at that moment (random branching scores about 0.5);
 - ``node_entropy_mean``: mean H(n) over the tree's turns (H(n) = mean negative sampler
-  log-prob of the turn's action, the Monte-Carlo estimate of docs/algorithms.md eq. 1);
+  log-prob of the turn's action, the Monte-Carlo estimate of docs/algorithms/index.md eq. 1);
   ``segment_entropy_topk_mean``: mean of ARPO's and AEPO's segment entropy over the turns that
   have one (``node.info["segment_entropy_topk"]``: top-k log-probs of the first tokens over ln|V|,
-  docs/algorithms.md eq. 12);
+  docs/algorithms/rollout.md eq. 12);
 - ``reward_mean``, ``reward_std`` (population), ``reward_min``, ``reward_max``,
   ``reward_spread`` (max − min) of the leaves;
 - ``context_tokens``: context tokens the engine read to sample the tree's turns (see

@@ -17,7 +17,7 @@ timeout, and records a failing episode (an exception in the env or the engine, a
 its error instead of stopping the others; a tool call hung past the timeout is abandoned to its
 thread (see :meth:`agentenv.Tool.acall`). Cancelling the caller cancels every running episode.
 
-Token budget (the papers' limits, docs/algorithms.md "Token budgets"): a prompt longer than
+Token budget (the papers' limits, docs/algorithms/training.md "Token budgets"): a prompt longer than
 ``max_prompt_tokens`` (2000) is an error; the response, tool results included, is capped at
 ``max_response_tokens`` (6192): each turn may sample at most what is left, an observation that
 would overrun the budget is cut to fit, and the episode ends with status ``"budget"`` as soon as
@@ -488,11 +488,11 @@ async def take_turn(
         The turn, and how the episode ended: ``"terminated"``/``"truncated"`` (the env ended
         it), ``"budget"`` (no response tokens left after this turn), or ``None`` (it goes on).
     """
-    # B − (|context| − |prompt|)  (docs/algorithms.md eq. 60)
+    # B − (|context| − |prompt|)  (docs/algorithms/training.md eq. 60)
     budget = config.max_response_tokens - (len(ids) - prompt_length)
     if budget < 1:
         raise ValueError(f"the episode has used its max_response_tokens={config.max_response_tokens}; no turn is left")
-    cap = min(config.sampling.max_new_tokens, budget)  # docs/algorithms.md eq. 60
+    cap = min(config.sampling.max_new_tokens, budget)  # docs/algorithms/training.md eq. 60
     if max_new_tokens is not None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
@@ -508,10 +508,10 @@ async def take_turn(
             f"the env places the action at {step_info['action_span']} but the loop at {action_span}: "
             "the env was stepped outside the loop"
         )
-    left = budget - len(action_ids)  # docs/algorithms.md eq. 61
+    left = budget - len(action_ids)  # docs/algorithms/training.md eq. 61
     if len(obs_ids) > left:
         step_info["obs_cut"] = len(obs_ids) - max(left, 0)
-        obs_ids = obs_ids[: max(left, 0)]  # obs ← obs[: max(0, left)]  (docs/algorithms.md eq. 61)
+        obs_ids = obs_ids[: max(left, 0)]  # obs ← obs[: max(0, left)]  (docs/algorithms/training.md eq. 61)
     obs_start = action_span[1]
     turn = TurnRecord(
         action_ids=action_ids,
@@ -531,7 +531,7 @@ async def take_turn(
     )
     if terminated or truncated:
         return turn, "terminated" if terminated else "truncated"
-    if left - len(obs_ids) < 1:  # the path ends once left − |obs| < 1 (docs/algorithms.md "Token budgets")
+    if left - len(obs_ids) < 1:  # the path ends once left − |obs| < 1 (docs/algorithms/training.md "Token budgets")
         return turn, "budget"
     return turn, None
 

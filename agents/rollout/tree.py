@@ -115,11 +115,11 @@ class Node:
     def entropy(self) -> float:
         """H(n) = -(1/|a_n|) Σ log π(a_t): mean negative sampler log-prob of the action tokens.
 
-        docs/algorithms.md eq. 1 ("Node entropy").
+        docs/algorithms/index.md eq. 1 ("Node entropy").
         """
         if not self.action_ids:
             raise ValueError("the root is the prompt and has no sampled action, so no entropy")
-        return -math.fsum(self.logprobs) / len(self.logprobs)  # docs/algorithms.md eq. 1
+        return -math.fsum(self.logprobs) / len(self.logprobs)  # docs/algorithms/index.md eq. 1
 
     def lineage(self) -> list[Node]:
         """The nodes from the root down to this one, both included."""
@@ -173,7 +173,7 @@ class TrainingPath:
         weights: on action tokens, 1 / (number of leaves whose path contains the token's turn),
             0 elsewhere. A turn shared by k leaves appears in k paths; multiplying the
             advantages by these weights trains it once in total instead of k times
-            (docs/algorithms.md eq. 35).
+            (docs/algorithms/credit.md eq. 35).
         reward: the leaf's reward.
         leaf: the leaf node.
     """
@@ -335,7 +335,7 @@ class RolloutTree:
                 mask += [0] * n_obs + [1] * n_act
                 advantages += [0.0] * n_obs + [float(value)] * n_act
                 sampler_logprobs += [math.nan] * n_obs + node.logprobs
-                weights += [0.0] * n_obs + [1.0 / leaves_below[node.id]] * n_act  # docs/algorithms.md eq. 35
+                weights += [0.0] * n_obs + [1.0 / leaves_below[node.id]] * n_act  # docs/algorithms/credit.md eq. 35
                 turn_ids += [node.id] * (n_obs + n_act)
             paths.append(
                 TrainingPath(ids, mask, advantages, sampler_logprobs, turn_ids, weights, float(leaf.reward), leaf)

@@ -362,7 +362,7 @@ class _PromptLoop:
         cap = None
         if tokens_left is not None:
             running = running[:tokens_left]
-            # cap ← min(cap, ⌊tokens_left / running branches⌋)  (docs/algorithms.md eq. 63)
+            # cap ← min(cap, ⌊tokens_left / running branches⌋)  (docs/algorithms/training.md eq. 63)
             cap = min(self.run.rollout.sampling.max_new_tokens, tokens_left // len(running))
         results = await asyncio.gather(*(self.next_turn(branch, cap) for branch in running), return_exceptions=True)
         for branch in running:

@@ -187,7 +187,7 @@ class TrainConfig:
             3 × ``train_prompt_bsz``).
         min_round_prompts: The fewest prompts a round of ``dynamic_sampling`` rolls out while
             ``max_sampled_prompts`` allows: round 0 the step's own and then the order's next tasks, later
-            rounds more than eq. 82 asks when it asks fewer (docs/algorithms.md eq. 83). More prompts in
+            rounds more than eq. 82 asks when it asks fewer (docs/algorithms/steps.md eq. 83). More prompts in
             one round fill an engine's batches that a round of few prompts leaves short, and save the
             rounds after it when they bring the signal; the prompts kept are still the first with signal
             in task order. 1 (the default): eq. 82 alone.
@@ -206,7 +206,7 @@ class TrainConfig:
     device: str | None = None
     steps: int = 100
     prompts_per_step: int = (
-        64  # AT²PO: 64 prompts × 22 leaves per batch (docs/algorithms.md "Mini-batches and micro-batches")
+        64  # AT²PO: 64 prompts × 22 leaves per batch (docs/algorithms/training.md "Mini-batches and micro-batches")
     )
     seed: int = 0
     holdout: int = 100
@@ -333,7 +333,7 @@ class TrainConfig:
 
 #: Named presets: overrides shared by every algorithm (``common``) and per-algorithm ``strategy`` sizes.
 #:
-#: - ``paper``: the setting of the AT²PO tables (docs/algorithms.md "Reference results"), in which
+#: - ``paper``: the setting of the AT²PO tables (docs/algorithms/learners.md "Reference results"), in which
 #:   every learner was run: the defaults (each paper's strategy, 64 prompts in 8 mini-batches,
 #:   lr 1e-6, prompt 2000 and response 6192 tokens, 6 tool calls, top-3 passages) with AT²PO's
 #:   reward (−1 bad format, 0 wrong, 1 exact match), and the trainer's memory settings its memory

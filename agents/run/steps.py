@@ -134,7 +134,7 @@ def _tokens(prompts: list[PromptTrees]) -> int:
 
 def has_signal(prompt: PromptTrees) -> bool:
     """Whether the rewards of ``prompt``'s leaves differ: a prompt whose leaves all score the same gets
-    advantage 0 on every path from every learner's credit (docs/algorithms.md eq. 81)."""
+    advantage 0 on every path from every learner's credit (docs/algorithms/steps.md eq. 81)."""
     return len({leaf.reward for leaf in prompt.leaves}) > 1
 
 
@@ -454,7 +454,7 @@ class PipelinedSteps(StepProducer):
         """The paths of ``prompts`` whose trees are fresh enough (added to ``taken``); the others dropped."""
         fresh: list[PromptTrees] = []
         for prompt in prompts:
-            # the staleness bound, docs/algorithms.md eq. 78: a prompt's trees are kept or dropped whole
+            # the staleness bound, docs/algorithms/steps.md eq. 78: a prompt's trees are kept or dropped whole
             stale = version - _oldest_version(prompt, version)
             if stale <= self.ahead:
                 fresh.append(prompt)

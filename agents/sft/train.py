@@ -2,7 +2,7 @@
 
 ARPO and AEPO start RL from a model fine-tuned on a small set of tool-use trajectories. :func:`sft`
 does that with the trainer of ``agents train`` (:class:`~agents.training.trainer.Trainer`, loss
-``"sft"``: the mean negative log-likelihood of the action tokens, docs/algorithms.md eq. 80), so
+``"sft"``: the mean negative log-likelihood of the action tokens, docs/algorithms/steps.md eq. 80), so
 the run folder is a training run's: ``metrics.jsonl``, ``tensorboard/``, ``curves.png`` and
 ``checkpoints/step_NNNNNN/model``, which ``agents eval --model`` and ``agents train --model`` load.
 

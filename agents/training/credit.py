@@ -1,6 +1,6 @@
 """Credit assignment: from leaf rewards to the advantage each action token is trained with.
 
-Two families, exactly as in docs/algorithms.md "Credit assignment":
+Two families, exactly as in docs/algorithms/credit.md "Credit assignment":
 
 - **trajectory-level** (GRPO, Tree-GRPO): one advantage per leaf, broadcast over its whole
   path. :func:`grpo_advantages` and :func:`tree_grpo_advantages` are the formulas on plain
@@ -53,7 +53,7 @@ ADVANTAGES: tuple[str, ...] = ("node_value", "value_minus_parent", "value_minus_
 def grpo_advantages(rewards: Sequence[float], eps: float = 1e-6, unbiased: bool = True) -> list[float]:
     """GRPO advantages of one prompt's group: ``A_i = (r_i − mean) / (std + eps)``.
 
-    The spec does not say which std (docs/algorithms.md eqs. 19, 20, 21); the official code (verl's
+    The spec does not say which std (docs/algorithms/credit.md eqs. 19, 20, 21); the official code (verl's
     ``compute_grpo_outcome_advantage``, which ARPO and AEPO run) uses ``torch.std``, the
     unbiased (n − 1) estimate, and gives a group of one mean 0 and std 1. That is the default;
     ``unbiased=False`` uses the population std (a group of one then gets advantage 0).
@@ -63,7 +63,7 @@ def grpo_advantages(rewards: Sequence[float], eps: float = 1e-6, unbiased: bool 
         eps: added to the std (verl's ``epsilon``, 1e-6).
         unbiased: Bessel-corrected std (default, the code's) or population std.
     """
-    return _zscores(rewards, eps, unbiased)  # docs/algorithms.md eq. 21
+    return _zscores(rewards, eps, unbiased)  # docs/algorithms/credit.md eq. 21
 
 
 def tree_grpo_advantages(rewards_by_tree: Sequence[Sequence[float]], eps: float = 1e-6) -> list[list[float]]:
@@ -71,7 +71,7 @@ def tree_grpo_advantages(rewards_by_tree: Sequence[Sequence[float]], eps: float 
 
     ``A_i = z(r_i within its tree) + z(r_i within all leaves of the prompt)``, each
     ``z = (r − mean) / (std + eps)`` with the unbiased std; a group of one gets mean 0, std 1
-    (docs/algorithms.md eq. 22, with z from eqs. 19, 20).
+    (docs/algorithms/credit.md eq. 22, with z from eqs. 19, 20).
 
     Args:
         rewards_by_tree: the leaf rewards of each tree of one prompt.
@@ -82,7 +82,7 @@ def tree_grpo_advantages(rewards_by_tree: Sequence[Sequence[float]], eps: float 
     """
     if not rewards_by_tree:
         raise ValueError("tree_grpo_advantages needs the leaf rewards of at least one tree")
-    # docs/algorithms.md eq. 22: the inter-tree term, over all leaves of the prompt
+    # docs/algorithms/credit.md eq. 22: the inter-tree term, over all leaves of the prompt
     pooled = _zscores([reward for rewards in rewards_by_tree for reward in rewards], eps, unbiased=True)
     advantages, start = [], 0
     for rewards in rewards_by_tree:
@@ -118,7 +118,7 @@ def turnwise_credit(
 ) -> None:
     """AT²PO turn-wise credit: fill ``node.value`` for every node and ``node.advantage`` per turn.
 
-    The formulas and defaults are docs/algorithms.md "AT²PO turn-wise credit" (eqs. 23–31).
+    The formulas and defaults are docs/algorithms/credit.md "AT²PO turn-wise credit" (eqs. 23–31).
 
     1. Leaves: ``V_leaf = (r − mean) / (std + eps)`` over the tree's leaves with the population
        std (the official code's default); ``normalize_leaves=False`` keeps ``V_leaf = r``.
@@ -139,7 +139,7 @@ def turnwise_credit(
 
     The root gets a value but no advantage (it is the prompt, never trained).
 
-    Worked example (docs/algorithms.md "Turn-wise worked example"): first turn a with leaves a1 (V = +1, H = 0.4) and a2
+    Worked example (docs/algorithms/credit.md "Turn-wise worked example"): first turn a with leaves a1 (V = +1, H = 0.4) and a2
     (V = −1, H = 0.6) gives ``V_a = 0.450·1 + 0.550·(−1) = −0.10``.
     """
     if backup not in BACKUPS:
@@ -154,7 +154,8 @@ def turnwise_credit(
                 "node.finish(reward) or drop it with tree.prune(...) before credit assignment"
             )
     rewards = [_reward(leaf) for leaf in leaves]
-    leaf_values = _zscores(rewards, eps, unbiased=False) if normalize_leaves else rewards  # docs/algorithms.md eq. 23
+    # docs/algorithms/credit.md eq. 23
+    leaf_values = _zscores(rewards, eps, unbiased=False) if normalize_leaves else rewards
     # V(n) by node id, filled leaves first; each value is also written to node.value.
     values: dict[int, float] = {}
     for leaf, value in zip(leaves, leaf_values):
@@ -169,9 +170,9 @@ def turnwise_credit(
         leaf_sum[node.id] = math.fsum(leaf_sum[child.id] for child in node.children)
         leaf_count[node.id] = sum(leaf_count[child.id] for child in node.children)
         if backup == "leaf_mean":
-            values[node.id] = leaf_sum[node.id] / leaf_count[node.id]  # docs/algorithms.md eq. 26
+            values[node.id] = leaf_sum[node.id] / leaf_count[node.id]  # docs/algorithms/credit.md eq. 26
         else:
-            # docs/algorithms.md eqs. 24, 25, 27
+            # docs/algorithms/credit.md eqs. 24, 25, 27
             values[node.id] = math.fsum(
                 w * values[child.id] for w, child in zip(_child_weights(node, backup), node.children)
             )
@@ -182,13 +183,14 @@ def turnwise_credit(
         assert node.parent is not None  # nodes() lists turns only; the root is the parent of a first turn
         value, parent_value = values[node.id], values[node.parent.id]
         if advantage == "node_value":
-            node.advantage = value  # A_n = V_n  (docs/algorithms.md eq. 28)
+            node.advantage = value  # A_n = V_n  (docs/algorithms/credit.md eq. 28)
         elif advantage == "value_minus_parent":
-            node.advantage = value - parent_value  # A_n = V_n − V_parent  (docs/algorithms.md eq. 29)
+            node.advantage = value - parent_value  # A_n = V_n − V_parent  (docs/algorithms/credit.md eq. 29)
         elif advantage == "value_minus_root":
-            node.advantage = value - root_value  # A_n = V_n − V_root  (docs/algorithms.md eq. 30)
+            node.advantage = value - root_value  # A_n = V_n − V_root  (docs/algorithms/credit.md eq. 30)
         else:
-            node.advantage = (value - parent_value) + (value - root_value)  # sum of the two (docs/algorithms.md eq. 31)
+            # sum of the two (docs/algorithms/credit.md eq. 31)
+            node.advantage = (value - parent_value) + (value - root_value)
 
 
 #: ``credit(trees) -> paths``: assign credit over the finished trees of one prompt and return one
@@ -259,35 +261,35 @@ def _child_weights(node: Node, backup: str) -> list[float]:
     """Backup weights of a node's children (they sum to 1)."""
     n = len(node.children)
     if backup == "child_mean":
-        return [1.0 / n] * n  # docs/algorithms.md eq. 25
+        return [1.0 / n] * n  # docs/algorithms/credit.md eq. 25
     entropies = [child.entropy for child in node.children]
     if backup == "child_softmax":
-        # softmax_c(H(c)), shifted by the max for numerical safety (docs/algorithms.md eq. 24)
+        # softmax_c(H(c)), shifted by the max for numerical safety (docs/algorithms/credit.md eq. 24)
         top = max(entropies)
         exps = [math.exp(h - top) for h in entropies]
         total = math.fsum(exps)
         return [e / total for e in exps]
-    total = math.fsum(entropies)  # entropy_linear: H(c) / Σ H(c')  (docs/algorithms.md eq. 27)
+    total = math.fsum(entropies)  # entropy_linear: H(c) / Σ H(c')  (docs/algorithms/credit.md eq. 27)
     return [h / total for h in entropies] if total > 0 else [1.0 / n] * n
 
 
 def _zscores(values: Sequence[float], eps: float, unbiased: bool) -> list[float]:
     """``(v − mean) / (std + eps)``; with ``unbiased`` a group of one gets mean 0, std 1.
 
-    docs/algorithms.md eqs. 19, 20 ("Group z-score").
+    docs/algorithms/credit.md eqs. 19, 20 ("Group z-score").
     """
     values = [float(value) for value in values]
     n = len(values)
     if n == 0:
         raise ValueError("cannot normalise an empty group of rewards")
     if unbiased and n == 1:
-        # the code's convention: the unbiased std of one value is undefined (docs/algorithms.md eq. 20)
+        # the code's convention: the unbiased std of one value is undefined (docs/algorithms/credit.md eq. 20)
         mean, std = 0.0, 1.0
     else:
         mean = math.fsum(values) / n
-        # docs/algorithms.md eq. 20
+        # docs/algorithms/credit.md eq. 20
         std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1 if unbiased else n))
-    return [(v - mean) / (std + eps) for v in values]  # docs/algorithms.md eq. 19
+    return [(v - mean) / (std + eps) for v in values]  # docs/algorithms/credit.md eq. 19
 
 
 def _leaves_of(trees: Sequence[RolloutTree]) -> list[Node]:

@@ -7,7 +7,7 @@ with its tree-attention kernel chosen (:func:`agents.training.tree_attention.cho
 Every pass of the step (the recomputed old log-probs, the reference's, every epoch's updates)
 runs on that plan. Calling :class:`PolicyForward` on one micro-batch gives, for its ``[rows, width]``,
 
-    logprobs[b, t] = log softmax(z[b, t − 1] / T)[ids[b, t]]   (docs/algorithms.md eq. 4)
+    logprobs[b, t] = log softmax(z[b, t − 1] / T)[ids[b, t]]   (docs/algorithms/index.md eq. 4)
 
 and the entropies of those distributions (eq. 2), 0 at ``t = 0``, on padding and, when only the
 action tokens are scored, on every other token. :meth:`PolicyForward.score` runs the no-grad

@@ -14,7 +14,7 @@ Python floats: ``loss``, ``pg_loss``, ``clip_frac_low`` and ``clip_frac_high`` (
 action tokens whose ratio lies outside the clip range on the side where clipping acts:
 ``A < 0`` below ``1 − ε_low``, ``A > 0`` above ``1 + ε_high``), ``ratio_mean`` (of the ratio
 the loss clips), ``approx_kl`` (k3 estimate of KL(π_old ‖ π_θ) from the token ratios), plus
-per-loss extras. Formulas and defaults: docs/algorithms.md "Losses".
+per-loss extras. Formulas and defaults: docs/algorithms/losses.md "Losses".
 
 :func:`sft_loss` is no policy-gradient loss: supervised fine-tuning (a cold start before RL,
 :mod:`agents.sft.train`) takes the same four tensors and ignores ``old_logprobs`` and ``advantages``, so
@@ -23,7 +23,7 @@ the trainer runs it as it runs the others; its metrics are ``loss``, ``pg_loss``
 Every policy-gradient loss also takes ``behaviour_logprobs``, for rollouts sampled by an older policy than
 ``old_logprobs``'s (asynchronous training): the decoupled objective (AReaL) then clips against
 π_old, the proximal policy, and weights each token's loss by ``π_old / π_behaviour``
-(:func:`behaviour_weights`; docs/algorithms.md "Decoupled objective"). Without it, or with
+(:func:`behaviour_weights`; docs/algorithms/steps.md "Decoupled objective"). Without it, or with
 ``behaviour_logprobs`` equal to ``old_logprobs``, every loss is exactly the one above.
 """
 
@@ -54,12 +54,12 @@ __all__ = [
 #: Names of the ways a ``[batch, tokens]`` loss is reduced to a scalar (see :func:`aggregate`).
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
-# verl compute_policy_loss clamps log r to ±20 so that exp() stays finite (docs/algorithms.md eq. 38)
+# verl compute_policy_loss clamps log r to ±20 so that exp() stays finite (docs/algorithms/losses.md eq. 38)
 _LOG_RATIO_BOUND = 20.0
-_MAX_LOG_SEGMENT_RATIO = 10.0  # docs/algorithms.md eqs. 42, 45 (GSPO, ATPO; verl's GSPO loss): clamp log s ≤ 10
-# verl kl_penalty("low_var_kl"): clamps of the k3 estimator (docs/algorithms.md eq. 50)
+_MAX_LOG_SEGMENT_RATIO = 10.0  # docs/algorithms/losses.md eqs. 42, 45 (GSPO, ATPO; verl's GSPO loss): clamp log s ≤ 10
+# verl kl_penalty("low_var_kl"): clamps of the k3 estimator (docs/algorithms/losses.md eq. 50)
 _KL_LOG_BOUND, _KL_BOUND = 20.0, 10.0
-_ZERO_STD = 1e-6  # an entropy spread below this counts as std 0 (then std := 1) (docs/algorithms.md eq. 36)
+_ZERO_STD = 1e-6  # an entropy spread below this counts as std 0 (then std := 1) (docs/algorithms/credit.md eq. 36)
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
@@ -70,7 +70,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     - ``"seq-mean-token-sum"``: sum over each sequence's masked tokens, then mean over sequences.
 
     Sequences without any masked token are left out of the mean over sequences; an all-zero
-    mask gives 0 (docs/algorithms.md "Aggregation modes", eqs. 52–54).
+    mask gives 0 (docs/algorithms/losses.md "Aggregation modes", eqs. 52–54).
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")
@@ -78,11 +78,11 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     masked = torch.where(mask, values, 0.0)
     tokens = mask.sum(-1)
     if mode == "token-mean":
-        return masked.sum() / tokens.sum().clamp(min=1)  # docs/algorithms.md eq. 52
+        return masked.sum() / tokens.sum().clamp(min=1)  # docs/algorithms/losses.md eq. 52
     per_sequence = masked.sum(-1)
     if mode == "seq-mean-token-mean":
-        per_sequence = per_sequence / tokens.clamp(min=1)  # docs/algorithms.md eq. 53
-    return per_sequence.sum() / (tokens > 0).sum().clamp(min=1)  # docs/algorithms.md eqs. 53, 54
+        per_sequence = per_sequence / tokens.clamp(min=1)  # docs/algorithms/losses.md eq. 53
+    return per_sequence.sum() / (tokens > 0).sum().clamp(min=1)  # docs/algorithms/losses.md eqs. 53, 54
 
 
 def ppo_clip_loss(
@@ -108,7 +108,7 @@ def ppo_clip_loss(
     agg(k3(π_θ, π_ref))`` when ``ref_logprobs`` is given, and ``− entropy_coef · agg(entropy)``
     when ``entropy`` (per-token entropy carrying its gradient) is given. Extra metrics:
     ``dual_clip_frac``, and ``kl_ref``/``entropy`` with their optional inputs.
-    Formulas and defaults: docs/algorithms.md "PPO-clip" (eqs. 39, 40), with eqs. 50, 51 for the optional terms.
+    Formulas and defaults: docs/algorithms/losses.md "PPO-clip" (eqs. 39, 40), with eqs. 50, 51 for the optional terms.
     """
     mask = _check_inputs(
         logprobs,
@@ -133,9 +133,9 @@ def aepo_loss(
     mask: torch.Tensor,
     *,
     entropy: torch.Tensor | None = None,
-    eps_low: float = 0.2,  # AEPO (docs/algorithms.md eq. 47: ε = 0.2)
-    eps_high: float = 0.2,  # AEPO (docs/algorithms.md eq. 47: ε = 0.2)
-    dual_clip: float | None = 3.0,  # AEPO (docs/algorithms.md eqs. 40, 48: dual clip c = 3 when Ã < 0)
+    eps_low: float = 0.2,  # AEPO (docs/algorithms/losses.md eq. 47: ε = 0.2)
+    eps_high: float = 0.2,  # AEPO (docs/algorithms/losses.md eq. 47: ε = 0.2)
+    dual_clip: float | None = 3.0,  # AEPO (docs/algorithms/losses.md eqs. 40, 48: dual clip c = 3 when Ã < 0)
     clip_balanced: bool = True,  # AEPO entropy clipping-balanced upper bound
     entropy_aware_advantage: bool = True,  # AEPO entropy-aware advantage Ã
     entropy_advantage_coef: float = 0.2,  # AEPO paper: Ã = Â·(1 + 0.2·sg(z))
@@ -157,7 +157,7 @@ def aepo_loss(
     are first rescaled by :func:`entropy_aware_advantages`; this needs ``entropy``, the per-token
     entropy of the full next-token distribution from the training forward pass. The same tensor
     feeds the optional entropy bonus. With both flags off this is :func:`ppo_clip_loss` with the same
-    hyper-parameters. Formulas and defaults: docs/algorithms.md "AEPO clipping-balanced" (eqs. 47–49).
+    hyper-parameters. Formulas and defaults: docs/algorithms/losses.md "AEPO clipping-balanced" (eqs. 47–49).
     """
     if entropy_aware_advantage and entropy is None:
         raise ValueError(
@@ -175,7 +175,7 @@ def aepo_loss(
         behaviour_logprobs=behaviour_logprobs,
     )
     if entropy_aware_advantage and entropy is not None:  # entropy is never None here: checked above
-        # docs/algorithms.md eq. 37
+        # docs/algorithms/credit.md eq. 37
         advantages = entropy_aware_advantages(advantages, entropy, mask, coef=entropy_advantage_coef)
     behaviour = _Behaviour(behaviour_logprobs, behaviour_weight_cap)
     pg_loss, metrics = _clipped_policy_loss(
@@ -195,17 +195,18 @@ def entropy_aware_advantages(
     ``z_t`` is the token entropy standardised over the action tokens of the batch given
     (the micro-batch): ``(H_t − mean) / std`` with the unbiased std; a std of 0 (or below 1e-6,
     or fewer than two action tokens) is replaced by 1. Off the mask ``z = 0``
-    (docs/algorithms.md "AEPO entropy-aware advantage", eqs. 36, 37).
+    (docs/algorithms/credit.md "AEPO entropy-aware advantage", eqs. 36, 37).
     """
     mask = mask.bool()
     h = entropy.detach().to(torch.float64)
     count = mask.sum()
-    mean = torch.where(mask, h, 0.0).sum() / count.clamp(min=1)  # docs/algorithms.md eq. 36
-    variance = torch.where(mask, (h - mean) ** 2, 0.0).sum() / (count - 1).clamp(min=1)  # docs/algorithms.md eq. 36
+    mean = torch.where(mask, h, 0.0).sum() / count.clamp(min=1)  # docs/algorithms/credit.md eq. 36
+    # docs/algorithms/credit.md eq. 36
+    variance = torch.where(mask, (h - mean) ** 2, 0.0).sum() / (count - 1).clamp(min=1)
     std = variance.sqrt()
-    std = torch.where(std > _ZERO_STD, std, torch.ones_like(std))  # docs/algorithms.md eq. 36
-    z = torch.where(mask, (h - mean) / std, 0.0).to(advantages.dtype)  # docs/algorithms.md eq. 36
-    return advantages * (1 + coef * z)  # Ã = Â·(1 + 0.2·sg(z_t))  (docs/algorithms.md eq. 37)
+    std = torch.where(std > _ZERO_STD, std, torch.ones_like(std))  # docs/algorithms/credit.md eq. 36
+    z = torch.where(mask, (h - mean) / std, 0.0).to(advantages.dtype)  # docs/algorithms/credit.md eq. 36
+    return advantages * (1 + coef * z)  # Ã = Â·(1 + 0.2·sg(z_t))  (docs/algorithms/credit.md eq. 37)
 
 
 def gspo_loss(
@@ -214,8 +215,8 @@ def gspo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    eps_low: float = 3e-4,  # GSPO paper §5 (Zheng et al. 2025; docs/algorithms.md "GSPO")
-    eps_high: float = 4e-4,  # GSPO paper §5 (docs/algorithms.md "GSPO")
+    eps_low: float = 3e-4,  # GSPO paper §5 (Zheng et al. 2025; docs/algorithms/losses.md "GSPO")
+    eps_high: float = 4e-4,  # GSPO paper §5 (docs/algorithms/losses.md "GSPO")
     agg: str = "seq-mean-token-mean",  # GSPO objective: 1/|y_i| Σ_t, then mean over sequences
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,  # GSPO trains without a KL term
@@ -229,7 +230,7 @@ def gspo_loss(
     Token form: ``log s_t = sg(log s) + log π_θ(t) − sg(log π_θ(t))``, so the forward value is
     the sequence ratio and the gradient is ``s·∇log π_θ(t)``; ``ℓ_t = max(−A_t·s_t,
     −A_t·clip(s_t, 1−ε_low, 1+ε_high))``, no dual clip. Extra metrics: ``sequences`` and
-    ``clipped_sequences``. Formulas and defaults: docs/algorithms.md "GSPO" (eqs. 41–43).
+    ``clipped_sequences``. Formulas and defaults: docs/algorithms/losses.md "GSPO" (eqs. 41–43).
     """
     mask = _check_inputs(
         logprobs,
@@ -240,7 +241,8 @@ def gspo_loss(
         entropy=entropy,
         behaviour_logprobs=behaviour_logprobs,
     )
-    first_action_token = mask & (mask.long().cumsum(-1) == 1)  # one segment per sequence (docs/algorithms.md eq. 41)
+    # one segment per sequence (docs/algorithms/losses.md eq. 41)
+    first_action_token = mask & (mask.long().cumsum(-1) == 1)
     behaviour = _Behaviour(behaviour_logprobs, behaviour_weight_cap)
     pg_loss, metrics = _segment_ratio_loss(
         logprobs, old_logprobs, advantages, mask, first_action_token, eps_low, eps_high, agg, "sequences", behaviour
@@ -254,8 +256,8 @@ def atpo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    eps_low: float = 3e-3,  # AT²PO official code (docs/algorithms.md eq. 46)
-    eps_high: float = 4e-3,  # AT²PO official code (docs/algorithms.md eq. 46)
+    eps_low: float = 3e-3,  # AT²PO official code (docs/algorithms/losses.md eq. 46)
+    eps_high: float = 4e-3,  # AT²PO official code (docs/algorithms/losses.md eq. 46)
     agg: str = "seq-mean-token-mean",  # AT²PO official code
     turn_ids: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
@@ -275,7 +277,7 @@ def atpo_loss(
     A turn is a maximal run of mask-1 tokens in a row. With ``turn_ids`` (the
     :class:`~agents.training.batch.PathBatch` field), a run is also split where the turn id changes, which
     separates two actions that no observation token divides. Extra metrics: ``turns`` and
-    ``clipped_turns``. Formulas and defaults: docs/algorithms.md "ATPO" (eqs. 44–46).
+    ``clipped_turns``. Formulas and defaults: docs/algorithms/losses.md "ATPO" (eqs. 44–46).
     """
     mask = _check_inputs(
         logprobs,
@@ -288,10 +290,10 @@ def atpo_loss(
         behaviour_logprobs=behaviour_logprobs,
     )
     previous = F.pad(mask[:, :-1], (1, 0), value=False)
-    turn_start = mask & ~previous  # docs/algorithms.md eq. 44
+    turn_start = mask & ~previous  # docs/algorithms/losses.md eq. 44
     if turn_ids is not None:
         previous_turn = F.pad(turn_ids[:, :-1], (1, 0), value=-1)
-        turn_start = turn_start | (mask & previous & (turn_ids != previous_turn))  # docs/algorithms.md eq. 44
+        turn_start = turn_start | (mask & previous & (turn_ids != previous_turn))  # docs/algorithms/losses.md eq. 44
     behaviour = _Behaviour(behaviour_logprobs, behaviour_weight_cap)
     pg_loss, metrics = _segment_ratio_loss(
         logprobs, old_logprobs, advantages, mask, turn_start, eps_low, eps_high, agg, "turns", behaviour
@@ -315,13 +317,13 @@ def sft_loss(
 
     ``old_logprobs`` and ``advantages`` are checked for shape and otherwise ignored (the loss is the
     same whatever they hold). With the default ``agg="token-mean"`` the trainer weights its
-    micro-batches by action tokens (docs/algorithms.md eq. 58), so an update's loss and gradient are
+    micro-batches by action tokens (docs/algorithms/training.md eq. 58), so an update's loss and gradient are
     those of the mean NLL over every action token of the batch. The optional KL and entropy terms
     are the other losses' (eqs. 50, 51), off by default. Extra metric: ``nll`` (equal to
-    ``pg_loss``). Formula: docs/algorithms.md "Supervised cold start" (eq. 80).
+    ``pg_loss``). Formula: docs/algorithms/steps.md "Supervised cold start" (eq. 80).
     """
     mask = _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy)
-    nll = aggregate(-logprobs, mask, agg)  # docs/algorithms.md eq. 80
+    nll = aggregate(-logprobs, mask, agg)  # docs/algorithms/steps.md eq. 80
     metrics = {"nll": nll.item()}
     return _with_regularizers(nll, metrics, logprobs, mask, agg, ref_logprobs, kl_coef, entropy, entropy_coef)
 
@@ -341,24 +343,24 @@ def _clipped_policy_loss(
     """The token-ratio clipped surrogate shared by PPO/GRPO and AEPO."""
     advantages = torch.where(mask, advantages, 0.0)
     log_ratio = _log_ratio(logprobs, old_logprobs, mask)
-    ratio = torch.exp(log_ratio)  # docs/algorithms.md eq. 38
+    ratio = torch.exp(log_ratio)  # docs/algorithms/losses.md eq. 38
     if balanced_upper:
-        # AEPO: forward 1+ε_h, gradient (1+ε_h)·∇log π  (docs/algorithms.md eq. 47)
+        # AEPO: forward 1+ε_h, gradient (1+ε_h)·∇log π  (docs/algorithms/losses.md eq. 47)
         upper = (1 + eps_high) * ratio / ratio.detach()
     else:
         upper = torch.full_like(ratio, 1 + eps_high)
-    clipped = torch.minimum(torch.clamp(ratio, min=1 - eps_low), upper)  # docs/algorithms.md eqs. 39, 47
-    # PPO clipped surrogate (docs/algorithms.md eqs. 39, 48)
+    clipped = torch.minimum(torch.clamp(ratio, min=1 - eps_low), upper)  # docs/algorithms/losses.md eqs. 39, 47
+    # PPO clipped surrogate (docs/algorithms/losses.md eqs. 39, 48)
     token_loss = torch.maximum(-advantages * ratio, -advantages * clipped)
     metrics = _clip_metrics(ratio, log_ratio, advantages, mask, eps_low, eps_high)
     if dual_clip is not None:
-        # dual clip: for A < 0, ℓ = min(ℓ, −A·c)  (docs/algorithms.md eq. 40)
+        # dual clip: for A < 0, ℓ = min(ℓ, −A·c)  (docs/algorithms/losses.md eq. 40)
         token_loss = torch.where(advantages < 0, torch.minimum(token_loss, -advantages * dual_clip), token_loss)
         with torch.no_grad():
             metrics["dual_clip_frac"] = _masked_mean((advantages < 0) & (ratio > dual_clip), mask)
     if behaviour.logprobs is not None:
         weights = behaviour_weights(old_logprobs, behaviour.logprobs, mask, cap=behaviour.cap)
-        token_loss = token_loss * weights  # docs/algorithms.md eq. 77
+        token_loss = token_loss * weights  # docs/algorithms/steps.md eq. 77
         metrics.update(_behaviour_metrics(old_logprobs, behaviour.logprobs, weights, mask))
     return aggregate(token_loss, mask, agg), metrics
 
@@ -379,12 +381,12 @@ def _segment_ratio_loss(
     advantages = torch.where(mask, advantages, 0.0)
     log_ratio = _log_ratio(logprobs, old_logprobs, mask)
     segments = _Segments(mask, segment_start)
-    segment_mean = segments.mean(log_ratio.detach())  # docs/algorithms.md eqs. 41, 45
+    segment_mean = segments.mean(log_ratio.detach())  # docs/algorithms/losses.md eqs. 41, 45
     # log s_t = sg(mean_{u∈segment} log r_u) + log π_θ(t) − sg(log π_θ(t))   (GSPO token form)
-    log_s = segment_mean + torch.where(mask, logprobs - logprobs.detach(), 0.0)  # docs/algorithms.md eqs. 42, 45
-    s = torch.exp(torch.clamp(log_s, max=_MAX_LOG_SEGMENT_RATIO))  # docs/algorithms.md eqs. 42, 45
-    clipped = torch.clamp(s, 1 - eps_low, 1 + eps_high)  # docs/algorithms.md eqs. 43, 46
-    # clipped surrogate on s (docs/algorithms.md eqs. 43, 46)
+    log_s = segment_mean + torch.where(mask, logprobs - logprobs.detach(), 0.0)  # docs/algorithms/losses.md eqs. 42, 45
+    s = torch.exp(torch.clamp(log_s, max=_MAX_LOG_SEGMENT_RATIO))  # docs/algorithms/losses.md eqs. 42, 45
+    clipped = torch.clamp(s, 1 - eps_low, 1 + eps_high)  # docs/algorithms/losses.md eqs. 43, 46
+    # clipped surrogate on s (docs/algorithms/losses.md eqs. 43, 46)
     token_loss = torch.maximum(-advantages * s, -advantages * clipped)
     metrics = _clip_metrics(s, log_ratio, advantages, mask, eps_low, eps_high)
     with torch.no_grad():
@@ -393,7 +395,7 @@ def _segment_ratio_loss(
         metrics[f"clipped_{unit}"] = float((segments.sums(clipped_tokens & mask) > 0).sum())
     if behaviour.logprobs is not None:
         weights = behaviour_weights(old_logprobs, behaviour.logprobs, mask, cap=behaviour.cap, segments=segments)
-        token_loss = token_loss * weights  # docs/algorithms.md eq. 77
+        token_loss = token_loss * weights  # docs/algorithms/steps.md eq. 77
         metrics.update(_behaviour_metrics(old_logprobs, behaviour.logprobs, weights, mask))
     return aggregate(token_loss, mask, agg), metrics
 
@@ -442,17 +444,17 @@ def behaviour_weights(
     ``behaviour_logprobs`` the sampler's. With ``segments`` (the GSPO and ATPO losses) a token's
     weight is its segment's geometric mean, as its ratio is. Tokens whose weight exceeds ``cap``
     get weight 0 (AReaL filters them out) but stay in the aggregation's count; off the mask, 0.
-    docs/algorithms.md "Decoupled objective" (eqs. 75–77).
+    docs/algorithms/steps.md "Decoupled objective" (eqs. 75–77).
     """
     mask = mask.bool()
     if cap is not None and not cap > 1:
         raise ValueError(f"behaviour_weight_cap must be > 1 (AReaL's rule), got {cap}")
-    log_w = _log_ratio(old_logprobs.detach(), behaviour_logprobs.detach(), mask)  # docs/algorithms.md eq. 75
+    log_w = _log_ratio(old_logprobs.detach(), behaviour_logprobs.detach(), mask)  # docs/algorithms/steps.md eq. 75
     if segments is not None:
-        log_w = segments.mean(log_w)  # docs/algorithms.md eq. 75
+        log_w = segments.mean(log_w)  # docs/algorithms/steps.md eq. 75
     weights = torch.where(mask, torch.exp(log_w), 0.0)
     if cap is not None:
-        weights = torch.where(weights > cap, 0.0, weights)  # docs/algorithms.md eq. 76
+        weights = torch.where(weights > cap, 0.0, weights)  # docs/algorithms/steps.md eq. 76
     return weights
 
 
@@ -465,7 +467,7 @@ def _behaviour_metrics(
             "behaviour_weight_mean": _masked_mean(weights, mask),
             "behaviour_dropped_frac": _masked_mean(weights == 0, mask),
             # k3 estimate of KL(π_behaviour ‖ π_old): how far the proximal policy has moved from the sampler
-            "behaviour_kl": _masked_mean(torch.exp(d) - 1 - d, mask),  # docs/algorithms.md eq. 56
+            "behaviour_kl": _masked_mean(torch.exp(d) - 1 - d, mask),  # docs/algorithms/losses.md eq. 56
         }
 
 
@@ -484,14 +486,15 @@ def _with_regularizers(
     loss = pg_loss
     if ref_logprobs is not None:
         # k3 estimator of KL(π_θ ‖ π_ref): exp(d) − d − 1, d = log π_ref − log π_θ (Schulman 2020)
-        # docs/algorithms.md eq. 50
+        # docs/algorithms/losses.md eq. 50
         d = torch.clamp(torch.where(mask, ref_logprobs - logprobs, 0.0), -_KL_LOG_BOUND, _KL_LOG_BOUND)
-        kl = aggregate(torch.clamp(torch.exp(d) - d - 1, -_KL_BOUND, _KL_BOUND), mask, agg)  # docs/algorithms.md eq. 50
-        loss = loss + kl_coef * kl  # docs/algorithms.md eq. 51
+        # docs/algorithms/losses.md eq. 50
+        kl = aggregate(torch.clamp(torch.exp(d) - d - 1, -_KL_BOUND, _KL_BOUND), mask, agg)
+        loss = loss + kl_coef * kl  # docs/algorithms/losses.md eq. 51
         metrics["kl_ref"] = kl.item()
     if entropy is not None:
         mean_entropy = aggregate(entropy, mask, agg)
-        loss = loss - entropy_coef * mean_entropy  # entropy bonus (docs/algorithms.md eq. 51)
+        loss = loss - entropy_coef * mean_entropy  # entropy bonus (docs/algorithms/losses.md eq. 51)
         metrics["entropy"] = mean_entropy.item()
     metrics["pg_loss"] = pg_loss.item()
     metrics["loss"] = loss.item()
@@ -499,8 +502,8 @@ def _with_regularizers(
 
 
 def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``log r = log π_θ − log π_old`` on the mask (clamped to ±20), 0 off it (docs/algorithms.md eq. 38)."""
-    # docs/algorithms.md eq. 38
+    """``log r = log π_θ − log π_old`` on the mask (clamped to ±20), 0 off it (docs/algorithms/losses.md eq. 38)."""
+    # docs/algorithms/losses.md eq. 38
     return torch.clamp(torch.where(mask, logprobs - old_logprobs, 0.0), -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
 
 
@@ -514,12 +517,12 @@ def _clip_metrics(
 ) -> dict[str, float]:
     with torch.no_grad():
         return {
-            # docs/algorithms.md eq. 55
+            # docs/algorithms/losses.md eq. 55
             "clip_frac_low": _masked_mean((advantages < 0) & (ratio < 1 - eps_low), mask),
             "clip_frac_high": _masked_mean((advantages > 0) & (ratio > 1 + eps_high), mask),
             "ratio_mean": _masked_mean(ratio, mask),
             # k3 estimate of KL(π_old ‖ π_θ) on samples from π_old: (r − 1) − log r
-            "approx_kl": _masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),  # docs/algorithms.md eq. 56
+            "approx_kl": _masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),  # docs/algorithms/losses.md eq. 56
         }
 
 

@@ -6,11 +6,11 @@ A record is a flat ``{name: float}`` dict. Names are ``group/quantity``; the tra
   of the batch's paths;
 - ``policy/...``: what the loss reports (``loss``, ``pg_loss``, ``clip_frac_low``,
   ``clip_frac_high``, ``ratio_mean``, ``approx_kl``, ``kl_ref``, ``entropy`` and per-loss
-  extras such as ATPO's ``turns``; docs/algorithms.md "Loss metrics", eqs. 55, 56); ``policy/entropy``
+  extras such as ATPO's ``turns``; docs/algorithms/losses.md "Loss metrics", eqs. 55, 56); ``policy/entropy``
   is the exact full-vocabulary token entropy of the action tokens from the training forward pass
-  (docs/algorithms.md eq. 2);
+  (docs/algorithms/index.md eq. 2);
 - ``mismatch/max_abs``, ``mismatch/mean_abs``, ``mismatch/tokens``: the sampler's log-probs
-  against the trainer's, before the update (docs/algorithms.md eq. 59);
+  against the trainer's, before the update (docs/algorithms/training.md eq. 59);
 - ``optim/grad_norm`` (before clipping), ``optim/lr``, ``optim/updates``,
   ``optim/skipped_updates`` (non-finite gradients);
 - ``tokens/trained``, ``tokens/action``, ``batch/sequences``; ``batch/tokens_forwarded`` (the

@@ -1,6 +1,6 @@
 """The optimiser: AdamW over the policy's trainable parameters, its learning-rate schedule, and the clipped step.
 
-docs/algorithms.md "AdamW and gradient clipping": AdamW on float32 parameters, the gradient norm
+docs/algorithms/training.md "AdamW and gradient clipping": AdamW on float32 parameters, the gradient norm
 clipped to ``max_grad_norm`` (eq. 57), and an update whose gradient norm is not finite skipped.
 """
 
@@ -68,7 +68,7 @@ def clipped_step(
 
     Returns the gradient norm before clipping; a non-finite one skips the optimiser's step.
     """
-    # Clip to max_grad_norm; the returned norm is the one before clipping (docs/algorithms.md eq. 57).
+    # Clip to max_grad_norm; the returned norm is the one before clipping (docs/algorithms/training.md eq. 57).
     # Over sharded parameters it is the norm of the whole (reduced) gradient.
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
     grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)

@@ -3,7 +3,7 @@
 Every consumer of a forward pass over saved ids (the trainer's log-probs and entropies, the
 sampler/trainer mismatch check, the benchmarks) scores through this module, so they all agree
 on the shift and on the temperature: a token sampled at temperature T has the log-prob
-``log softmax(z / T)[token]`` (docs/algorithms.md "Log-probs and temperature").
+``log softmax(z / T)[token]`` (docs/algorithms/index.md "Log-probs and temperature").
 
 :func:`score_tokens` scores every token from a forward pass's logits. :func:`score_positions`
 scores chosen tokens only, from the hidden states, running the output layer on a chunk of
@@ -41,7 +41,7 @@ def score_tokens(
         temperature: The sampler's temperature: logits are divided by it (greedy sampling reports
             temperature-1 log-probs: pass 1).
         entropy: Also return the entropy of each of those distributions (the exact token entropy,
-            over the whole vocabulary: docs/algorithms.md eqs. 2, 3).
+            over the whole vocabulary: docs/algorithms/index.md eqs. 2, 3).
         entropy_grad: Let the entropy carry a gradient (an entropy bonus); otherwise it is computed
             without one, which saves the memory of a second graph through the softmax.
 
@@ -145,11 +145,11 @@ def score_logits(
     """
     scaled = logits.float() / temperature
     log_z = torch.logsumexp(scaled, dim=-1)
-    # log softmax(z/T)[token]  (docs/algorithms.md eq. 4)
+    # log softmax(z/T)[token]  (docs/algorithms/index.md eq. 4)
     logprobs = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
     entropies = None
     if entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            # H = log Z − Σ_v p_v z_v  (docs/algorithms.md eq. 3)
+            # H = log Z − Σ_v p_v z_v  (docs/algorithms/index.md eq. 3)
             entropies = log_z - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
     return logprobs, entropies

@@ -86,13 +86,13 @@ def merge_rollout_metrics(own: dict[str, float], rollout: dict[str, float]) -> d
 
 
 class Mismatch:
-    """|sampler log-prob − trainer log-prob| over action tokens: max and mean (docs/algorithms.md eq. 59)."""
+    """|sampler log-prob − trainer log-prob| over action tokens: max and mean (docs/algorithms/training.md eq. 59)."""
 
     def __init__(self) -> None:
         self.max, self.sum, self.tokens = 0.0, 0.0, 0
 
     def add(self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> None:
-        difference = (trainer.double() - sampler.double()).abs()[mask]  # docs/algorithms.md eq. 59
+        difference = (trainer.double() - sampler.double()).abs()[mask]  # docs/algorithms/training.md eq. 59
         if difference.numel():
             self.max = max(self.max, float(difference.max()))
             self.sum += float(difference.sum())

@@ -13,7 +13,7 @@ One :meth:`Trainer.step` (read :meth:`Trainer._update` top to bottom):
 3. reference log-probs, when a KL penalty to a reference policy is on;
 4. one epoch of ``mini_batches`` optimiser updates over the batch; each accumulates gradients
    over micro-batches of ``micro_batch_size`` sequences (padded, or packed into one row), clips
-   the gradient norm, and steps AdamW and the learning-rate schedule (docs/algorithms.md "Optimiser and batching");
+   the gradient norm, and steps AdamW and the learning-rate schedule (docs/algorithms/training.md "Optimiser and batching");
 5. weight sync to the engine: nothing to copy when it shares the model object (``HFEngine``
    built on ``trainer.model``), ``await engine.update_weights(state_dict)`` otherwise. An engine
    that can sleep (vLLM on the same GPU) sleeps through steps 2-4 and wakes before the sync;
@@ -229,7 +229,7 @@ class Trainer:
 
         With one optimiser update per batch (one epoch, one mini-batch) every micro-batch is
         scored by the weights π_old names, so its forward pass's log-probs, detached, are the
-        recomputed ones (TRL skips that pass for the same reason). docs/algorithms.md "Old log-probs".
+        recomputed ones (TRL skips that pass for the same reason). docs/algorithms/training.md "Old log-probs".
         """
         cfg = self.config
         return cfg.old_logprobs == "recompute" and cfg.epochs == 1 and cfg.mini_batches == 1
@@ -302,7 +302,7 @@ class Trainer:
         batch (possibly nothing) takes the one optimiser step. The update is the one of
         ``step(all paths)`` up to rounding: each part's loss is weighted by its loss units (the
         action tokens under token-mean) and the sum divided by the
-        whole batch's once it is known (docs/algorithms.md eq. 79). Needs one optimiser update a step
+        whole batch's once it is known (docs/algorithms/steps.md eq. 79). Needs one optimiser update a step
         (``mini_batches = epochs = 1``): every later one would need the whole batch's π_old first.
         """
         cfg = self.config
@@ -357,7 +357,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 total = int(units[mini_batch.rows].sum())  # over the whole mini-batch, every rank
                 for micro, real in mini_batch.passes:
-                    share = int(units[micro.rows].sum()) / max(total, 1)  # u_j / Σ_j' u_j'  (docs/algorithms.md eq. 58)
+                    # u_j / Σ_j' u_j'  (docs/algorithms/training.md eq. 58)
+                    share = int(units[micro.rows].sum()) / max(total, 1)
                     first = epoch == update == 0
                     self._backward(batch, micro, real, (old_logprobs, ref_logprobs), share, work, first=first)
                     bar.update()
@@ -395,7 +396,7 @@ class Trainer:
         work = self._accumulated if rest is None else self._accumulate(rest, self._accumulated)
         self._accumulated = None
         start = time.perf_counter()
-        # Σ_j u_j ∇ℓ_j / Σ_j u_j: the whole batch's gradient (docs/algorithms.md eq. 79)
+        # Σ_j u_j ∇ℓ_j / Σ_j u_j: the whole batch's gradient (docs/algorithms/steps.md eq. 79)
         scale = 1.0 / max(work.units, 1)
         for parameter in self.trainable_parameters:
             if parameter.grad is not None:
@@ -453,7 +454,7 @@ class Trainer:
         cut = micro.cut
         old_logprobs, ref_logprobs = (None if values is None else values[cut] for values in old_and_reference)
         mask = batch.mask[cut].bool()
-        # A_t ← w_t · A_t when shared turns are trained once (docs/algorithms.md eq. 35)
+        # A_t ← w_t · A_t when shared turns are trained once (docs/algorithms/credit.md eq. 35)
         advantages = batch.advantages[cut] * batch.weights[cut] if cfg.dedup_shared_turns else batch.advantages[cut]
         logprobs, entropy = self.forward(self.model, batch, micro, entropy_grad=cfg.entropy_coef > 0)
         assert entropy is not None  # the forward pass computes the entropy unless asked not to (entropy=False)
@@ -469,7 +470,7 @@ class Trainer:
             entropy=entropy,
             turn_ids=batch.turn_ids[cut],
             ref_logprobs=ref_logprobs,
-            # π_behav of the decoupled objective: the sampler's (docs/algorithms.md eq. 75)
+            # π_behav of the decoupled objective: the sampler's (docs/algorithms/steps.md eq. 75)
             behaviour_logprobs=batch.sampler_logprobs[cut] if cfg.decoupled else None,
         )
         if not real:  # gradient exactly 0
@@ -477,7 +478,7 @@ class Trainer:
             return
         # The loss averages over action tokens (token-mean) or sequences (the seq-mean modes); a
         # micro-batch's loss is weighted by its share of the mini-batch's, so that accumulating
-        # micro-batches gives the gradient of the whole mini-batch at once (docs/algorithms.md eq. 58).
+        # micro-batches gives the gradient of the whole mini-batch at once (docs/algorithms/training.md eq. 58).
         (loss * weight).backward()
         if "loss" not in metrics:  # a callable loss may report nothing
             metrics["loss"] = float(loss.detach())

@@ -19,7 +19,7 @@ __all__ = ["TrainerConfig"]
 class TrainerConfig:
     """Every hyper-parameter of :class:`Trainer`, with its default and where the default comes from."""
 
-    # Optimiser. docs/algorithms.md "AdamW and gradient clipping": AdamW, lr 1e-6 constant, weight
+    # Optimiser. docs/algorithms/training.md "AdamW and gradient clipping": AdamW, lr 1e-6 constant, weight
     # decay 0.01, grad-norm clip 1.0.
     lr: float = 1e-6
     weight_decay: float = 0.01  # applied to every parameter, as verl's actor optimiser does
@@ -36,7 +36,7 @@ class TrainerConfig:
     # progress bar. None: unknown.
     total_steps: int | None = None
 
-    # Batching. One epoch over each rollout batch, split into mini-batches (docs/algorithms.md "Mini-batches and micro-batches";
+    # Batching. One epoch over each rollout batch, split into mini-batches (docs/algorithms/training.md "Mini-batches and micro-batches";
     # AT²PO: 64 prompts × 22 leaves with mini-batches of 8 prompts = 8 updates per batch).
     mini_batches: int = 1  # optimiser updates per epoch; the batch is split in order
     epochs: int = 1  # passes over each rollout batch (verl ppo_epochs; every paper: 1)
@@ -44,7 +44,7 @@ class TrainerConfig:
     # At most this many tokens per micro-batch, counted as sequences × the longest one (padding
     # included), or one sequence alone when it is longer; None: sequences only. A budget in
     # tokens bounds activation memory where a count does not (one 8k-token path costs as much as
-    # sixteen of 512). The update is the same whatever the split (docs/algorithms.md eq. 58).
+    # sixteen of 512). The update is the same whatever the split (docs/algorithms/training.md eq. 58).
     micro_batch_tokens: int | None = None
     # Recompute each decoder layer's activations in the backward pass instead of keeping them
     # (transformers' gradient checkpointing): one layer's activations held instead of all of
@@ -62,7 +62,7 @@ class TrainerConfig:
     # vocabulary). None: the model's full logits (also used for models whose logits are more than
     # head(hidden), e.g. soft-capped). The same values up to float rounding.
     score_chunk: int | None = 2048
-    # How a micro-batch's paths are laid out for the forward pass, docs/algorithms.md "Training on the tree":
+    # How a micro-batch's paths are laid out for the forward pass, docs/algorithms/training.md "Training on the tree":
     # "tree" packs them into one row holding every shared prefix once (the prompt of a
     # prompt's chains, the shared turns of a tree) under tree attention, and bounds a micro-batch by
     # its packed tokens instead of its paths (micro_batch_tokens, else micro_batch_size × the
@@ -81,24 +81,24 @@ class TrainerConfig:
     loss: str | LossFn = "ppo_clip"
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
     # Train a turn shared by k leaf paths once in total (advantages × TrainingPath.weights)
-    # instead of once per path. docs/algorithms.md eq. 35: the AT²PO code trains it once per path (False).
+    # instead of once per path. docs/algorithms/credit.md eq. 35: the AT²PO code trains it once per path (False).
     dedup_shared_turns: bool = False
 
     # Old log-probs: "recompute" (verl's actor recomputes them before the update; every paper's
     # code) or "sampler" (the engine's, skipping that forward pass; the mismatch is then measured
-    # on the first mini-batch, the only one trained before the policy changes). docs/algorithms.md "Old log-probs".
+    # on the first mini-batch, the only one trained before the policy changes). docs/algorithms/training.md "Old log-probs".
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
     # The decoupled objective for rollouts sampled by an older policy (asynchronous training): the
     # recomputed log-probs are the proximal policy the loss clips around, and the sampler's weight
-    # each token by π_prox/π_behav (AReaL; docs/algorithms.md "Decoupled objective", eqs. 75-77).
+    # each token by π_prox/π_behav (AReaL; docs/algorithms/steps.md "Decoupled objective", eqs. 75-77).
     # Needs old_logprobs="recompute"; the weight cap is the loss's behaviour_weight_cap.
     decoupled: bool = False
-    # the sampler's temperature: logits are divided by it (verl); papers: 1.0 (docs/algorithms.md eq. 4)
+    # the sampler's temperature: logits are divided by it (verl); papers: 1.0 (docs/algorithms/index.md eq. 4)
     temperature: float = 1.0
 
     # Regularisers. KL (k3) to a reference policy: 0 in AT²PO and AEPO, 0.001 in GRPO
     # (DeepSeekMath); any value > 0 needs a reference (see Trainer). Entropy bonus: 0 everywhere.
-    # docs/algorithms.md eqs. 50, 51 ("KL penalty (k3)", "Entropy bonus").
+    # docs/algorithms/losses.md eqs. 50, 51 ("KL penalty (k3)", "Entropy bonus").
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
 

@@ -36,7 +36,7 @@ class TrainerLoss:
         self.token_weighted = self.parameters.get("agg") == "token-mean"
 
     def units(self, mask: torch.Tensor) -> torch.Tensor:
-        """u_j of each path (docs/algorithms.md eq. 58): its action tokens under token-mean, else 1 (0 without any)."""
+        """u_j of each path (docs/algorithms/training.md eq. 58): its action tokens under token-mean, else 1 (0 without any)."""
         mask = mask.bool()
         return mask.sum(-1) if self.token_weighted else (mask.sum(-1) > 0)
 

@@ -11,7 +11,7 @@ concurrently on one engine; a strategy only decides where to branch:
 
 Every branch resumes from a fork of the environment at its branch point (``env.fork()``), so
 stateful tools branch correctly. Each strategy depends only on the contract in
-:mod:`agents.rollout.strategies.base`; the exact rules are in docs/algorithms.md "Rollout strategies",
+:mod:`agents.rollout.strategies.base`; the exact rules are in docs/algorithms/rollout.md "Rollout strategies",
 and each class says where the official code and the papers differ and which one is the default.
 """
 

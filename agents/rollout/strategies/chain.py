@@ -13,7 +13,7 @@ __all__ = ["Chain"]
 class Chain(Strategy):
     """``n`` independent chains from the prompt, never branched: one tree whose root has ``n`` children.
 
-    docs/algorithms.md "Chain" (eq. 6).
+    docs/algorithms/rollout.md "Chain" (eq. 6).
 
     Args:
         n: Trajectories per prompt (16 in the GRPO baselines of AT²PO, ARPO and AEPO).
@@ -29,4 +29,4 @@ class Chain(Strategy):
         return self.n
 
     def start(self, prompt: PromptTrees) -> list[BranchPoint]:
-        return [fresh_chain(prompt, 0) for _ in range(self.n)]  # |leaves| = n  (docs/algorithms.md eq. 6)
+        return [fresh_chain(prompt, 0) for _ in range(self.n)]  # |leaves| = n  (docs/algorithms/rollout.md eq. 6)

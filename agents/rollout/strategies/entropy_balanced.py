@@ -18,12 +18,12 @@ def global_samples(k: int, h_root: float, h_tool: float, beta: float = 0.5) -> i
 
     The other ``k − m`` trajectories are the branch budget: a question that is more uncertain
     than its tool results gets more independent chains, one whose tool results raise the
-    uncertainty gets more branching (docs/algorithms.md eq. 16).
+    uncertainty gets more branching (docs/algorithms/rollout.md eq. 16).
     """
-    x = beta * (h_root - h_tool)  # docs/algorithms.md eq. 16
-    # σ(x) without overflow (docs/algorithms.md eq. 16)
+    x = beta * (h_root - h_tool)  # docs/algorithms/rollout.md eq. 16
+    # σ(x) without overflow (docs/algorithms/rollout.md eq. 16)
     sigma = 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
-    return min(k, max(1, math.floor(k * sigma) + 1))  # docs/algorithms.md eq. 16
+    return min(k, max(1, math.floor(k * sigma) + 1))  # docs/algorithms/rollout.md eq. 16
 
 
 def penalized_branch_probability(
@@ -31,9 +31,9 @@ def penalized_branch_probability(
 ) -> float:
     """AEPO's branching probability ``clamp((base + weight·ΔH)·max(0, 1 − slope·l), 0, 1)``, l = ``consecutive``.
 
-    docs/algorithms.md eq. 17.
+    docs/algorithms/rollout.md eq. 17.
     """
-    return clamp01((base + weight * delta_h) * max(0.0, 1.0 - slope * consecutive))  # docs/algorithms.md eq. 17
+    return clamp01((base + weight * delta_h) * max(0.0, 1.0 - slope * consecutive))  # docs/algorithms/rollout.md eq. 17
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class EntropyBalancedBranching(SegmentEntropyBranching):
     Pre-monitoring tokens count in ``PromptTrees.premonitor_tokens``; the entropies and the
     split are in ``PromptTrees.notes`` (``h_root_topk``, ``h_tool_topk``, ``global_samples``).
     See :class:`~agents.rollout.strategies.entropy_branching.SegmentEntropyBranching` for the rest.
-    Formulas and defaults: docs/algorithms.md "Entropy-balanced branching" (eqs. 15–18).
+    Formulas and defaults: docs/algorithms/rollout.md "Entropy-balanced branching" (eqs. 15–18).
 
     Args:
         k: Trajectories per prompt (16; 12 in the deep-search scripts).
@@ -88,9 +88,9 @@ class EntropyBalancedBranching(SegmentEntropyBranching):
         finally:
             for task in (sample, run):  # when one fails, the other stops too (an episode closes its fork)
                 task.cancel()
-        h_root = self.entropy(prompt, question.top_logprobs)  # docs/algorithms.md eq. 12
+        h_root = self.entropy(prompt, question.top_logprobs)  # docs/algorithms/rollout.md eq. 12
         entropies = [self.entropy(prompt, turn.top_logprobs) for turn in episode.turns]
-        # docs/algorithms.md eq. 15; H_root when the probe has no turn (the code's fallback)
+        # docs/algorithms/rollout.md eq. 15; H_root when the probe has no turn (the code's fallback)
         h_tool = math.fsum(entropies) / len(entropies) if entropies else h_root
         prompt.notes.update(
             h_root_topk=h_root,
@@ -111,15 +111,15 @@ class EntropyBalancedBranching(SegmentEntropyBranching):
 
     def probability(self, prompt: PromptTrees, branch: Branch, delta_h: float) -> float:
         if self.penalty_count == "path":
-            consecutive = branch.notes.get("consecutive", 0)  # l kept per path (docs/algorithms.md eq. 18)
+            consecutive = branch.notes.get("consecutive", 0)  # l kept per path (docs/algorithms/rollout.md eq. 18)
         else:
             # the code's l: branches and refills started in earlier steps
-            # (docs/algorithms.md "Entropy-balanced branching")
+            # (docs/algorithms/rollout.md "Entropy-balanced branching")
             consecutive = sum(1 for event in prompt.events if event.step < prompt.step)
         return penalized_branch_probability(
             delta_h, consecutive, self.base_probability, self.entropy_weight, self.penalty_slope
         )
 
     def on_decision(self, prompt: PromptTrees, branch: Branch, copies: int) -> None:
-        # l ← l + 1 if the decision made a copy, else l ← 0  (docs/algorithms.md eq. 18)
+        # l ← l + 1 if the decision made a copy, else l ← 0  (docs/algorithms/rollout.md eq. 18)
         branch.notes["consecutive"] = branch.notes.get("consecutive", 0) + 1 if copies else 0

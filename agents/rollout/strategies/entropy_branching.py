@@ -51,24 +51,24 @@ def segment_entropy(
     For each of the segment's first ``window`` tokens, ``−Σ_j p_j·log p_j`` over its top-k
     log-probs ``log p_j`` (not renormalised, as in the official code); then the sum over those
     tokens (``"sum"``, the code's) or their mean (``"mean"``, which does not favour long
-    segments), divided by ``ln|V|``. An empty segment has entropy 0 (docs/algorithms.md eq. 12).
+    segments), divided by ``ln|V|``. An empty segment has entropy 0 (docs/algorithms/rollout.md eq. 12).
     """
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2 to normalise by ln|V|, got {vocab_size!r}")
     if reduce not in ("sum", "mean"):
         raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}")
-    # −Σ_j p_{t,j}·log p_{t,j} over the first w tokens (docs/algorithms.md eq. 12)
+    # −Σ_j p_{t,j}·log p_{t,j} over the first w tokens (docs/algorithms/rollout.md eq. 12)
     per_token = [-math.fsum(math.exp(logprob) * logprob for _, logprob in top) for top in top_logprobs[:window]]
     if not per_token:
         return 0.0
-    # docs/algorithms.md eq. 12: the window's sum (reduce="sum"), or its mean (reduce="mean")
+    # docs/algorithms/rollout.md eq. 12: the window's sum (reduce="sum"), or its mean (reduce="mean")
     total = math.fsum(per_token) if reduce == "sum" else math.fsum(per_token) / len(per_token)
-    return total / math.log(vocab_size)  # H / ln|V|  (docs/algorithms.md eq. 12)
+    return total / math.log(vocab_size)  # H / ln|V|  (docs/algorithms/rollout.md eq. 12)
 
 
 def branch_probability(delta_h: float, base: float = 0.5, weight: float = 0.2) -> float:
-    """ARPO's branching probability ``clamp(base + weight·ΔH, 0, 1)`` (docs/algorithms.md eq. 14)."""
-    return clamp01(base + weight * delta_h)  # docs/algorithms.md eq. 14
+    """ARPO's branching probability ``clamp(base + weight·ΔH, 0, 1)`` (docs/algorithms/rollout.md eq. 14)."""
+    return clamp01(base + weight * delta_h)  # docs/algorithms/rollout.md eq. 14
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +84,7 @@ class SegmentEntropyBranching(Strategy):
     per path and per rollout (never carried over from an earlier batch, the reference code's
     stale-baseline defect). When every path has ended with rollouts left, fresh chains from the
     prompt fill them: one at a time, each free to branch (the code's ``refill="one"``), or all at
-    once (``refill="all"``). Formulas and defaults: docs/algorithms.md "Entropy-adaptive branching" (eqs. 12–14).
+    once (``refill="all"``). Formulas and defaults: docs/algorithms/rollout.md "Entropy-adaptive branching" (eqs. 12–14).
 
     ``measure="segment_after"`` follows the papers' wording instead: the segment sampled after
     each tool result is measured, and a branch resamples that segment from the same prefix (a
@@ -187,7 +187,7 @@ class SegmentEntropyBranching(Strategy):
             def point(notes: dict[str, Any]) -> BranchPoint:
                 return resample(branch.tree, node, notes)
 
-        # ΔH = H_t − H_initial  (docs/algorithms.md eq. 13)
+        # ΔH = H_t − H_initial  (docs/algorithms/rollout.md eq. 13)
         return self.decide(prompt, branch, h - branch.notes["h_initial"], point)
 
     def decide(
@@ -201,7 +201,7 @@ class SegmentEntropyBranching(Strategy):
                 break
             if (
                 prompt.rng.random() < probability
-            ):  # each copy with probability p_branch (docs/algorithms.md eqs. 14, 17)
+            ):  # each copy with probability p_branch (docs/algorithms/rollout.md eqs. 14, 17)
                 copies += 1
         self.on_decision(prompt, branch, copies)
         if branch.last is not None:
@@ -220,7 +220,7 @@ class EntropyBranching(SegmentEntropyBranching):
     """ARPO: ``N`` global chains, then entropy-driven copies up to ``n`` trajectories per prompt.
 
     The probability of each copy is :func:`branch_probability`:
-    ``clamp(base_probability + entropy_weight·ΔH, 0, 1)`` (docs/algorithms.md eq. 14). See
+    ``clamp(base_probability + entropy_weight·ΔH, 0, 1)`` (docs/algorithms/rollout.md eq. 14). See
     :class:`SegmentEntropyBranching` for the rest and the other hyper-parameters.
 
     Args:

@@ -28,7 +28,7 @@ class EntropyTree(Strategy):
     breadth-first order; when there are fewer than ``K`` candidates the ranking repeats from the
     top, so the leaf count stays ``M + L·K``. ``root_candidate=False`` scores turns only (the
     paper's wording), and a round may then add fewer than ``K`` branches.
-    Formulas and defaults: docs/algorithms.md "Entropy-guided tree" (eqs. 9–11).
+    Formulas and defaults: docs/algorithms/rollout.md "Entropy-guided tree" (eqs. 9–11).
 
     Args:
         M: Initial chains.
@@ -72,14 +72,14 @@ class EntropyTree(Strategy):
         """Every candidate with its score, in breadth-first order (children in creation order)."""
         scored = []
         if self.root_candidate:
-            # H(root) = 0  (docs/algorithms.md eq. 10)
+            # H(root) = 0  (docs/algorithms/rollout.md eq. 10)
             scored.append((tree.root, 0.0 - self.alpha * max(0, len(tree.root.children) - 1)))
         queue = deque(tree.root.children)
         while queue:
             node = queue.popleft()
             queue.extend(node.children)
             if not node.terminal and node.env is not None:
-                # H(n) − α·|siblings(n)|  (docs/algorithms.md eq. 9)
+                # H(n) − α·|siblings(n)|  (docs/algorithms/rollout.md eq. 9)
                 scored.append((node, node.entropy - self.alpha * len(node.siblings)))
         return scored
 
@@ -88,5 +88,5 @@ class EntropyTree(Strategy):
         ranked = [node for node, _ in sorted(self.scores(tree), key=lambda pair: -pair[1])]  # stable: ties stay BFS
         if not ranked:
             return []
-        # K per round, the ranking repeated when short: |leaves| = M + L·K  (docs/algorithms.md eq. 11)
+        # K per round, the ranking repeated when short: |leaves| = M + L·K  (docs/algorithms/rollout.md eq. 11)
         return [ranked[i % len(ranked)] for i in range(self.K)]

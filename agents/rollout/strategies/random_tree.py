@@ -18,7 +18,7 @@ class RandomTree(Strategy):
     new child: from the node's full context after its observation, on a fork of the environment
     state after its action. Finally each tree keeps ``K`` of its leaves drawn at random (all of
     them when it has no more than ``K``) and the rest is pruned. Defaults are the paper's
-    (docs/algorithms.md "Random tree", eqs. 7, 8).
+    (docs/algorithms/rollout.md "Random tree", eqs. 7, 8).
 
     Args:
         M: Trees per prompt.
@@ -55,10 +55,10 @@ class RandomTree(Strategy):
         prompt.notes["rounds"] = done + 1
         points = []
         for index, tree in enumerate(prompt.trees):
-            # C = {root} ∪ {n : n has children and did not end its episode}  (docs/algorithms.md eq. 7)
+            # C = {root} ∪ {n : n has children and did not end its episode}  (docs/algorithms/rollout.md eq. 7)
             candidates = [tree.root] + [node for node in tree.nodes() if not node.terminal and node.children]
             for _ in range(self.N):
-                # uniform draw from C, with replacement (docs/algorithms.md eq. 7)
+                # uniform draw from C, with replacement (docs/algorithms/rollout.md eq. 7)
                 points.append(expand(index, candidates[int(prompt.rng.integers(len(candidates)))]))
         return points
 
@@ -66,6 +66,6 @@ class RandomTree(Strategy):
         for tree in prompt.trees:
             leaves = tree.leaves()
             if len(leaves) > self.K:
-                # K leaves drawn uniformly without replacement: min(K, 1 + L·N) per tree (docs/algorithms.md eq. 8)
+                # K leaves drawn uniformly without replacement: min(K, 1 + L·N) per tree (docs/algorithms/rollout.md eq. 8)
                 kept = sorted(int(i) for i in prompt.rng.choice(len(leaves), size=self.K, replace=False))
                 tree.prune([leaves[i] for i in kept])

@@ -113,7 +113,7 @@ def test_the_override_is_our_loss_on_trls_tensors_in_value_and_gradient(tiny_mod
         mask,
         entropy=entropy,
     )
-    # the micro-batch's weight among the two accumulated (docs/algorithms.md eq. 58)
+    # the micro-batch's weight among the two accumulated (docs/algorithms/training.md eq. 58)
     share = mask.sum() / inputs["num_items_in_batch"] if loss_type == "aepo" else 0.5
     (ours * share).backward()
     assert abs(loss.item() - (ours * share).item()) < 1e-6

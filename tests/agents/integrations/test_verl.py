@@ -215,7 +215,7 @@ def test_turns_are_the_runs_of_the_response_mask():
 
 def test_verl_s_compute_advantage_gives_the_turnwise_credit():
     # Two prompts; verl's rows are chains, so every turn of a row carries its leaf's z-score
-    # over the prompt's rows with the population σ (docs/algorithms.md eqs. 23, 28).
+    # over the prompt's rows with the population σ (docs/algorithms/credit.md eqs. 23, 28).
     mask = torch.tensor(
         [
             [1, 1, 0, 0, 1, 1, 0],
@@ -242,7 +242,7 @@ def test_verl_s_compute_advantage_gives_the_turnwise_credit():
 
 
 def test_shared_turns_from_node_ids_back_up_with_the_entropy_softmax():
-    # The worked example (docs/algorithms.md eqs. 32–34): first turn a, answers a1 (r = 1, H = 0.4)
+    # The worked example (docs/algorithms/credit.md eqs. 32–34): first turn a, answers a1 (r = 1, H = 0.4)
     # and a2 (r = 0, H = 0.6); both rows hold a (node 1) then their own answer.
     mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 0, 1, 1]])
     rewards = torch.tensor([[0, 0, 0, 0, 1.0], [0, 0, 0, 0, 0.0]])

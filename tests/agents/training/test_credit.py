@@ -1,4 +1,4 @@
-"""Credit assignment against the formulas of docs/algorithms.md (eqs. 19–31), with exact numbers."""
+"""Credit assignment against the formulas of docs/algorithms/credit.md (eqs. 19–31), with exact numbers."""
 
 import itertools
 import math
@@ -115,7 +115,7 @@ def test_tree_grpo_credit_fills_leaves_of_each_tree():
 
 
 def worked_example():
-    """docs/algorithms.md "Turn-wise worked example", extended: root -> a, b; a -> a1 (r̂ = +1, H = 0.4), a2 (r̂ = -1, H = 0.6); b -> b1 (0)."""
+    """docs/algorithms/credit.md "Turn-wise worked example", extended: root -> a, b; a -> a1 (r̂ = +1, H = 0.4), a2 (r̂ = -1, H = 0.6); b -> b1 (0)."""
     tree = RolloutTree([1, 2])
     a = turn(tree, tree.root, 0.3, tokens=2)
     b = turn(tree, tree.root, 0.2)

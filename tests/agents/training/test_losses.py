@@ -1,4 +1,4 @@
-"""Losses: values, gradients and metrics against hand-derived cases (docs/algorithms.md "Losses")."""
+"""Losses: values, gradients and metrics against hand-derived cases (docs/algorithms/losses.md "Losses")."""
 
 import math
 
@@ -261,7 +261,7 @@ def test_losses_reject_misshapen_input(loss_fn):
         loss_fn(x, x, x, torch.ones(2, 3), agg="sum", **extra)
 
 
-# --- The decoupled objective (docs/algorithms.md "Decoupled objective", eqs. 75-77) ---
+# --- The decoupled objective (docs/algorithms/steps.md "Decoupled objective", eqs. 75-77) ---
 
 ALL_LOSSES = [ppo_clip_loss, gspo_loss, atpo_loss, aepo_loss]
 

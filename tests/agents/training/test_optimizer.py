@@ -1,4 +1,4 @@
-"""The optimiser: trainable parameters, AdamW and its schedule, the clipped step (docs/algorithms.md "AdamW and gradient clipping")."""
+"""The optimiser: trainable parameters, AdamW and its schedule, the clipped step (docs/algorithms/training.md "AdamW and gradient clipping")."""
 
 import contextlib
 import math
