@@ -8,9 +8,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agents.cli.config_flags import add_config_flags, given_fields
 from agents.run.config import PRESETS, TrainConfig, resolve
 
-__all__ = ["add_run_settings", "check_env_options", "check_run_env", "run_settings"]
+__all__ = ["add_run_settings", "check_env_options", "check_run_env", "given_run_settings", "run_settings"]
 
 
 def check_env_options(env_ids: Sequence[str], env_kwargs: Mapping[str, Any], source: str) -> None:
@@ -43,28 +44,31 @@ def add_run_settings(p: argparse.ArgumentParser, uses: str) -> None:
         f"agents train's settings, resolved as agents train resolves them (defaults, --preset, --config, the "
         f"flags, --set); this command uses {uses}. Give the same ones to agents train.",
     )
-    group.add_argument("--env", help=f"environment id (default {TrainConfig.env})")
-    group.add_argument("--preset", choices=list(PRESETS), help="cpu-demo or paper, as agents train --preset")
-    group.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON config file, as agents train's")
+    group.add_argument("--preset", choices=list(PRESETS), help="A preset of agents train --preset.")
+    group.add_argument("--config", type=Path, metavar="FILE", help="A YAML or JSON config file, as agents train's.")
     group.add_argument(
         "--set",
         dest="assignments",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a setting by its dotted name, e.g. env_kwargs.example=false (repeatable)",
+        help="A setting by its dotted name, e.g. env_kwargs.example=false (repeatable).",
     )
-    group.add_argument(
-        "--holdout", type=int, help=f"the env's first N tasks are never trained on (default {TrainConfig.holdout})"
-    )
-    group.add_argument("--eval-questions", type=int, help="held-out questions evaluated (0: none)")
+    # Prefixed: the command's own flags may set fields of the same names in its config (agents sft --seed).
+    add_config_flags(group, TrainConfig, ("env", "holdout", "eval_questions"), dest_prefix=_PREFIX)
+
+
+_PREFIX = "run."
+
+
+def given_run_settings(args: argparse.Namespace) -> bool:
+    """Whether any of :func:`add_run_settings`'s flags was given."""
+    return bool(args.assignments or args.preset or args.config or given_fields(args, TrainConfig, _PREFIX))
 
 
 def run_settings(args: argparse.Namespace) -> TrainConfig:
     """The ``agents train`` config that :func:`add_run_settings`'s flags describe, its env options checked."""
-    values = {
-        name: getattr(args, name) for name in ("env", "holdout", "eval_questions") if getattr(args, name) is not None
-    }
+    values = given_fields(args, TrainConfig, _PREFIX)
     config = resolve(preset_name=args.preset, file=args.config, values=values, assignments=args.assignments)
     check_run_env(config)
     return config

@@ -11,7 +11,8 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from agents.cli.run_settings import add_run_settings, run_settings
+from agents.cli.config_flags import add_config_flags, given_fields
+from agents.cli.run_settings import add_run_settings, given_run_settings, run_settings
 from agents.models import DEFAULT_MODEL
 from agents.training.reporting import check_report_to
 
@@ -27,54 +28,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         'trajectories (agents eval --save-trajectories) or chats ({"messages": [...]}); the final model '
         "folder is what agents eval --model and agents train --model take."
     )
-    p.add_argument("--data", type=Path, required=True, metavar="FILE", help="the JSONL file of examples")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE", help="The JSONL file of examples.")
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"model name, local folder or Hugging Face id to start from (default {DEFAULT_MODEL})",
+        help=f"Model name, local folder or Hugging Face id to start from (default {DEFAULT_MODEL}).",
     )
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the run folder")
-    p.add_argument(
-        "--min-reward",
-        type=float,
-        metavar="R",
-        help="keep the trajectories whose reward is >= R (e.g. 1: the correct ones; default all)",
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="The run folder.")
+    add_config_flags(
+        p,
+        SFTConfig,
+        _SFT_FIELDS,
+        metavars={"batch_size": "B", "micro_batch_size": "M", "max_tokens": "T", "min_reward": "R"},
     )
-    p.add_argument("--epochs", type=int, help=f"passes over the examples (default {SFTConfig.epochs})")
-    p.add_argument("--lr", type=float, help=f"AdamW learning rate (default {SFTConfig.lr:g})")
-    p.add_argument(
-        "--batch-size", type=int, metavar="B", help=f"examples per optimiser step (default {SFTConfig.batch_size})"
-    )
-    p.add_argument(
-        "--micro-batch-size",
-        type=int,
-        metavar="M",
-        help=f"examples per forward/backward pass; memory only (default {SFTConfig.micro_batch_size})",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        metavar="T",
-        help=f"longer examples are dropped and counted (default {SFTConfig.max_tokens}, RL's longest sequence)",
-    )
-    p.add_argument(
-        "--observations",
-        choices=("inline", "turn"),
-        help="how chats are laid out, as TokenEnv lays out RL's episodes: inline (tool results in the assistant "
-        "turn, the default) or turn (every message a turn of the chat template)",
-    )
-    p.add_argument("--seed", type=int, help=f"seed of each epoch's order (default {SFTConfig.seed})")
-    p.add_argument(
-        "--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps too (default: after the last only)"
-    )
-    p.add_argument("--device", help="device of the model (default: cuda if present, else cpu)")
-    p.add_argument(
-        "--report-to",
-        nargs="+",
-        metavar="NAME",
-        help="where metrics go besides OUT/metrics.jsonl: tensorboard (the default), wandb, several, or none",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true", help="No progress bars.")
     add_run_settings(
         p,
         "its held-out evaluation: with any of these flags the run's held-out questions are scored before the first "
@@ -83,14 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run)
 
 
-# Flags of agents sft that set an SFTConfig field of the same name; unset flags leave its default.
-_SFT_FLAGS = (
+# SFTConfig's fields with a flag, in the order --help lists them; an unset flag leaves the field's default.
+_SFT_FIELDS = (
+    "min_reward",
     "epochs",
     "lr",
     "batch_size",
     "micro_batch_size",
     "max_tokens",
-    "min_reward",
     "observations",
     "seed",
     "checkpoint_every",
@@ -107,12 +74,11 @@ def run(args: argparse.Namespace) -> int:
         )
     from agents.sft.train import SFTConfig, sft
 
-    values = {name: getattr(args, name) for name in _SFT_FLAGS if getattr(args, name) is not None}
+    values = given_fields(args, SFTConfig)
     if "report_to" in values:
         values["report_to"] = check_report_to(values["report_to"], "--report-to")
     config = SFTConfig(**values)
-    run_flags = (args.env, args.preset, args.config, args.holdout, args.eval_questions)
-    heldout = run_settings(args) if args.assignments or any(flag is not None for flag in run_flags) else None
+    heldout = run_settings(args) if given_run_settings(args) else None
     print(f"=== agents sft on {args.data} from {args.model}; run folder {args.out}", flush=True)
     progress = False if args.no_progress else None
     result = asyncio.run(sft(args.data, args.model, args.out, config, heldout=heldout, progress=progress))

@@ -12,38 +12,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agents.cli.config_flags import add_config_flags, given_fields
 from agents.cli.run_settings import check_run_env
 from agents.engines.factory import ENGINES
-from agents.models import DEFAULT_MODEL
-from agents.run.cluster.config import PLACEMENTS
+from agents.run.cluster.config import PLACEMENTS, ClusterConfig
 from agents.run.config import PRESETS, RunParts, TrainConfig, build, effective_config, resolve
 from agents.run.memory_plan import run_plan, set_flags
 from agents.training.reporting import check_report_to
 
 __all__ = ["add_arguments", "run"]
-
-
-# Flags of the cluster section: argparse name -> ClusterConfig field.
-_CLUSTER_FLAGS = {
-    "trainer_ranks": "trainer_ranks",
-    "rollout_workers": "rollout_workers",
-    "tensor_parallel_size": "tensor_parallel_size",
-    "placement": "placement",
-    "ray_address": "address",
-}
-
-
-# The names of agents.learners.LEARNERS, written out because importing that module loads torch, which
-# `agents train --help` must not wait for. --algo takes any name of LEARNERS (agents.run.config.build checks
-# it before anything loads); tests/agents/test_cli.py checks this list against LEARNERS.
-_LEARNER_NAMES = ("at2po", "aepo", "grpo", "tree-grpo", "arpo")
 
 
 _KEEP_ALL = "all"
@@ -65,170 +49,124 @@ def _keep_count(text: str) -> int | str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``agents train``: one for each top-level field of :class:`TrainConfig` and the cluster
+    section's most used fields, their help and defaults generated from the config classes
+    (:mod:`agents.cli.config_flags`), and the command's own (where settings come from, the run folder)."""
     p.description = (
         "Train a policy with rollout trees, credit assignment and a policy loss. Settings come from the "
         "defaults (the papers' budgets), then --preset, then --config FILE, then the flags, then --set; "
         "the effective configuration is saved as OUT/config.json."
     )
-    _add_train_what(p)
-    _add_train_schedule(p)
-    _add_train_folder(p)
-    _add_train_cluster(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(run=run)
+    presets = {name: preset["common"] for name, preset in PRESETS.items()}
 
+    def config_flags(group: argparse._ArgumentGroup, names: Sequence[str]) -> None:
+        add_config_flags(
+            group,
+            TrainConfig,
+            names,
+            types={"keep_checkpoints": _keep_count},
+            choices={"engine": ENGINES},
+            metavars={"algo": "NAME", "keep_checkpoints": "N", "max_staleness": "ETA"},
+            presets=presets,
+        )
 
-def _add_train_what(p: argparse.ArgumentParser) -> None:
-    """What to train on what: the learner, environment, model and engine, and where the settings come from."""
-    p.add_argument(
-        "--algo", metavar="NAME", help=f"the learner: {', '.join(_LEARNER_NAMES)} (default {TrainConfig.algo})"
-    )
-    p.add_argument("--env", help=f"environment id (default {TrainConfig.env}; agentenv list shows them)")
-    p.add_argument("--model", help=f"model name, local folder or Hugging Face id (default {DEFAULT_MODEL})")
-    p.add_argument(
-        "--engine",
-        choices=ENGINES,
-        help="generation engine: hf shares the trainer's model, vllm gets the weights after every step (default hf; "
-        "openai serves a model it cannot change, so it is for agents eval only)",
-    )
-    p.add_argument(
+    what = p.add_argument_group("what to train, and where the settings come from")
+    config_flags(what, ("algo", "env", "model", "engine", "device"))
+    what.add_argument(
         "--preset",
         choices=list(PRESETS),
-        help="paper: the AT2PO tables' setting; cpu-demo: a few minutes on 2 CPU cores with the embedded model; "
-        "cpu-arithmetic: python-math:arithmetic from a cold start (default: none, the papers' budgets)",
+        help="Paper: the AT2PO tables' setting; cpu-demo: a few minutes on 2 CPU cores with the embedded model; "
+        "cpu-arithmetic: python-math:arithmetic from a cold start (default: none, the papers' budgets).",
     )
-    p.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON config file (the layout of config.json)")
-    p.add_argument(
+    what.add_argument(
+        "--config", type=Path, metavar="FILE", help="A YAML or JSON config file (the layout of config.json)."
+    )
+    what.add_argument(
         "--set",
         dest="assignments",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="any setting by its dotted name, e.g. trainer.lr=1e-5, strategy.K=3, loss.eps_high=0.28, "
-        "sampling.max_new_tokens=256, env_kwargs.reward=f1 (repeatable)",
+        help="Any setting by its dotted name, e.g. trainer.lr=1e-5, strategy.K=3, loss.eps_high=0.28, "
+        "sampling.max_new_tokens=256, env_kwargs.reward=f1 (repeatable).",
     )
+    schedule = p.add_argument_group("how long, on which tasks, and when it evaluates and checkpoints")
+    config_flags(schedule, _SCHEDULE_FIELDS)
+    _add_train_folder(p.add_argument_group("the run folder, and the flags that print instead of training"))
+    cluster = p.add_argument_group("scale-out (the cluster section; default: one process, no Ray)")
+    add_config_flags(
+        cluster,
+        ClusterConfig,
+        _CLUSTER_FIELDS,
+        dest_prefix="cluster.",
+        flags={"address": "--ray-address"},
+        choices={"placement": PLACEMENTS},
+    )
+    config_flags(cluster, ("max_staleness", "stream_update"))
+    p.add_argument("--no-progress", action="store_true", help="No progress bars.")
+    p.set_defaults(run=run)
 
 
-def _add_train_schedule(p: argparse.ArgumentParser) -> None:
-    """How long the run trains, on which tasks, and when it evaluates and checkpoints."""
-    demo = PRESETS["cpu-demo"]["common"]
-
-    def default(name: str) -> str:
-        return f"default {getattr(TrainConfig, name)}; --preset cpu-demo: {demo[name]}"
-
-    p.add_argument("--steps", type=int, help=f"rollout batches to train on ({default('steps')})")
-    p.add_argument("--prompts-per-step", type=int, help=f"prompts per rollout batch ({default('prompts_per_step')})")
-    p.add_argument(
-        "--dynamic-sampling",
-        action="store_const",
-        const=True,
-        help="replace each prompt whose leaves all score the same (advantage 0) by the next task, until the "
-        "step has --prompts-per-step with signal (DAPO; default off)",
-    )
-    p.add_argument(
-        "--max-sampled-prompts",
-        type=int,
-        metavar="N",
-        help="the most prompts a step rolls out under --dynamic-sampling (default 3 × --prompts-per-step)",
-    )
-    p.add_argument(
-        "--min-round-prompts",
-        type=int,
-        metavar="N",
-        help="the fewest prompts a round of --dynamic-sampling rolls out at once, the order's next tasks after the "
-        "step's (fills the engine's batches; default 1: only what the signal rate asks)",
-    )
-    p.add_argument(
-        "--max-rollout-tokens",
-        type=int,
-        metavar="N",
-        help="end the run after the step at which the tokens sampled so far reach N, or after --steps, whichever "
-        "is first (a rollout budget: learners compared at equal tokens; default: --steps only)",
-    )
-    p.add_argument("--seed", type=int, help=f"seed of the task order and the rollouts (default {TrainConfig.seed})")
-    p.add_argument("--holdout", type=int, help=f"the env's first N tasks are never trained on ({default('holdout')})")
-    p.add_argument(
-        "--eval-questions",
-        type=int,
-        help=f"held-out questions evaluated before, during and after ({default('eval_questions')})",
-    )
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        help=f"evaluate every N steps (0: before and after only; default {TrainConfig.eval_every})",
-    )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        help=f"checkpoint every N steps and after the last ({default('checkpoint_every')})",
-    )
-    p.add_argument(
-        "--keep-checkpoints",
-        type=_keep_count,
-        metavar="N",
-        help="keep the newest N intact checkpoints, removing older ones as new ones come (each is the model and "
-        f"its optimiser state: 1.6 GB for the embedded model); {_KEEP_ALL} keeps every one "
-        f"(default {TrainConfig.keep_checkpoints})",
-    )
+# TrainConfig's fields of the schedule group, in the order --help lists them.
+_SCHEDULE_FIELDS = (
+    "steps",
+    "prompts_per_step",
+    "dynamic_sampling",
+    "max_sampled_prompts",
+    "min_round_prompts",
+    "max_rollout_tokens",
+    "budget_reward",
+    "seed",
+    "holdout",
+    "eval_questions",
+    "eval_before",
+    "eval_every",
+    "eval_at_tokens",
+    "checkpoint_every",
+    "keep_checkpoints",
+)
+# ClusterConfig's fields with a flag; the others (resources, strategies, restarts, buckets) take --set cluster.X.
+_CLUSTER_FIELDS = ("trainer_ranks", "rollout_workers", "tensor_parallel_size", "placement", "address")
 
 
-def _add_train_folder(p: argparse.ArgumentParser) -> None:
+def _add_train_folder(group: argparse._ArgumentGroup) -> None:
     """Where the run goes and reports, resuming it, and the flags that print instead of training."""
-    p.add_argument("--device", help="device of the trainer's model (default: cuda if present, else cpu)")
-    p.add_argument("--out", type=Path, help="the run folder (default runs/ALGO-ENV-TIME)")
-    p.add_argument(
+    group.add_argument("--out", type=Path, help="The run folder (default runs/ALGO-ENV-TIME).")
+    # The trainer section's two reporting fields, whose TrainerConfig documents its fields in comments.
+    group.add_argument(
         "--report-to",
         nargs="+",
         metavar="NAME",
-        help="where metrics go besides OUT/metrics.jsonl: tensorboard (OUT/tensorboard/), wandb (Weights & Biases, "
+        help="Where metrics go besides OUT/metrics.jsonl: tensorboard (OUT/tensorboard/), wandb (Weights & Biases, "
         "files in OUT/wandb/; WANDB_MODE=offline needs no network), several at once, or none "
-        "(default tensorboard; trainer.report_to)",
+        "(default tensorboard; trainer.report_to).",
     )
-    p.add_argument(
+    group.add_argument(
         "--wandb-project",
         metavar="NAME",
-        help="the W&B project (default $WANDB_PROJECT, else agentenv); the W&B run is named after the run folder",
+        help="The W&B project (default $WANDB_PROJECT, else agentenv); the W&B run is named after the run folder.",
     )
-    p.add_argument(
+    group.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --out from its newest intact checkpoint (a damaged one is skipped, with a note)",
+        help="Continue the run in --out from its newest intact checkpoint (a damaged one is skipped, with a note).",
     )
-    p.add_argument(
+    group.add_argument(
         "--print-config",
         action="store_true",
-        help="print the effective configuration and exit (after checking it, the environment's options included)",
+        help="Print the effective configuration and exit (after checking it, the environment's options included).",
     )
-    p.add_argument(
+    group.add_argument(
         "--plan",
         action="store_true",
-        help="print the estimated memory per device (trainer weights, gradients, optimizer, activations, engine) "
-        "and whether the run fits, then exit",
+        help="Print the estimated memory per device (trainer weights, gradients, optimizer, activations, engine) "
+        "and whether the run fits, then exit.",
     )
-    p.add_argument(
+    group.add_argument(
         "--device-memory",
         type=float,
         metavar="GIB",
-        help="with --plan: the GPU's memory in GiB (default: the CUDA device here, if any)",
-    )
-
-
-def _add_train_cluster(p: argparse.ArgumentParser) -> None:
-    """The cluster section's flags: trainer ranks, rollout workers, placement, asynchronous steps."""
-    cluster = p.add_argument_group("scale-out (the cluster section; default: one process)")
-    cluster.add_argument("--trainer-ranks", type=int, help="trainer processes, one FSDP2 group (default 1)")
-    cluster.add_argument("--rollout-workers", type=int, help="Ray actors that each own an engine (default 0)")
-    cluster.add_argument("--tensor-parallel-size", type=int, help="GPUs of each rollout worker's vLLM (default 1)")
-    cluster.add_argument("--placement", choices=PLACEMENTS, help="colocated (default) or split GPUs")
-    cluster.add_argument(
-        "--max-staleness",
-        type=int,
-        metavar="ETA",
-        help="asynchronous training: roll out up to ETA steps ahead of the trainer (needs --rollout-workers; "
-        "default 0, synchronous)",
-    )
-    cluster.add_argument(
-        "--ray-address", help="local (default: start Ray here) or auto (join the cluster of `ray start`)"
+        help="With --plan: the GPU's memory in GiB (default: the CUDA device here, if any).",
     )
 
 
@@ -258,11 +196,10 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")
     # A flag named after a TrainConfig field sets it; an unset one leaves it to the preset, file or default.
-    fields = {field.name for field in dataclasses.fields(TrainConfig)}
-    values: dict[str, Any] = {name: value for name, value in vars(args).items() if name in fields and value is not None}
+    values = given_fields(args, TrainConfig)
     if values.get("keep_checkpoints") == _KEEP_ALL:
         values["keep_checkpoints"] = None  # the config's "every checkpoint"
-    cluster = {field: getattr(args, flag) for flag, field in _CLUSTER_FLAGS.items() if getattr(args, flag) is not None}
+    cluster = given_fields(args, ClusterConfig, "cluster.")
     if cluster:
         values["cluster"] = cluster
     trainer: dict[str, Any] = {}

@@ -135,7 +135,7 @@ class TrainConfig:
     Attributes:
         algo: The learner (``at2po``, ``aepo``, ``grpo``, ``tree-grpo``, ``arpo``), or the name of
             a learner passed to :func:`agents.run.train.train` directly.
-        env: A registered environment id.
+        env: A registered environment id (``agentenv list`` shows them).
         model: A model name, local checkpoint folder or Hugging Face id.
         engine: ``hf`` (transformers, sharing the trainer's model) or ``vllm`` (weights synced).
         device: Where the trainer's model goes; ``None``: CUDA if present, else CPU.
@@ -155,15 +155,15 @@ class TrainConfig:
         checkpoint_every: Save a checkpoint after every this many steps (and after the last).
         keep_checkpoints: Keep the newest this many intact checkpoints, removing older ones as new
             ones are saved (each holds the model and its optimiser state: 1.6 GB for the embedded
-            135M model); ``None`` keeps every one. The newest intact checkpoint, which ``--resume``
-            continues from and whose ``model/`` is the run's final model, always stays.
+            135M model); ``None`` (``all`` on the command line) keeps every one. The newest intact
+            checkpoint, which ``--resume`` continues from and whose ``model/`` is the run's final
+            model, always stays.
         budget_reward: The reward of a path that the token budget (``rollout.max_response_tokens``
             or ``rollout.budget``) ended before the environment did, i.e. without an answer;
             ``None`` keeps what it earned so far. Under AT²PO's reward an unanswered response is
             a format failure (−1), so the presets using that reward set −1.
-        max_staleness: η of asynchronous training (the issue's ``async.max_staleness``; ``async`` is
-            a Python keyword, so the field is top-level). 0: every step is rollout, update, weight
-            sync, as always. η ≥ 1 (needs ``cluster.rollout_workers`` ≥ 1): the workers roll out
+        max_staleness: η of asynchronous training (a top-level field: ``async`` is a Python
+            keyword). 0: every step is rollout, update, weight sync, as always. η ≥ 1 (needs ``cluster.rollout_workers`` ≥ 1): the workers roll out
             the next η steps while the trainer updates, a prompt's trees are trained on only when
             the weights that sampled their oldest token are at most η versions behind the
             trainer's, and the trainer's objective is the decoupled one (``trainer.decoupled``,
@@ -199,6 +199,8 @@ class TrainConfig:
             hyper-parameter overrides (see the module docstring).
     """
 
+    # The learners' names are written out in the docstring, which `agents train --help` shows without
+    # importing torch; tests/agents/test_cli.py checks them against agents.learners.LEARNERS.
     algo: str = "at2po"
     env: str = "multihop-qa"
     model: str = DEFAULT_MODEL

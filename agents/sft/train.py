@@ -119,10 +119,9 @@ class SFTConfig:
             episodes RL trains on: ``"inline"`` (its default) or ``"turn"`` (see the module docstring).
         seed: Seeds each epoch's order of the examples (``SeedSequence(seed, epoch)``): 0, ``agents
             train``'s default seed.
-        checkpoint_every: A checkpoint every N steps and after the last; ``None`` (default): after
-            the last only (each is the model and its AdamW state: 1.6 GB for the embedded model).
-        report_to: Reporters besides ``metrics.jsonl``, as ``agents train``'s ``trainer.report_to``
-            (default TensorBoard).
+        checkpoint_every: A checkpoint every N steps and after the last; ``None``: after the last
+            only (each is the model and its AdamW state: 1.6 GB for the embedded model).
+        report_to: Reporters besides ``metrics.jsonl``, as ``agents train``'s ``trainer.report_to``.
         device: Where the model trains; ``None``: CUDA if present, else the CPU (the trainer's default).
     """
 

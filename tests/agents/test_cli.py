@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from agents.cli import build_parser, main
+from agents.cli import train as train_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -146,17 +147,38 @@ def test_train_help_shows_the_defaults_and_names_every_learner(capsys, monkeypat
     assert exited.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for expected in (
-        f"--algo NAME the learner: {', '.join(LEARNERS)} (default at2po)",
-        "--steps STEPS rollout batches to train on (default 100; --preset cpu-demo: 3)",
-        "--prompts-per-step PROMPTS_PER_STEP prompts per rollout batch (default 64; --preset cpu-demo: 2)",
-        "--holdout HOLDOUT the env's first N tasks are never trained on (default 100; --preset cpu-demo: 50)",
-        "--eval-questions EVAL_QUESTIONS held-out questions evaluated before, during and after "
-        "(default 100; --preset cpu-demo: 8)",
-        "--checkpoint-every CHECKPOINT_EVERY checkpoint every N steps and after the last "
-        "(default 10; --preset cpu-demo: 2)",
-        "every one (default 2)",
+        f"--algo NAME The learner ({', '.join(LEARNERS)}), or the name of a learner passed to train directly "
+        "(default at2po).",
+        "--steps STEPS Rollout batches to train on (default 100; --preset cpu-demo: 3; --preset cpu-arithmetic: 12).",
+        "--holdout HOLDOUT The env's first holdout tasks are never trained on; evaluation uses them "
+        "(default 100; --preset cpu-demo: 50; --preset cpu-arithmetic: 500).",
+        "--eval-before, --no-eval-before Evaluate before the first step (step 0);",
+        "--eval-at-tokens EVAL_AT_TOKENS [EVAL_AT_TOKENS ...] Also evaluate after the step",
+        "--keep-checkpoints N Keep the newest this many intact checkpoints,",
+        "always stays (default 2).",
+        "--ray-address ADDRESS local starts Ray on this machine",
+        "--placement {colocated,split} colocated or split",
     ):
         assert expected in text, expected
+
+
+def test_every_train_flag_sets_a_config_field_or_is_one_of_the_command_s_own():
+    """The fitness check of agents train's parser: each top-level TrainConfig field has a flag, generated from
+    the config classes, and the flags written by hand are the command's own or the trainer section's two."""
+    import dataclasses
+
+    from agents.run.config import SECTIONS, TrainConfig
+
+    parser = build_parser(["train"])
+    (train,) = (action.choices["train"] for action in parser._subparsers._group_actions)
+    dests = {action.dest for action in train._actions} - {"help"}
+    fields = {field.name for field in dataclasses.fields(TrainConfig)} - set(SECTIONS)
+    cluster = {dest for dest in dests if dest.startswith("cluster.")}
+    own = {"preset", "config", "assignments", "out", "report_to", "wandb_project", "resume", "print_config", "plan"}
+    own |= {"device_memory", "no_progress"}
+    assert fields <= dests, sorted(fields - dests)
+    assert dests - fields - cluster == own
+    assert cluster == {f"cluster.{name}" for name in train_cli._CLUSTER_FIELDS}
 
 
 @pytest.mark.parametrize(
