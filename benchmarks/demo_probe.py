@@ -95,7 +95,7 @@ async def probe(
         for t, g in zip(trajectories, grades)
     ]
     n = len(trajectories)
-    action_logprobs = [lp for t in trajectories for turn in t.turns for lp in turn.logprobs]
+    action_logprobs = [lp for t in trajectories for turn in t.turns for lp in turn.sampler_logprobs]
     return {
         "episodes": n,
         "signal": sum(len(set(r)) > 1 for r in rewards.values()) / len(rewards),

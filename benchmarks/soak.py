@@ -143,7 +143,7 @@ def tool_policy() -> Any:
             turn = tokenizer.decode(ids).count(marker) - 1  # assistant turns before this one
             text = policy_turn(self.seed, turn, max_tool_calls=3)
             n = len(tokenizer.encode(text, add_special_tokens=False))
-            return ScriptedTurn(text=text, logprobs=-1.0, entropies=0.7, top_logprobs=[[(0, -0.5)]] * n)
+            return ScriptedTurn(text=text, logprobs=-1.0, token_entropies=0.7, top_logprobs=[[(0, -0.5)]] * n)
 
         async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
             self.seed = params.seed  # read by _turn before the first await, so concurrent requests do not mix

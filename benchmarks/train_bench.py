@@ -70,7 +70,7 @@ def _synthetic(shape: str, scale: float, vocab: int, seed: int = 0) -> list[Any]
                 node,
                 obs_ids=ids(OBSERVATION) if turn else [],
                 action_ids=action,
-                logprobs=[-rng.uniform(0.1, 3.0) for _ in action],
+                sampler_logprobs=[-rng.uniform(0.1, 3.0) for _ in action],
                 terminal=turn == TURNS - 1,
                 reward=float(rng.random() < 0.5) if turn == TURNS - 1 else None,
             )

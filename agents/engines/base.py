@@ -111,10 +111,10 @@ class Completion:
 
     ``logprobs[i]`` belongs to ``token_ids[i]`` (see the module docstring for the
     distribution); ``top_logprobs[i]`` lists ``(token_id, logprob)`` pairs, best first, when
-    asked for; ``entropies[i]`` is the full-vocabulary entropy at position ``i`` when asked for.
+    asked for; ``token_entropies[i]`` is the full-vocabulary entropy at position ``i`` when asked for.
     ``stop_reason`` is the matched stop string or stop token id (``None`` for ``"length"`` and
     ``"eos"``); ``stop_overshoot`` the text the last token carries beyond a matched stop string.
-    ``weights_version`` is the version of the weights that sampled it, where a rollout worker's
+    ``version`` is the version of the weights that sampled it, where a rollout worker's
     gate stamps it (:class:`agents.run.cluster.rollout_workers.VersionGate`; ``None`` elsewhere): the
     oldest token's when the weights changed while it was generated. ``token_versions[i]`` is the
     version that sampled ``token_ids[i]``, from an engine that loaded weights in flight
@@ -128,14 +128,14 @@ class Completion:
     stop_reason: str | int | None = None
     stop_overshoot: str = ""
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    entropies: list[float] | None = None
-    weights_version: int | None = None
+    token_entropies: list[float] | None = None
+    version: int | None = None
     token_versions: list[int | None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens")
-        for name in ("top_logprobs", "entropies", "token_versions"):
+        for name in ("top_logprobs", "token_entropies", "token_versions"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.token_ids):
                 raise ValueError(f"{len(values)} {name} for {len(self.token_ids)} tokens")

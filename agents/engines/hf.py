@@ -112,7 +112,7 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
+    token_entropies: list[float] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # each token's weights (update_weights_in_flight)
     next_version: int | None = None  # the weights of the logits that give its next token
     loads_at_prefill: int = 0  # in-flight loads before its prefill: its KV is older if more came since
@@ -644,7 +644,7 @@ class HFEngine(Engine):
                 request.top_logprobs.append(sampled.top_logprobs[row][: request.params.logprobs_topk])
             if request.params.return_entropy:
                 assert sampled.entropies is not None  # computed when any row asks for them
-                request.entropies.append(sampled.entropies[row])
+                request.token_entropies.append(sampled.entropies[row])
             completion = self._finish(request, token, batch.cache.host_lengths[row] + 1)
             if completion is not None and request.loads_at_prefill == self._inflight_loads:
                 # The cache holds the prompt and every sampled token but this last one.
@@ -716,7 +716,7 @@ class HFEngine(Engine):
             stop_reason=stop_reason,
             stop_overshoot=overshoot,
             top_logprobs=request.top_logprobs if params.logprobs_topk else None,
-            entropies=request.entropies if params.return_entropy else None,
+            token_entropies=request.token_entropies if params.return_entropy else None,
             # versions go from None (before the first in-flight load) to ints, never back
             token_versions=request.versions if request.versions[-1] is not None else None,
         )

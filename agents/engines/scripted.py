@@ -23,12 +23,12 @@ __all__ = ["ScriptedEngine", "ScriptedTurn"]
 class ScriptedTurn:
     """One scripted completion: token ids or text (encoded with the engine's tokenizer), its
     log-probs (one per token, or one float for every token), and, for requests that ask for
-    them, entropies (likewise) and top log-probs (per token, a list of ``(id, logprob)``)."""
+    them, token entropies (likewise) and top log-probs (per token, a list of ``(id, logprob)``)."""
 
     token_ids: Sequence[int] | None = None
     text: str | None = None
     logprobs: Sequence[float] | float = -1.0
-    entropies: Sequence[float] | float | None = None
+    token_entropies: Sequence[float] | float | None = None
     top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None
 
     def __post_init__(self) -> None:
@@ -127,7 +127,7 @@ class ScriptedEngine(Engine):
         elif match is None:
             # A script that ends before max_new_tokens ends like an end-of-sequence.
             reason = "length" if end == params.max_new_tokens else "eos"
-        top_logprobs = entropies = None
+        top_logprobs = token_entropies = None
         if params.logprobs_topk:
             if turn.top_logprobs is None:
                 raise ValueError("the request asks for top log-probs; give the ScriptedTurn top_logprobs=")
@@ -135,9 +135,9 @@ class ScriptedEngine(Engine):
             _per_token(top_logprobs, len(token_ids), "top_logprobs")
             top_logprobs = top_logprobs[:end]
         if params.return_entropy:
-            if turn.entropies is None:
-                raise ValueError("the request asks for entropies; give the ScriptedTurn entropies=")
-            entropies = _per_token(turn.entropies, len(token_ids), "entropies")[:end]
+            if turn.token_entropies is None:
+                raise ValueError("the request asks for entropies; give the ScriptedTurn token_entropies=")
+            token_entropies = _per_token(turn.token_entropies, len(token_ids), "token_entropies")[:end]
         return Completion(
             token_ids=token_ids[:end],
             logprobs=logprobs[:end],
@@ -145,7 +145,7 @@ class ScriptedEngine(Engine):
             stop_reason=stop_reason,
             stop_overshoot=overshoot,
             top_logprobs=top_logprobs,
-            entropies=entropies,
+            token_entropies=token_entropies,
         )
 
     def _decoder(self, purpose: str) -> Callable[[list[int]], str]:

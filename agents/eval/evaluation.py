@@ -677,7 +677,7 @@ def sampler_logprob_gap(model: Any, trajectories: Sequence[Trajectory], temperat
 
     gap, count = 0.0, 0
     for trajectory in trajectories:
-        ids, mask, logprobs = trajectory.ids, trajectory.mask, trajectory.logprobs
+        ids, mask, logprobs = trajectory.ids, trajectory.mask, trajectory.sampler_logprobs
         positions = [t for t, m in enumerate(mask) if m]
         if not positions:
             continue

@@ -305,7 +305,8 @@ class AgentEnvRollout:
             "prompt_ids": [t.prompt_ids for t in trajectories],
             "completion_ids": [t.ids[start:] for t, start in zip(trajectories, starts)],
             "logprobs": [
-                [0.0 if lp is None else lp for lp in t.logprobs[start:]] for t, start in zip(trajectories, starts)
+                [0.0 if lp is None else lp for lp in t.sampler_logprobs[start:]]
+                for t, start in zip(trajectories, starts)
             ],
             "env_mask": [t.mask[start:] for t, start in zip(trajectories, starts)],
             "env_reward": [t.reward for t in trajectories],

@@ -294,7 +294,7 @@ def turnwise_advantages(
                         if rollout_log_probs is None
                         else rollout_log_probs[row, start:end].tolist()
                     )
-                    node = tree.add_turn(parent, action_ids=[0] * (end - start), logprobs=logprobs)
+                    node = tree.add_turn(parent, action_ids=[0] * (end - start), sampler_logprobs=logprobs)
                     if node_id is not None:
                         nodes_by_id[node_id] = node
                 elif node.parent is not parent:
@@ -461,7 +461,7 @@ class AgentenvAgentLoop(AgentLoopBase):
             prompt_ids=trajectory.prompt_ids,
             response_ids=trajectory.ids[prompt:],
             response_mask=trajectory.mask[prompt:],
-            response_logprobs=[0.0 if lp is None else lp for lp in trajectory.logprobs[prompt:]],
+            response_logprobs=[0.0 if lp is None else lp for lp in trajectory.sampler_logprobs[prompt:]],
             reward_score=trajectory.reward,
             num_turns=1 + len(trajectory.turns) + observations,  # verl counts user, assistant and tool turns
             metrics=AgentLoopMetrics(

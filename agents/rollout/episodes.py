@@ -162,7 +162,7 @@ class TurnRecord:
 
     Attributes:
         action_ids: The ids the engine sampled, exactly.
-        logprobs: The sampler's log-prob of each action id.
+        sampler_logprobs: The sampler's log-prob of each action id (:attr:`agents.engines.Completion.logprobs`).
         obs_ids: The observation ids that follow the action (empty when the episode ended;
             cut when the token budget ran out, see ``info["obs_cut"]``).
         action_span: ``(start, end)`` of the action in :attr:`Trajectory.ids`.
@@ -170,31 +170,31 @@ class TurnRecord:
         reward: The env's reward for this step.
         finish_reason: Why the engine stopped (``"stop"``, ``"length"``, ``"eos"``).
         stop_reason: The stop string or token id that matched, if any.
-        entropies: Full-distribution entropy per action token, when the engine gave them.
+        token_entropies: Full-distribution entropy per action token, when the engine gave them.
         top_logprobs: Top log-probs per action token, when asked for (``sampling.logprobs_topk``).
         env: A fork of the env taken just before this action was applied (``None`` unless
             ``keep_states``): ``env.sequence()`` is the context the action was sampled from, and
             stepping ``env`` with another action branches a sibling of this turn.
         info: The env's step info (tool used, parse error, grade on the last turn).
-        weights_version: The version of the weights that sampled the action
-            (:attr:`agents.engines.Completion.weights_version`; ``None`` when the engine does not say).
+        version: The version of the weights that sampled the action
+            (:attr:`agents.engines.Completion.version`; ``None`` when the engine does not say).
         token_versions: Each action token's version where the weights changed during the action
-            (a load in flight); ``None`` when every token has ``weights_version``.
+            (a load in flight); ``None`` when every token has ``version``.
     """
 
     action_ids: list[int]
-    logprobs: list[float]
+    sampler_logprobs: list[float]
     obs_ids: list[int]
     action_span: tuple[int, int]
     obs_span: tuple[int, int]
     reward: float
     finish_reason: str
     stop_reason: str | int | None = None
-    entropies: list[float] | None = None
+    token_entropies: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     env: TokenEnv | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    weights_version: int | None = None
+    version: int | None = None
     token_versions: list[int] | None = None
 
     def add_to(
@@ -219,13 +219,13 @@ class TurnRecord:
             parent,
             obs_ids=obs_ids,
             action_ids=self.action_ids,
-            logprobs=self.logprobs,
-            token_entropies=self.entropies,
+            sampler_logprobs=self.sampler_logprobs,
+            token_entropies=self.token_entropies,
             env=env,
             terminal=terminal,
             reward=reward,
             info=info,
-            version=self.weights_version,
+            version=self.version,
             token_versions=self.token_versions,
         )
 
@@ -235,7 +235,7 @@ class Trajectory:
     """One episode as the loop recorded it.
 
     ``ids`` is the prompt followed by each turn's action and observation ids; :attr:`mask` is 1
-    on action ids; :attr:`logprobs` is aligned with ``ids`` (``None`` off the mask).
+    on action ids; :attr:`sampler_logprobs` is aligned with ``ids`` (``None`` off the mask).
 
     Attributes:
         index: Position of the episode in the list given to the loop.
@@ -280,11 +280,11 @@ class Trajectory:
         return mask
 
     @property
-    def logprobs(self) -> list[float | None]:
+    def sampler_logprobs(self) -> list[float | None]:
         """The sampler's log-prob of each token, ``None`` where :attr:`mask` is 0."""
         logprobs: list[float | None] = [None] * len(self.prompt_ids)
         for turn in self.turns:
-            logprobs += turn.logprobs
+            logprobs += turn.sampler_logprobs
             logprobs += [None] * len(turn.obs_ids)
         return logprobs
 
@@ -306,9 +306,9 @@ class Trajectory:
     def to_dict(self, tokenizer: Any = None) -> dict[str, Any]:
         """A JSON-ready record (one line of a trajectories JSONL file).
 
-        Keys: ``ids``, ``mask``, ``logprobs`` (null off the mask), ``reward``, ``status``,
+        Keys: ``ids``, ``mask``, ``sampler_logprobs`` (null off the mask), ``reward``, ``status``,
         ``error``, ``question``, ``answers``, ``grade``, ``turns`` (spans, finish reasons,
-        tools), ``entropies`` when the engine gave them, and ``text`` (the decoded episode,
+        tools), ``token_entropies`` when the engine gave them, and ``text`` (the decoded episode,
         special tokens kept) when a tokenizer is given.
         """
         record: dict[str, Any] = {
@@ -323,7 +323,7 @@ class Trajectory:
             "error": self.error,
             "ids": self.ids,
             "mask": self.mask,
-            "logprobs": self.logprobs,
+            "sampler_logprobs": self.sampler_logprobs,
             "turns": [
                 {
                     "action_span": list(turn.action_span),
@@ -337,11 +337,11 @@ class Trajectory:
             ],
             "seconds": self.seconds,
         }
-        if self.turns and all(turn.entropies is not None for turn in self.turns):
+        if self.turns and all(turn.token_entropies is not None for turn in self.turns):
             entropies: list[float | None] = [None] * len(self.prompt_ids)
             for turn in self.turns:
-                entropies += turn.entropies + [None] * len(turn.obs_ids)  # type: ignore[operator]
-            record["entropies"] = entropies
+                entropies += turn.token_entropies + [None] * len(turn.obs_ids)  # type: ignore[operator]
+            record["token_entropies"] = entropies
         if tokenizer is not None:
             record["text"] = tokenizer.decode(record["ids"], skip_special_tokens=False)
         return record
@@ -515,18 +515,18 @@ async def take_turn(
     obs_start = action_span[1]
     turn = TurnRecord(
         action_ids=action_ids,
-        logprobs=list(completion.logprobs),
+        sampler_logprobs=list(completion.logprobs),
         obs_ids=list(obs_ids),
         action_span=action_span,
         obs_span=(obs_start, obs_start + len(obs_ids)),
         reward=float(reward),
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,
-        entropies=None if completion.entropies is None else list(completion.entropies),
+        token_entropies=None if completion.token_entropies is None else list(completion.token_entropies),
         top_logprobs=completion.top_logprobs,
         env=fork,
         info=step_info,
-        weights_version=completion.weights_version,
+        version=completion.version,
         token_versions=_changed_versions(completion.token_versions),
     )
     if terminated or truncated:

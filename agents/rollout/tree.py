@@ -4,7 +4,7 @@ A :class:`RolloutTree` holds every trajectory sampled for one prompt. The **root
 prompt; every other :class:`Node` is one **turn**: the observation tokens the environment
 returned after the previous turn (``obs_ids``, masked out of the loss; empty for a first turn)
 followed by the **action tokens** the policy sampled (``action_ids``, with the sampler's
-``logprobs``). A node stores only its own segment, so a prefix shared by many branches is stored
+``sampler_logprobs``). A node stores only its own segment, so a prefix shared by many branches is stored
 once; :meth:`Node.context_ids` and :meth:`RolloutTree.paths` concatenate segments on demand.
 
 A **leaf** is a turn that ended its episode (final answer, length or tool-call limit, tool
@@ -20,9 +20,9 @@ respect to the others.
 Example, by hand, without an engine::
 
     tree = RolloutTree(prompt_ids=[1, 2, 3])
-    a = tree.add_turn(tree.root, action_ids=[7, 8], logprobs=[-0.1, -0.5])
-    a1 = tree.add_turn(a, obs_ids=[4], action_ids=[9], logprobs=[-0.3], terminal=True, reward=1.0)
-    a2 = tree.add_turn(a, obs_ids=[4], action_ids=[5], logprobs=[-0.2])
+    a = tree.add_turn(tree.root, action_ids=[7, 8], sampler_logprobs=[-0.1, -0.5])
+    a1 = tree.add_turn(a, obs_ids=[4], action_ids=[9], sampler_logprobs=[-0.3], terminal=True, reward=1.0)
+    a2 = tree.add_turn(a, obs_ids=[4], action_ids=[5], sampler_logprobs=[-0.2])
     a2.finish(reward=0.0)
     paths = tree.paths(advantage="leaf")   # after credit assignment filled the advantages
 """
@@ -39,8 +39,10 @@ from typing import Any, Literal
 
 __all__ = ["Node", "RolloutTree", "TrainingPath"]
 
-#: Written into every saved tree; :meth:`RolloutTree.from_dict` refuses other formats.
-FORMAT = "agents.RolloutTree/1"
+#: Written into every saved tree; :meth:`RolloutTree.from_dict` reads it and :data:`_FORMAT_1`, and refuses others.
+FORMAT = "agents.RolloutTree/2"
+# Trees saved before the sampler's log-probs kept one name from the engine to the loss held them as "logprobs".
+_FORMAT_1 = "agents.RolloutTree/1"
 
 # Sampled log-probs come from a log-softmax and are <= 0; engines that round may report a tiny
 # positive value. Larger positive values mean probabilities were passed instead of log-probs.
@@ -56,7 +58,7 @@ class Node:
         parent: the previous turn, or ``None`` for the root.
         obs_ids: observation tokens that preceded this turn's action (the prompt, for the root).
         action_ids: tokens the policy sampled in this turn (empty only for the root).
-        logprobs: the sampler's log-probability of each action token.
+        sampler_logprobs: the sampler's log-probability of each action token.
         token_entropies: optional entropy of the full next-token distribution per action token.
         env: opaque handle to the environment state this turn started from (the fork that
             produced ``obs_ids``); any object, typically an ``agentenv.Env``. Never saved.
@@ -79,7 +81,7 @@ class Node:
     parent: Node | None
     obs_ids: list[int]
     action_ids: list[int]
-    logprobs: list[float]
+    sampler_logprobs: list[float]
     token_entropies: list[float] | None = None
     env: Any = None
     terminal: bool = False
@@ -119,7 +121,7 @@ class Node:
         """
         if not self.action_ids:
             raise ValueError("the root is the prompt and has no sampled action, so no entropy")
-        return -math.fsum(self.logprobs) / len(self.logprobs)  # docs/algorithms/index.md eq. 1
+        return -math.fsum(self.sampler_logprobs) / len(self.sampler_logprobs)  # docs/algorithms/index.md eq. 1
 
     def lineage(self) -> list[Node]:
         """The nodes from the root down to this one, both included."""
@@ -198,7 +200,7 @@ class RolloutTree:
 
     def __init__(self, prompt_ids: Sequence[int], env: Any = None) -> None:
         self.root = Node(
-            id=0, parent=None, obs_ids=_token_ids("prompt_ids", prompt_ids), action_ids=[], logprobs=[], env=env
+            id=0, parent=None, obs_ids=_token_ids("prompt_ids", prompt_ids), action_ids=[], sampler_logprobs=[], env=env
         )
         self._nodes: dict[int, Node] = {0: self.root}
         self._next_id = 1
@@ -224,7 +226,7 @@ class RolloutTree:
         parent: Node,
         *,
         action_ids: Sequence[int],
-        logprobs: Sequence[float],
+        sampler_logprobs: Sequence[float],
         obs_ids: Sequence[int] = (),
         env: Any = None,
         token_entropies: Sequence[float] | None = None,
@@ -240,7 +242,7 @@ class RolloutTree:
             parent: the previous turn, or ``tree.root`` for a first turn. Siblings (several
                 children of one parent) are branches.
             action_ids: the sampled action tokens (at least one).
-            logprobs: the sampler's log-prob of each action token.
+            sampler_logprobs: the sampler's log-prob of each action token.
             obs_ids: the observation tokens the environment returned after ``parent``'s action
                 (empty for a first turn: the prompt is the root).
             env: the environment state this turn starts from (kept by reference, never saved).
@@ -255,7 +257,7 @@ class RolloutTree:
         if self._nodes.get(parent.id) is not parent:
             raise ValueError(f"parent node {parent.id} is not in this tree (pruned, or from another tree)")
         node = _new_node(
-            self._next_id, parent, obs_ids, action_ids, logprobs, token_entropies, env, terminal, reward, info
+            self._next_id, parent, obs_ids, action_ids, sampler_logprobs, token_entropies, env, terminal, reward, info
         )
         _set_versions(node, version, token_versions)
         self._link(node)
@@ -334,7 +336,7 @@ class RolloutTree:
                 ids += node.obs_ids + node.action_ids
                 mask += [0] * n_obs + [1] * n_act
                 advantages += [0.0] * n_obs + [float(value)] * n_act
-                sampler_logprobs += [math.nan] * n_obs + node.logprobs
+                sampler_logprobs += [math.nan] * n_obs + node.sampler_logprobs
                 weights += [0.0] * n_obs + [1.0 / leaves_below[node.id]] * n_act  # docs/algorithms/credit.md eq. 35
                 turn_ids += [node.id] * (n_obs + n_act)
             paths.append(
@@ -361,7 +363,7 @@ class RolloutTree:
                     "parent": None if node.parent is None else node.parent.id,
                     "obs_ids": node.obs_ids,
                     "action_ids": node.action_ids,
-                    "logprobs": node.logprobs,
+                    "sampler_logprobs": node.sampler_logprobs,
                     "token_entropies": node.token_entropies,
                     "terminal": node.terminal,
                     "reward": node.reward,
@@ -377,12 +379,17 @@ class RolloutTree:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutTree:
-        """Rebuild a tree from :meth:`to_dict` output; node ids are kept, ``env`` is ``None``."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+        """Rebuild a tree from :meth:`to_dict` output (of this version or an earlier one); node ids are kept,
+        ``env`` is ``None``."""
+        if not isinstance(data, dict) or data.get("format") not in (FORMAT, _FORMAT_1):
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a saved rollout tree: expected format {FORMAT!r}, found {found!r}")
         try:
-            return cls._from_records(sorted(data["nodes"], key=lambda record: record["id"]))
+            records = data["nodes"]
+            if data["format"] == _FORMAT_1:
+                rename = {"logprobs": "sampler_logprobs"}
+                records = [{rename.get(key, key): value for key, value in record.items()} for record in records]
+            return cls._from_records(sorted(records, key=lambda record: record["id"]))
         except KeyError as error:
             raise ValueError(f"a saved rollout tree lacks the field {error}") from None
 
@@ -404,7 +411,7 @@ class RolloutTree:
                 parent,
                 record["obs_ids"],
                 record["action_ids"],
-                record["logprobs"],
+                record["sampler_logprobs"],
                 record["token_entropies"],
                 None,
                 record["terminal"],
@@ -472,7 +479,7 @@ def _new_node(
     parent: Node,
     obs_ids: Sequence[int],
     action_ids: Sequence[int],
-    logprobs: Sequence[float],
+    sampler_logprobs: Sequence[float],
     token_entropies: Sequence[float] | None,
     env: Any,
     terminal: bool,
@@ -488,7 +495,7 @@ def _new_node(
         parent=parent,
         obs_ids=_token_ids("obs_ids", obs_ids),
         action_ids=action,
-        logprobs=_logprobs(logprobs, len(action)),
+        sampler_logprobs=_logprobs(sampler_logprobs, len(action)),
         token_entropies=None if token_entropies is None else _floats("token_entropies", token_entropies, len(action)),
         env=env,
         info=dict(info or {}),
@@ -546,13 +553,13 @@ def _floats(name: str, values: Sequence[float], length: int) -> list[float]:
 
 
 def _logprobs(values: Sequence[float], length: int) -> list[float]:
-    logprobs = _floats("logprobs", values, length)
+    logprobs = _floats("sampler_logprobs", values, length)
     if not logprobs or max(logprobs) <= 0.0:
         return logprobs
     for index, value in enumerate(logprobs):
         if value > _LOGPROB_ROUNDING:
             raise ValueError(
-                f"logprobs[{index}] = {value} is positive: give log-probabilities (<= 0), not probabilities"
+                f"sampler_logprobs[{index}] = {value} is positive: give log-probabilities (<= 0), not probabilities"
             )
     return [min(value, 0.0) for value in logprobs]
 

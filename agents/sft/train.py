@@ -172,7 +172,7 @@ class SFTTurn(NamedTuple):
 
     obs_ids: list[int]
     action_ids: list[int]
-    logprobs: list[float]  # the sampler's, where the record has them; 0.0 otherwise
+    sampler_logprobs: list[float]  # where the record has them; 0.0 otherwise
 
 
 @dataclass
@@ -234,7 +234,7 @@ def training_path(example: SFTExample) -> TrainingPath:
             node,
             obs_ids=turn.obs_ids,
             action_ids=turn.action_ids,
-            logprobs=turn.logprobs,
+            sampler_logprobs=turn.sampler_logprobs,
             terminal=last,
             reward=(example.reward or 0.0) if last else None,
         )
@@ -422,7 +422,9 @@ def trajectory_example(record: Mapping[str, Any], *, where: str = "record") -> S
         raise SFTDataError(
             f"{where}: 'mask' must be a list of 0s and 1s as long as 'ids' ({len(ids)}), got {_short(mask)}"
         )
-    logprobs = _trajectory_logprobs(record.get("logprobs"), len(ids), where)
+    # Trajectories saved before the sampler's log-probs kept one name from the engine to the loss hold "logprobs".
+    key = "sampler_logprobs" if "sampler_logprobs" in record else "logprobs"
+    logprobs = _trajectory_logprobs(record.get(key), key, len(ids), where)
     spans = _action_spans(record.get("turns"), mask, where)
     if spans and spans[0][0] == 0:
         raise SFTDataError(f"{where}: the trajectory starts with an action token; a path needs a prompt before it")
@@ -464,11 +466,11 @@ def _action_spans(turns: Any, mask: list[int], where: str) -> list[tuple[int, in
     return spans
 
 
-def _trajectory_logprobs(values: Any, length: int, where: str) -> list[float]:
+def _trajectory_logprobs(values: Any, key: str, length: int, where: str) -> list[float]:
     if values is None:
         return [0.0] * length
     if not isinstance(values, list) or len(values) != length:
-        raise SFTDataError(f"{where}: 'logprobs' must be a list as long as 'ids' ({length}) or null")
+        raise SFTDataError(f"{where}: {key!r} must be a list as long as 'ids' ({length}) or null")
     logprobs = []
     for value in values:
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -539,7 +541,7 @@ def _inline_chat(
         # The episode's last action ends where the model stops it, with its end-of-sequence token,
         # as sampled episodes do: trained on, so that the model learns to stop after its answer.
         last = turns[-1]
-        turns[-1] = SFTTurn(last.obs_ids, [*last.action_ids, eos], [*last.logprobs, 0.0])
+        turns[-1] = SFTTurn(last.obs_ids, [*last.action_ids, eos], [*last.sampler_logprobs, 0.0])
     return SFTExample(prompt_ids, turns, reward, "chat")
 
 

@@ -318,7 +318,7 @@ def test_agents_eval_runs_the_embedded_model_offline_and_saves_exact_trajectorie
     assert sorted(tuple(r["key"]) for r in records) == [("multihop-qa", 0, 0), ("multihop-qa", 1, 0)]
     model = load_model("smollm2-135m")
     for record in records:
-        ids, mask, logprobs = record["ids"], record["mask"], record["logprobs"]
+        ids, mask, logprobs = record["ids"], record["mask"], record["sampler_logprobs"]
         assert len(ids) == len(mask) == len(logprobs) and record["text"].startswith("<|im_start|>system")
         assert record["question"] and record["answers"] and record["status"] in ("terminated", "truncated", "budget")
         assert [lp is None for lp in logprobs] == [m == 0 for m in mask] and sum(mask) > 0
@@ -417,7 +417,7 @@ def test_agents_eval_talks_to_an_openai_compatible_server(tmp_path, capsys):
     assert all(r["stop"] == ["</search>"] and r["temperature"] == 0 and r["max_tokens"] == 512 for r in requests)
     records = [json.loads(line) for line in saved.read_text().splitlines()]
     assert sorted(r["ids"][-len(answer) :] == answer for r in records) == [True, True]
-    assert all(r["logprobs"][-len(answer) :] == [-0.25] * len(answer) for r in records)
+    assert all(r["sampler_logprobs"][-len(answer) :] == [-0.25] * len(answer) for r in records)
 
 
 @pytest.mark.slow  # the real SmolLM2-135M as the judge: one short greedy generation on CPU

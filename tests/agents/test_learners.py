@@ -154,9 +154,9 @@ def test_describe_is_json_ready_and_names_every_part():
 def worked_example() -> RolloutTree:
     """docs/algorithms/credit.md "Turn-wise worked example": first turn a with leaves a1 (H = 0.4) and a2 (H = 0.6)."""
     tree = RolloutTree([1, 2])
-    a = tree.add_turn(tree.root, action_ids=[3, 4], logprobs=[-0.1, -0.3])
-    tree.add_turn(a, obs_ids=[5], action_ids=[6], logprobs=[-0.4], terminal=True, reward=1.0)
-    tree.add_turn(a, obs_ids=[5], action_ids=[7], logprobs=[-0.6], terminal=True, reward=0.0)
+    a = tree.add_turn(tree.root, action_ids=[3, 4], sampler_logprobs=[-0.1, -0.3])
+    tree.add_turn(a, obs_ids=[5], action_ids=[6], sampler_logprobs=[-0.4], terminal=True, reward=1.0)
+    tree.add_turn(a, obs_ids=[5], action_ids=[7], sampler_logprobs=[-0.6], terminal=True, reward=0.0)
     return tree
 
 

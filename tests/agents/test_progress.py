@@ -224,7 +224,7 @@ def lookup(term: str) -> str:
 def turn(text: str) -> ScriptedTurn:
     """A scripted turn with log-probs, entropies and top log-probs (what every strategy may ask for)."""
     n = len(TOK.encode(text))
-    return ScriptedTurn(text=text, logprobs=-0.5, entropies=0.5, top_logprobs=[[(11, -0.5)]] * n)
+    return ScriptedTurn(text=text, logprobs=-0.5, token_entropies=0.5, top_logprobs=[[(11, -0.5)]] * n)
 
 
 def script(ids):

@@ -97,13 +97,13 @@ class VersionGate(Engine):
 
     By default weights change only between requests: :meth:`generate` waits while an update is
     pending, counts as in flight while the engine generates, and stamps its
-    :class:`~agents.engines.Completion` with the version it ran under (``weights_version``);
+    :class:`~agents.engines.Completion` with the version it ran under (``version``);
     :meth:`updating` marks an update pending, waits until no request is in flight, and yields;
     the new ``version`` holds from when the block ends.
 
     With ``inflight_updates`` (an engine with ``supports_inflight_updates``), :meth:`load_in_flight`
     changes the weights between two decode steps while requests go on; a completion then carries
-    its tokens' versions (``token_versions``) and ``weights_version`` is its oldest token's, the
+    its tokens' versions (``token_versions``) and ``version`` is its oldest token's, the
     one the bound on staleness counts.
 
     With ``capacity`` (the requests the engine decodes together, its ``max_batch_size``), the gate
@@ -183,7 +183,7 @@ class VersionGate(Engine):
             tokens = completion.token_versions or [None] * len(completion.token_ids)
             resolved = [version if v is None else v for v in tokens]
             completion.token_versions, version = list(resolved), min(resolved)
-        completion.weights_version = version
+        completion.version = version
         return completion
 
     def _may_enter(self, ticket: tuple[int, int]) -> bool:
@@ -293,7 +293,7 @@ class RolloutWorker:
             sys.modules["torch"].set_num_threads(spec.threads)
         self.tokenizer = load_tokenizer(spec.config.model)
         self.env = TokenEnv(agentenv.make(spec.config.env, **spec.config.env_kwargs), self.tokenizer)
-        self.weights_version = 0
+        self.version = 0
         self.started = time.perf_counter()
         self.incarnation = os.urandom(8).hex()  # a restarted process draws a new one: see _check
 
@@ -309,7 +309,7 @@ class RolloutWorker:
         return {
             "rank": self.rank,
             **where,
-            "weights_version": self.weights_version,
+            "version": self.version,
             "supports_sleep": self.engine.supports_sleep,
             "incarnation": self.incarnation,
         }
@@ -319,7 +319,7 @@ class RolloutWorker:
         if incarnation is not None and incarnation != self.incarnation:
             raise WorkerRestarted(
                 f"rollout worker {self.rank} was restarted since the pool last reached it (process "
-                f"{incarnation} then, {self.incarnation} now) and holds weights version {self.weights_version}"
+                f"{incarnation} then, {self.incarnation} now) and holds weights version {self.version}"
             )
 
     async def rollout(
@@ -360,7 +360,7 @@ class RolloutWorker:
             async with self.engine.updating(version):  # between requests: those in flight finish first
                 for ref in refs:
                     await self.engine.engine.update_weights(await ref)
-        self.weights_version = version
+        self.version = version
         return time.perf_counter() - start
 
     def digest(self, names: Sequence[str] | None = None) -> str:

@@ -49,8 +49,8 @@ def test_completion_checks_lengths():
     Completion(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="eos")
     with pytest.raises(ValueError, match="1 logprobs for 2 tokens"):
         Completion(token_ids=[1, 2], logprobs=[-0.1], finish_reason="eos")
-    with pytest.raises(ValueError, match="1 entropies for 2 tokens"):
-        Completion(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="eos", entropies=[0.5])
+    with pytest.raises(ValueError, match="1 token_entropies for 2 tokens"):
+        Completion(token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="eos", token_entropies=[0.5])
 
 
 def test_find_stop_takes_the_earliest_match_and_its_end():

@@ -689,7 +689,7 @@ async def test_a_bfloat16_copy_decodes_with_the_fused_step_and_samples_what_the_
     for fused, plain in zip(results[True], results[False]):  # rows of different lengths, leaving at different steps
         assert fused.token_ids == plain.token_ids
         assert fused.logprobs == pytest.approx(plain.logprobs, abs=1e-3)  # equal here (AVX512-BF16)
-        assert fused.entropies == pytest.approx(plain.entropies, abs=1e-3)
+        assert fused.token_entropies == pytest.approx(plain.token_entropies, abs=1e-3)
 
 
 def test_cpu_compute_dtype_is_detected_and_can_be_forced(monkeypatch):

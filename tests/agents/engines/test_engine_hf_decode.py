@@ -74,7 +74,7 @@ async def test_decode_steps_give_the_tokens_and_logprobs_of_a_full_forward_pass(
         assert completion.token_ids == ids
         assert completion.logprobs == pytest.approx(logprobs, abs=1e-5)
         if params.return_entropy:
-            assert completion.entropies == pytest.approx(entropies, abs=1e-5)
+            assert completion.token_entropies == pytest.approx(entropies, abs=1e-5)
     assert [len(c.top_logprobs[0]) for c in done[:1]] == [3]
     assert done[0].top_logprobs[0][0][1] >= done[0].top_logprobs[0][1][1]
 

@@ -58,13 +58,13 @@ async def test_stop_ids_eos_and_length():
 
 async def test_entropies_and_top_logprobs_only_when_scripted():
     turn = ScriptedTurn(
-        token_ids=[3, 4], logprobs=[-0.1, -0.2], entropies=0.7, top_logprobs=[[(3, -0.1), (8, -2.0)], [(4, -0.2)]]
+        token_ids=[3, 4], logprobs=[-0.1, -0.2], token_entropies=0.7, top_logprobs=[[(3, -0.1), (8, -2.0)], [(4, -0.2)]]
     )
     engine = ScriptedEngine(lambda prompt: turn)
     done = await engine.generate([1], SamplingParams(return_entropy=True, logprobs_topk=1))
-    assert done.entropies == [0.7, 0.7] and done.top_logprobs == [[(3, -0.1)], [(4, -0.2)]]
+    assert done.token_entropies == [0.7, 0.7] and done.top_logprobs == [[(3, -0.1)], [(4, -0.2)]]
     bare = ScriptedEngine(lambda prompt: [3])
-    with pytest.raises(ValueError, match="give the ScriptedTurn entropies="):
+    with pytest.raises(ValueError, match="give the ScriptedTurn token_entropies="):
         await bare.generate([1], SamplingParams(return_entropy=True))
 
 

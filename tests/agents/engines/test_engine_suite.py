@@ -269,7 +269,7 @@ async def test_full_vocabulary_entropy(engine, prompts, trainer_model):
     done = await engine.generate(prompts[1], params)
     full, _ = forward_logprobs(trainer_model, prompts[1], done, temperature=0.8)
     entropy = -(full.exp() * full).sum(-1)  # H = -Σ p log p
-    assert (entropy - torch.tensor(done.entropies)).abs().max() <= 1e-3
+    assert (entropy - torch.tensor(done.token_entropies)).abs().max() <= 1e-3
 
 
 def test_smollm2_splits_the_search_closing_tag(tokenizer):

@@ -133,7 +133,7 @@ async def test_em_f1_errors_and_pooled_average_over_two_real_envs(tok):
     assert len(records) == 6
     searched = records[("multihop-qa", 2, 0)]
     assert searched["grade"]["answer"] == gold[hotpot[2].question] + " extra" and searched["reward"] == 0.0
-    assert sum(searched["mask"]) == len([lp for lp in searched["logprobs"] if lp is not None])
+    assert sum(searched["mask"]) == len([lp for lp in searched["sampler_logprobs"] if lp is not None])
     assert searched["text"].count("\n<result>\nPage 1: ") == 1 and searched["text"].endswith(EOS)
     assert records[("multihop-qa:2wiki", 1, 0)]["error"] == "RuntimeError: engine lost"
 
@@ -307,7 +307,7 @@ def test_sampler_logprob_gap_compares_action_tokens_and_counts_nan_as_infinite()
     exact = [None, fresh[0, 2].item(), fresh[1, 0].item()]
     off = [None, exact[1] + 0.25, exact[2]]
     broken = [None, exact[1], math.nan]
-    gap, count = sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=exact)])
+    gap, count = sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, sampler_logprobs=exact)])
     assert count == 2 and gap < 1e-6  # log Z subtracted rather than log_softmax: one float32 ulp at most
     # At temperature 2 the same logits give other log-probs: the gap is against the scaled distribution.
     halved = [
@@ -316,10 +316,13 @@ def test_sampler_logprob_gap_compares_action_tokens_and_counts_nan_as_infinite()
         torch.log_softmax(logits[0] / 2, -1)[1, 0].item(),
     ]
     assert (
-        sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=halved)], temperature=2.0)[0] < 1e-6
+        sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, sampler_logprobs=halved)], temperature=2.0)[0]
+        < 1e-6
     )
-    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=off)])[0] == pytest.approx(0.25)
-    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, logprobs=broken)])[0] == math.inf
+    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, sampler_logprobs=off)])[
+        0
+    ] == pytest.approx(0.25)
+    assert sampler_logprob_gap(Model(), [SimpleNamespace(ids=ids, mask=mask, sampler_logprobs=broken)])[0] == math.inf
 
 
 # -- the LLM judge (--grader judge): AEPO's and ARPO's scoring of deep-search benchmarks.

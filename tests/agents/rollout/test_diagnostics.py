@@ -14,10 +14,12 @@ from agents.training.metrics import GENERATED_TOKENS, ROLLOUT_TIME
 def worked_tree() -> RolloutTree:
     """Turn a (H 0.3) with leaves a1 (r 1, 3 tokens) and a2 (r 0, 1 token); turn b (H 0.1) answers (r 0.5)."""
     tree = RolloutTree([1, 2, 3])
-    a = tree.add_turn(tree.root, action_ids=[10, 11], logprobs=[-0.2, -0.4], info={SEGMENT_ENTROPY: 0.25})
-    tree.add_turn(a, obs_ids=[4], action_ids=[12, 13, 14], logprobs=[-0.5] * 3, terminal=True, reward=1.0)
-    tree.add_turn(a, obs_ids=[4], action_ids=[15], logprobs=[-1.0], terminal=True, reward=0.0)
-    tree.add_turn(tree.root, action_ids=[16], logprobs=[-0.1], terminal=True, reward=0.5, info={SEGMENT_ENTROPY: 0.75})
+    a = tree.add_turn(tree.root, action_ids=[10, 11], sampler_logprobs=[-0.2, -0.4], info={SEGMENT_ENTROPY: 0.25})
+    tree.add_turn(a, obs_ids=[4], action_ids=[12, 13, 14], sampler_logprobs=[-0.5] * 3, terminal=True, reward=1.0)
+    tree.add_turn(a, obs_ids=[4], action_ids=[15], sampler_logprobs=[-1.0], terminal=True, reward=0.0)
+    tree.add_turn(
+        tree.root, action_ids=[16], sampler_logprobs=[-0.1], terminal=True, reward=0.5, info={SEGMENT_ENTROPY: 0.75}
+    )
     return tree
 
 
@@ -91,7 +93,7 @@ def prompt_with(tree: RolloutTree, stats: TreeStats, premonitor: int = 0) -> Pro
 def test_rollout_metrics_sum_up_a_batch():
     same = RolloutTree([1])
     for _ in range(2):
-        same.add_turn(same.root, action_ids=[5], logprobs=[-0.5], terminal=True, reward=1.0)
+        same.add_turn(same.root, action_ids=[5], sampler_logprobs=[-0.5], terminal=True, reward=1.0)
     varied = prompt_with(worked_tree(), TreeStats(turns=4, tokens=7, tool_calls=1, forks=3, fork_seconds=0.5))
     flat = prompt_with(same, TreeStats(turns=2, tokens=2, tool_calls=3, forks=2, fork_seconds=0.25), premonitor=5)
     failed = PromptTrees(index=2, key=None, trees=[], rng=np.random.default_rng(0), error="ValueError: bad")

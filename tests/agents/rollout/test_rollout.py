@@ -125,7 +125,7 @@ class ScriptEngine(Engine):
             entropies = [1.0 + 0.01 * k for k in range(len(ids))] if params.return_entropy else None
             finish = "stop" if ids and ids[-1] == 300 else "length" if len(ids) == params.max_new_tokens else "eos"
             return Completion(
-                ids, logprobs, finish, stop_reason="</lookup>" if finish == "stop" else None, entropies=entropies
+                ids, logprobs, finish, stop_reason="</lookup>" if finish == "stop" else None, token_entropies=entropies
             )
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -150,9 +150,9 @@ async def test_one_episode_is_prompt_then_exact_action_and_observation_ids():
     assert trajectory.ids == prompt + action1 + obs1 + action2
     assert trajectory.ids == env.sequence()[0] and trajectory.mask == env.sequence()[1]
     assert action1[-1] == 300 and 300 not in TOK.encode(TOK.decode(action1))  # kept as sampled
-    assert trajectory.logprobs == [None] * len(prompt) + [-0.5 - 0.01 * k for k in range(len(action1))] + [None] * len(
-        obs1
-    ) + [-0.5 - 0.01 * k for k in range(len(action2))]
+    assert trajectory.sampler_logprobs == [None] * len(prompt) + [-0.5 - 0.01 * k for k in range(len(action1))] + [
+        None
+    ] * len(obs1) + [-0.5 - 0.01 * k for k in range(len(action2))]
     assert trajectory.reward == 1.0 and trajectory.key == "k" and trajectory.index == 0
     assert trajectory.info["question"] == "What is x3?" and trajectory.info["grade"]["em"] == 1.0
 
@@ -335,17 +335,17 @@ async def test_states_at_turn_boundaries_fork_the_episode_where_each_action_was_
 async def test_entropies_and_top_logprobs_are_kept_when_the_engine_gives_them():
     config = RolloutConfig(sampling=SamplingParams(return_entropy=True))
     trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 0}), config)
-    assert trajectory.turns[0].entropies == [1.0 + 0.01 * k for k in range(len(trajectory.turns[0].action_ids))]
+    assert trajectory.turns[0].token_entropies == [1.0 + 0.01 * k for k in range(len(trajectory.turns[0].action_ids))]
     record = trajectory.to_dict()
-    assert len(record["entropies"]) == len(record["ids"])
-    assert [e is None for e in record["entropies"]] == [m == 0 for m in record["mask"]]
+    assert len(record["token_entropies"]) == len(record["ids"])
+    assert [e is None for e in record["token_entropies"]] == [m == 0 for m in record["mask"]]
 
 
 async def test_to_dict_is_one_json_line_with_ids_mask_logprobs_reward_and_text():
     trajectory = await run_episode(ScriptEngine(), Episode(make_env(), options={"index": 4}, key=("qa", 4, 0)))
     record = json.loads(json.dumps(trajectory.to_dict(TOK)))
     assert record["ids"] == trajectory.ids and record["mask"] == trajectory.mask
-    assert [lp is None for lp in record["logprobs"]] == [m == 0 for m in record["mask"]]
+    assert [lp is None for lp in record["sampler_logprobs"]] == [m == 0 for m in record["mask"]]
     assert record["reward"] == 1.0 and record["status"] == "terminated" and record["error"] is None
     assert record["question"] == "What is x4?" and record["answers"] == ["42"] and record["id"] == "q4"
     assert record["grade"]["em"] == 1.0 and record["key"] == ["qa", 4, 0]
@@ -353,7 +353,7 @@ async def test_to_dict_is_one_json_line_with_ids_mask_logprobs_reward_and_text()
     assert record["text"].endswith("<lookup>x</lookup>\n<result>\nx is 42\n</result>\n<answer> \\boxed{42} </answer>")
     assert [t["action_span"] for t in record["turns"]] == [list(t.action_span) for t in trajectory.turns]
     assert [t["tool"] for t in record["turns"]] == ["lookup", None]
-    assert "entropies" not in record
+    assert "token_entropies" not in record
 
 
 async def test_a_trajectory_becomes_a_chain_of_a_rollout_tree_with_the_same_training_ids():
@@ -361,9 +361,9 @@ async def test_a_trajectory_becomes_a_chain_of_a_rollout_tree_with_the_same_trai
         ScriptEngine(), Episode(make_env(), options={"index": 0}), RolloutConfig(keep_states=True)
     )
     first, second = trajectory.turns
-    first.weights_version = 3  # as a worker's engine stamps them; the second turn's weights changed mid-action
+    first.version = 3  # as a worker's engine stamps them; the second turn's weights changed mid-action
     second.token_versions = [4] * (len(second.action_ids) - 1) + [5]
-    second.weights_version = 4
+    second.version = 4
     tree = RolloutTree(trajectory.prompt_ids)
     leaf = trajectory.add_to(tree)
     assert leaf.terminal and leaf.reward == 1.0 and leaf.depth == 2
@@ -374,7 +374,7 @@ async def test_a_trajectory_becomes_a_chain_of_a_rollout_tree_with_the_same_trai
     (path,) = tree.paths(advantage="leaf")
     assert path.ids == trajectory.ids and path.mask == trajectory.mask
     assert [lp for lp, m in zip(path.sampler_logprobs, path.mask) if m] == [
-        lp for lp in trajectory.logprobs if lp is not None
+        lp for lp in trajectory.sampler_logprobs if lp is not None
     ]
 
     with pytest.raises(ValueError, match="prompt differs"):

@@ -342,12 +342,12 @@ async def test_entropy_tree_resamples_the_top_k_by_entropy_minus_sibling_penalty
 def test_entropy_tree_scores_turns_that_did_not_end_and_the_prompt():
     tree = RolloutTree([1, 2, 3])
     state = object()  # a stand-in for the kept environment state
-    a = tree.add_turn(tree.root, action_ids=[5, 6], logprobs=[-0.2, -0.6], env=state)  # H = 0.4
-    b = tree.add_turn(tree.root, action_ids=[7], logprobs=[-0.9], env=state)  # H = 0.9
-    tree.add_turn(tree.root, action_ids=[8], logprobs=[-2.0], env=state, terminal=True, reward=0.0)  # an answer
-    a1 = tree.add_turn(a, obs_ids=[4], action_ids=[9], logprobs=[-0.5], env=state)  # H = 0.5, no sibling
-    tree.add_turn(a1, obs_ids=[4], action_ids=[9], logprobs=[-0.1], env=state, terminal=True, reward=1.0)
-    tree.add_turn(b, obs_ids=[4], action_ids=[9], logprobs=[-0.1], env=state, terminal=True, reward=1.0)
+    a = tree.add_turn(tree.root, action_ids=[5, 6], sampler_logprobs=[-0.2, -0.6], env=state)  # H = 0.4
+    b = tree.add_turn(tree.root, action_ids=[7], sampler_logprobs=[-0.9], env=state)  # H = 0.9
+    tree.add_turn(tree.root, action_ids=[8], sampler_logprobs=[-2.0], env=state, terminal=True, reward=0.0)  # an answer
+    a1 = tree.add_turn(a, obs_ids=[4], action_ids=[9], sampler_logprobs=[-0.5], env=state)  # H = 0.5, no sibling
+    tree.add_turn(a1, obs_ids=[4], action_ids=[9], sampler_logprobs=[-0.1], env=state, terminal=True, reward=1.0)
+    tree.add_turn(b, obs_ids=[4], action_ids=[9], sampler_logprobs=[-0.1], env=state, terminal=True, reward=1.0)
 
     strategy = EntropyTree(M=3, L=1, K=2, alpha=0.1)
     scores = strategy.scores(tree)
@@ -404,7 +404,7 @@ def branch_at(prompt, action_logprob_tops, notes=None, turns=1, kind="chain"):
     node = tree.add_turn(
         tree.root,
         action_ids=[5] * len(action_logprob_tops),
-        logprobs=[-0.1] * len(action_logprob_tops),
+        sampler_logprobs=[-0.1] * len(action_logprob_tops),
         env="state-before",
     )
     branch = Branch(
@@ -421,7 +421,7 @@ def branch_at(prompt, action_logprob_tops, notes=None, turns=1, kind="chain"):
     )
     record = TurnRecord(
         action_ids=node.action_ids,
-        logprobs=node.logprobs,
+        sampler_logprobs=node.sampler_logprobs,
         obs_ids=[9],
         action_span=(3, 4),
         obs_span=(4, 5),
@@ -475,7 +475,7 @@ def test_arpo_paper_timing_resamples_the_segment_after_a_tool_result():
     prompt = hand_prompt(0.0)
     branch, first, record = branch_at(prompt, [HALF_QUARTER])
     assert strategy.after_turn(prompt, branch, first, record, ended=False) == []  # no tool result before it
-    second = prompt.trees[0].add_turn(first, obs_ids=[9], action_ids=[5], logprobs=[-0.1], env="state-before-2")
+    second = prompt.trees[0].add_turn(first, obs_ids=[9], action_ids=[5], sampler_logprobs=[-0.1], env="state-before-2")
     branch.last = branch.parent = second
     [point] = strategy.after_turn(prompt, branch, second, record, ended=True)  # measured even on an answer
     assert (point.parent, point.env, tuple(point.obs_ids), point.source) == (first, "state-before-2", (9,), second)

@@ -14,19 +14,19 @@ from agents.training.batch import collate
 def small_tree() -> RolloutTree:
     """root [1,2,3] -> a (7,8) -> {a1 (obs 4, act 10), a2 (obs 4, act 11)}; root -> b (9)."""
     tree = RolloutTree([1, 2, 3], env="env-root")
-    a = tree.add_turn(tree.root, action_ids=[7, 8], logprobs=[-0.1, -0.5], env="env-a")
-    tree.add_turn(tree.root, action_ids=[9], logprobs=[-0.2], terminal=True, reward=0.0)
+    a = tree.add_turn(tree.root, action_ids=[7, 8], sampler_logprobs=[-0.1, -0.5], env="env-a")
+    tree.add_turn(tree.root, action_ids=[9], sampler_logprobs=[-0.2], terminal=True, reward=0.0)
     tree.add_turn(
         a,
         obs_ids=[4],
         action_ids=[10],
-        logprobs=[-0.4],
+        sampler_logprobs=[-0.4],
         terminal=True,
         reward=1.0,
         token_entropies=[1.5],
         info={"finish": "answer"},
     )
-    a2 = tree.add_turn(a, obs_ids=[4, 5], action_ids=[11, 12, 13], logprobs=[-0.3, -0.6, -0.9])
+    a2 = tree.add_turn(a, obs_ids=[4, 5], action_ids=[11, 12, 13], sampler_logprobs=[-0.3, -0.6, -0.9])
     a2.finish(reward=-1.0)
     return tree
 
@@ -111,33 +111,33 @@ def test_add_turn_rejects_bad_input_with_clear_errors():
     tree = small_tree()
     a = tree.node(1)
     with pytest.raises(ValueError, match="logprobs has 1 values but the action has 2 tokens"):
-        tree.add_turn(a, action_ids=[1, 2], logprobs=[-0.1])
+        tree.add_turn(a, action_ids=[1, 2], sampler_logprobs=[-0.1])
     with pytest.raises(ValueError, match="positive: give log-probabilities"):
-        tree.add_turn(a, action_ids=[1], logprobs=[0.7])
+        tree.add_turn(a, action_ids=[1], sampler_logprobs=[0.7])
     with pytest.raises(ValueError, match="logprobs\\[0\\] must be a finite number"):
-        tree.add_turn(a, action_ids=[1], logprobs=[float("-inf")])
+        tree.add_turn(a, action_ids=[1], sampler_logprobs=[float("-inf")])
     with pytest.raises(ValueError, match="at least one sampled action token"):
-        tree.add_turn(a, action_ids=[], logprobs=[])
+        tree.add_turn(a, action_ids=[], sampler_logprobs=[])
     with pytest.raises(ValueError, match="obs_ids\\[1\\] = -3 is not a token id"):
-        tree.add_turn(a, obs_ids=[1, -3], action_ids=[1], logprobs=[-1.0])
+        tree.add_turn(a, obs_ids=[1, -3], action_ids=[1], sampler_logprobs=[-1.0])
     with pytest.raises(ValueError, match="action_ids\\[0\\] = 1.5 is not a token id"):
-        tree.add_turn(a, action_ids=[1.5], logprobs=[-1.0])
+        tree.add_turn(a, action_ids=[1.5], sampler_logprobs=[-1.0])
     with pytest.raises(ValueError, match="action_ids\\[1\\] = True is not a token id"):
-        tree.add_turn(a, action_ids=[1, True], logprobs=[-1.0, -1.0])
+        tree.add_turn(a, action_ids=[1, True], sampler_logprobs=[-1.0, -1.0])
     with pytest.raises(ValueError, match="token_entropies\\[0\\] must be a finite number, got nan"):
-        tree.add_turn(a, action_ids=[1], logprobs=[-1.0], token_entropies=[float("nan")])
+        tree.add_turn(a, action_ids=[1], sampler_logprobs=[-1.0], token_entropies=[float("nan")])
     with pytest.raises(ValueError, match="token_entropies has 2 values"):
-        tree.add_turn(a, action_ids=[1], logprobs=[-1.0], token_entropies=[0.1, 0.2])
+        tree.add_turn(a, action_ids=[1], sampler_logprobs=[-1.0], token_entropies=[0.1, 0.2])
     with pytest.raises(ValueError, match="node 3 ended its episode"):
-        tree.add_turn(tree.node(3), action_ids=[1], logprobs=[-1.0])
+        tree.add_turn(tree.node(3), action_ids=[1], sampler_logprobs=[-1.0])
     with pytest.raises(ValueError, match="terminal turn needs its episode's reward"):
-        tree.add_turn(a, action_ids=[1], logprobs=[-1.0], terminal=True)
+        tree.add_turn(a, action_ids=[1], sampler_logprobs=[-1.0], terminal=True)
     with pytest.raises(ValueError, match="not terminal"):
-        tree.add_turn(a, action_ids=[1], logprobs=[-1.0], reward=1.0)
+        tree.add_turn(a, action_ids=[1], sampler_logprobs=[-1.0], reward=1.0)
     with pytest.raises(ValueError, match="reward must be a finite number"):
-        tree.add_turn(a, action_ids=[1], logprobs=[-1.0], terminal=True, reward=float("nan"))
+        tree.add_turn(a, action_ids=[1], sampler_logprobs=[-1.0], terminal=True, reward=float("nan"))
     with pytest.raises(ValueError, match="not in this tree"):
-        tree.add_turn(small_tree().node(1), action_ids=[1], logprobs=[-1.0])
+        tree.add_turn(small_tree().node(1), action_ids=[1], sampler_logprobs=[-1.0])
     with pytest.raises(ValueError, match="already has children"):
         a.finish(1.0)
     with pytest.raises(ValueError, match="only a turn can end"):
@@ -150,15 +150,18 @@ def test_add_turn_accepts_tensors_and_numpy_and_rounds_tiny_positive_logprobs():
     node = tree.add_turn(
         tree.root,
         action_ids=np.array([3, 4]),
-        logprobs=torch.tensor([-0.5, 1e-7]),
+        sampler_logprobs=torch.tensor([-0.5, 1e-7]),
         terminal=True,
         reward=np.float32(1.0),
     )
     assert tree.prompt_ids == [5, 6] and node.action_ids == [3, 4]
-    assert node.logprobs == [-0.5, 0.0] and node.reward == 1.0
+    assert node.sampler_logprobs == [-0.5, 0.0] and node.reward == 1.0
     assert all(type(x) is int for x in node.action_ids)
-    mixed = tree.add_turn(tree.root, action_ids=[7, np.int64(8)], logprobs=[-1.0, np.float32(-0.5)])
-    assert [type(x) for x in mixed.action_ids] == [int, int] and [type(x) for x in mixed.logprobs] == [float, float]
+    mixed = tree.add_turn(tree.root, action_ids=[7, np.int64(8)], sampler_logprobs=[-1.0, np.float32(-0.5)])
+    assert [type(x) for x in mixed.action_ids] == [int, int] and [type(x) for x in mixed.sampler_logprobs] == [
+        float,
+        float,
+    ]
 
 
 async def test_concurrent_coroutines_grow_one_tree_consistently():
@@ -168,7 +171,7 @@ async def test_concurrent_coroutines_grow_one_tree_consistently():
         node = tree.root
         for turn in range(5):
             await asyncio.sleep(0)  # interleave with the other episodes
-            node = tree.add_turn(node, obs_ids=[turn], action_ids=[branch], logprobs=[-1.0])
+            node = tree.add_turn(node, obs_ids=[turn], action_ids=[branch], sampler_logprobs=[-1.0])
         node.finish(float(branch))
 
     await asyncio.gather(*(episode(b) for b in range(20)))
@@ -181,7 +184,7 @@ async def test_concurrent_coroutines_grow_one_tree_consistently():
 
 def test_prune_keeps_chosen_leaves_and_their_paths():
     tree = small_tree()
-    dangling = tree.add_turn(tree.node(2).parent, action_ids=[1], logprobs=[-1.0])  # unfinished branch
+    dangling = tree.add_turn(tree.node(2).parent, action_ids=[1], sampler_logprobs=[-1.0])  # unfinished branch
     tree.prune([tree.node(4)])
     assert [n.id for n in tree.nodes()] == [1, 4]
     assert tree.node(1).children == [tree.node(4)]
@@ -189,10 +192,10 @@ def test_prune_keeps_chosen_leaves_and_their_paths():
         with pytest.raises(KeyError, match=f"no node with id {gone}"):
             tree.node(gone)
     with pytest.raises(ValueError, match="not in this tree"):
-        tree.add_turn(dangling, action_ids=[1], logprobs=[-1.0])
+        tree.add_turn(dangling, action_ids=[1], sampler_logprobs=[-1.0])
     with pytest.raises(ValueError, match="prune keeps leaves only"):
         tree.prune([tree.node(1)])
-    assert tree.add_turn(tree.root, action_ids=[2], logprobs=[-1.0]).id == 6  # ids are never reused
+    assert tree.add_turn(tree.root, action_ids=[2], sampler_logprobs=[-1.0]).id == 6  # ids are never reused
 
 
 def test_save_load_round_trips_everything_but_env(tmp_path):
@@ -205,9 +208,18 @@ def test_save_load_round_trips_everything_but_env(tmp_path):
     assert loaded.to_dict() == tree.to_dict()
     assert loaded.to_dict()["format"] == FORMAT
     assert loaded.root.env is None and loaded.node(1).env is None
-    assert loaded.node(4).logprobs == [-0.3, -0.6, -0.9] and loaded.node(3).token_entropies == [1.5]
+    assert loaded.node(4).sampler_logprobs == [-0.3, -0.6, -0.9] and loaded.node(3).token_entropies == [1.5]
     assert loaded.render() == tree.render()
-    assert loaded.add_turn(loaded.node(1), action_ids=[1], logprobs=[-1.0]).id == 5
+    assert loaded.add_turn(loaded.node(1), action_ids=[1], sampler_logprobs=[-1.0]).id == 5
+
+
+def test_a_tree_saved_in_the_first_format_loads_its_logprobs_as_the_sampler_s():
+    tree = small_tree()
+    data = tree.to_dict()
+    data["format"] = "agents.RolloutTree/1"
+    for record in data["nodes"]:  # format 1 saved the sampler's log-probs as "logprobs"
+        record["logprobs"] = record.pop("sampler_logprobs")
+    assert RolloutTree.from_dict(data).to_dict() == tree.to_dict() and FORMAT == "agents.RolloutTree/2"
 
 
 def test_save_load_keeps_ids_after_pruning(tmp_path):
@@ -216,15 +228,15 @@ def test_save_load_keeps_ids_after_pruning(tmp_path):
     tree.save(tmp_path / "t.json")
     loaded = RolloutTree.load(tmp_path / "t.json")
     assert [n.id for n in loaded.nodes()] == [1, 4, 2]
-    assert loaded.add_turn(loaded.root, action_ids=[1], logprobs=[-1.0]).id == 5
+    assert loaded.add_turn(loaded.root, action_ids=[1], sampler_logprobs=[-1.0]).id == 5
 
 
 def test_load_and_save_reject_bad_data(tmp_path):
     with pytest.raises(ValueError, match="expected format"):
         RolloutTree.from_dict({"format": "something else"})
     data = small_tree().to_dict()
-    del data["nodes"][2]["logprobs"]
-    with pytest.raises(ValueError, match="lacks the field 'logprobs'"):
+    del data["nodes"][2]["sampler_logprobs"]
+    with pytest.raises(ValueError, match="lacks the field 'sampler_logprobs'"):
         RolloutTree.from_dict(data)
     data = small_tree().to_dict()
     data["nodes"][3]["parent"] = 99

@@ -100,7 +100,7 @@ rng, vocab, paths = random.Random(0), trainer.model.config.vocab_size, []
 for i in range(n):
     tree = RolloutTree([rng.randrange(vocab) for _ in range(32)])
     actions = [rng.randrange(vocab) for _ in range(length - 32)]
-    tree.add_turn(tree.root, action_ids=actions, logprobs=[-1.0] * len(actions), terminal=True, reward=float(i % 2))
+    tree.add_turn(tree.root, action_ids=actions, sampler_logprobs=[-1.0] * len(actions), terminal=True, reward=float(i % 2))
     for node in tree.nodes():
         node.advantage = 1.0 if i % 2 else -1.0
     paths += tree.paths()

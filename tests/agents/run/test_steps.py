@@ -16,7 +16,7 @@ def prompt(task: int, rewards: list[float], tokens: int = 10, statuses: list[str
     """Task ``task``'s tree: one leaf per reward, ``tokens`` sampled for it in all."""
     tree = RolloutTree([1, 2])
     for number, reward in enumerate(rewards):
-        leaf = tree.add_turn(tree.root, action_ids=[3], logprobs=[-0.5], terminal=True, reward=reward)
+        leaf = tree.add_turn(tree.root, action_ids=[3], sampler_logprobs=[-0.5], terminal=True, reward=reward)
         if statuses is not None:
             leaf.info["status"] = statuses[number]
     stats = TreeStats()

@@ -90,10 +90,19 @@ def test_a_trajectory_keeps_its_exact_ids_turns_and_logprobs():
     assert path.turn_ids == [0, 0, 0, 1, 1, 2, 2]
 
 
+def test_a_trajectory_saved_with_the_earlier_logprobs_key_reads_the_same():
+    record = a_trajectory()
+    record["logprobs"] = record.pop("sampler_logprobs")  # as agents eval wrote it before the one vocabulary
+    assert trajectory_example(record) == trajectory_example(a_trajectory())
+    record["logprobs"] = [-0.5]
+    with pytest.raises(SFTDataError, match=r"'logprobs' must be a list as long as 'ids' \(7\) or null"):
+        trajectory_example(record)
+
+
 def test_adjacent_actions_stay_two_turns_by_their_spans():
     record = a_trajectory()
     record["ids"], record["mask"] = [5, 6, 7, 8, 9, 11], [0, 0, 0, 1, 1, 1]
-    record["logprobs"] = [None, None, None, -0.5, -0.25, -0.125]
+    record["sampler_logprobs"] = [None, None, None, -0.5, -0.25, -0.125]
     record["turns"][0]["obs_span"], record["turns"][1]["action_span"] = [5, 5], [5, 6]
     example = trajectory_example(record)
     assert [turn.action_ids for turn in example.turns] == [[8, 9], [11]]
@@ -195,7 +204,7 @@ def write_jsonl(path: Path, records) -> Path:
 def test_min_reward_keeps_the_good_episodes_and_counts_the_rest(tmp_path, tokenizer):
     records = [a_trajectory(1.0), a_trajectory(0.0), a_trajectory(0.5), a_trajectory(1.0), {"messages": CHAT}]
     empty = a_trajectory(1.0)
-    empty.update(ids=[5, 6, 7], mask=[0, 0, 0], logprobs=[None] * 3, turns=[])  # failed before its first turn
+    empty.update(ids=[5, 6, 7], mask=[0, 0, 0], sampler_logprobs=[None] * 3, turns=[])  # failed before its first turn
     path = write_jsonl(tmp_path / "t.jsonl", [*records, "", empty])
     data = load_sft_data(path, tokenizer, min_reward=1.0)
     assert [(e.kind, e.reward, e.line) for e in data.examples] == [

@@ -26,7 +26,7 @@ def turn(tree, parent, entropy, reward=None, tokens=1):
         parent,
         obs_ids=[0] if parent is not tree.root else [],
         action_ids=[1] * tokens,
-        logprobs=[-entropy] * tokens,
+        sampler_logprobs=[-entropy] * tokens,
         terminal=reward is not None,
         reward=reward,
     )

@@ -241,8 +241,8 @@ def test_wandb_dir_of_the_shell_keeps_its_place(tmp_path, monkeypatch):
 def training_paths():
     """Two paths of one tree, with advantages: enough for a trainer step."""
     tree = RolloutTree([1, 2, 3, 4])
-    tree.add_turn(tree.root, action_ids=[5, 6, 7], logprobs=[-1.0, -2.0, -1.5], terminal=True, reward=1.0)
-    tree.add_turn(tree.root, action_ids=[8, 9], logprobs=[-2.5, -0.5], terminal=True, reward=0.0)
+    tree.add_turn(tree.root, action_ids=[5, 6, 7], sampler_logprobs=[-1.0, -2.0, -1.5], terminal=True, reward=1.0)
+    tree.add_turn(tree.root, action_ids=[8, 9], sampler_logprobs=[-2.5, -0.5], terminal=True, reward=0.0)
     for node in tree.nodes():
         node.advantage = node.reward - 0.5 if node.terminal else 0.0
     return tree.paths()

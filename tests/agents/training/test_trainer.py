@@ -38,13 +38,13 @@ def make_paths(seed: int = 1) -> list[TrainingPath]:
 
     trees = []
     tree = RolloutTree(ids(6))
-    shared = tree.add_turn(tree.root, action_ids=ids(5), logprobs=logprobs(5))
-    tree.add_turn(shared, obs_ids=ids(3), action_ids=ids(4), logprobs=logprobs(4), terminal=True, reward=1.0)
-    tree.add_turn(shared, obs_ids=ids(3), action_ids=ids(7), logprobs=logprobs(7), terminal=True, reward=0.0)
+    shared = tree.add_turn(tree.root, action_ids=ids(5), sampler_logprobs=logprobs(5))
+    tree.add_turn(shared, obs_ids=ids(3), action_ids=ids(4), sampler_logprobs=logprobs(4), terminal=True, reward=1.0)
+    tree.add_turn(shared, obs_ids=ids(3), action_ids=ids(7), sampler_logprobs=logprobs(7), terminal=True, reward=0.0)
     trees.append(tree)
     tree = RolloutTree(ids(4))
-    tree.add_turn(tree.root, action_ids=ids(9), logprobs=logprobs(9), terminal=True, reward=1.0)
-    tree.add_turn(tree.root, action_ids=ids(2), logprobs=logprobs(2), terminal=True, reward=-1.0)
+    tree.add_turn(tree.root, action_ids=ids(9), sampler_logprobs=logprobs(9), terminal=True, reward=1.0)
+    tree.add_turn(tree.root, action_ids=ids(2), sampler_logprobs=logprobs(2), terminal=True, reward=-1.0)
     trees.append(tree)
     for tree in trees:
         for node in tree.nodes():

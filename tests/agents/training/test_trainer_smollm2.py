@@ -33,7 +33,11 @@ async def sampled_paths(engine, tokenizer, advantages=(1.0, -1.0)):
     tree = RolloutTree(prompt_ids)
     for completion, advantage in zip(completions, advantages):
         leaf = tree.add_turn(
-            tree.root, action_ids=completion.token_ids, logprobs=completion.logprobs, terminal=True, reward=advantage
+            tree.root,
+            action_ids=completion.token_ids,
+            sampler_logprobs=completion.logprobs,
+            terminal=True,
+            reward=advantage,
         )
         leaf.advantage = advantage
     return tree.paths()

@@ -63,7 +63,7 @@ def random_tree(rng: random.Random, depth: int, branching: int, vocab: int = VOC
                 node,
                 obs_ids=ids(rng.randint(0, 5)) if level > 1 else [],
                 action_ids=ids(n),
-                logprobs=[-rng.uniform(0.5, 5.0) for _ in range(n)],
+                sampler_logprobs=[-rng.uniform(0.5, 5.0) for _ in range(n)],
                 terminal=last,
                 reward=rng.choice([0.0, 1.0]) if last else None,
             )

@@ -76,14 +76,14 @@ async def test_the_gate_loads_weights_only_between_requests_and_stamps_each_comp
     await ticks()
     assert engine.active == 2 and gate.in_flight == 2  # the new request waits for the update
     engine.release.set()
-    stamped = [(await task).weights_version for task in first]
+    stamped = [(await task).version for task in first]
     await update
     completion = await late
-    assert stamped == [0, 0] and completion.weights_version == 1 and gate.version == 1
+    assert stamped == [0, 0] and completion.version == 1 and gate.version == 1
     assert engine.seen == [0, 0, 7]  # each request ran on the weights its stamp names
     async with gate.updating(version=5):  # the workers' load_buckets: the pool's version
         pass
-    assert (await gate.generate([1], params)).weights_version == 5
+    assert (await gate.generate([1], params)).version == 5
 
 
 async def test_an_update_cancelled_while_it_waits_lets_requests_through_again():
@@ -97,8 +97,8 @@ async def test_an_update_cancelled_while_it_waits_lets_requests_through_again():
     update.cancel()
     await asyncio.gather(update, return_exceptions=True)
     engine.release.set()
-    assert (await gate.generate([1], params)).weights_version == 0
-    assert (await held).weights_version == 0 and gate.version == 0
+    assert (await gate.generate([1], params)).version == 0
+    assert (await held).version == 0 and gate.version == 0
 
 
 class InFlightEngine(Engine):
@@ -134,8 +134,8 @@ async def test_a_load_in_flight_waits_for_nothing_and_each_token_keeps_the_versi
     engine.release.set()
     done = [await task for task in first]
     # the first token came before the engine's first load (None): the version the worker started with
-    assert [(c.token_versions, c.weights_version) for c in done] == [([3, 4], 3), ([3, 4], 3)]
-    assert ((await late).token_versions, (await late).weights_version) == ([4, 4], 4)
+    assert [(c.token_versions, c.version) for c in done] == [([3, 4], 3), ([3, 4], 3)]
+    assert ((await late).token_versions, (await late).version) == ([4, 4], 4)
     await gate.update_weights({"v": 8})  # the engine contract's update: in flight too, as the next version
     assert gate.version == 5 and engine.loaded == [7, 8] and gate.in_flight == 0
     assert gate.clock.count == 0 and gate.clock.since is None and gate.clock.seconds > 0
@@ -271,10 +271,16 @@ def test_the_decoupled_objective_is_on_at_max_staleness_1_unless_the_run_says_ot
 def prompt_with_versions(index: int, versions: list[int]) -> PromptTrees:
     """A prompt whose tree has one two-turn leaf per version pair: a shared first turn at ``versions[0]``."""
     tree = RolloutTree([1, 2])
-    first = tree.add_turn(tree.root, action_ids=[3, 4], logprobs=[-0.5, -0.5], version=versions[0])
+    first = tree.add_turn(tree.root, action_ids=[3, 4], sampler_logprobs=[-0.5, -0.5], version=versions[0])
     for number, version in enumerate(versions[1:]):
         tree.add_turn(
-            first, obs_ids=[5], action_ids=[6], logprobs=[-0.5], terminal=True, reward=float(number), version=version
+            first,
+            obs_ids=[5],
+            action_ids=[6],
+            sampler_logprobs=[-0.5],
+            terminal=True,
+            reward=float(number),
+            version=version,
         )
     return PromptTrees(index=index, key=index, trees=[tree], rng=np.random.default_rng(0))
 
@@ -289,30 +295,34 @@ def test_a_turns_version_is_saved_and_loaded_with_its_tree(tmp_path):
         del record["version"]  # a tree saved before versions were recorded
     assert {node.version for node in RolloutTree.from_dict(legacy).nodes()} == {None}
     with pytest.raises(ValueError, match="version must be a non-negative int or None"):
-        loaded.add_turn(loaded.root, action_ids=[1], logprobs=[-1.0], version=-1)
+        loaded.add_turn(loaded.root, action_ids=[1], sampler_logprobs=[-1.0], version=-1)
 
 
 def test_a_turns_token_versions_are_saved_and_its_version_is_the_oldest(tmp_path):
     tree = RolloutTree([1, 2])
-    mixed = tree.add_turn(tree.root, action_ids=[3, 4, 5], logprobs=[-0.5] * 3, token_versions=[2, 2, 3])
+    mixed = tree.add_turn(tree.root, action_ids=[3, 4, 5], sampler_logprobs=[-0.5] * 3, token_versions=[2, 2, 3])
     assert mixed.version == 2 and mixed.token_versions == [2, 2, 3]
-    plain = tree.add_turn(mixed, obs_ids=[6], action_ids=[7], logprobs=[-0.5], version=3, terminal=True, reward=1.0)
+    plain = tree.add_turn(
+        mixed, obs_ids=[6], action_ids=[7], sampler_logprobs=[-0.5], version=3, terminal=True, reward=1.0
+    )
     tree.save(tmp_path / "tree.json")
     loaded = RolloutTree.load(tmp_path / "tree.json")
     assert [(n.version, n.token_versions) for n in loaded.nodes()] == [(2, [2, 2, 3]), (3, None)]
     assert plain.token_versions is None
     with pytest.raises(ValueError, match=r"one version \(an int\) per action token: 3 tokens, got \[2, 3\]"):
-        tree.add_turn(tree.root, action_ids=[3, 4, 5], logprobs=[-0.5] * 3, token_versions=[2, 3])
+        tree.add_turn(tree.root, action_ids=[3, 4, 5], sampler_logprobs=[-0.5] * 3, token_versions=[2, 3])
     with pytest.raises(ValueError, match=r"version 3 is not the oldest of token_versions \(2\)"):
-        tree.add_turn(tree.root, action_ids=[3, 4], logprobs=[-0.5] * 2, version=3, token_versions=[2, 3])
+        tree.add_turn(tree.root, action_ids=[3, 4], sampler_logprobs=[-0.5] * 2, version=3, token_versions=[2, 3])
     with pytest.raises(ValueError, match=r"token_versions\[1\] must be a non-negative int or None, got -1"):
-        tree.add_turn(tree.root, action_ids=[3, 4], logprobs=[-0.5] * 2, token_versions=[2, -1])
+        tree.add_turn(tree.root, action_ids=[3, 4], sampler_logprobs=[-0.5] * 2, token_versions=[2, -1])
 
 
 def test_tokens_are_counted_by_their_own_versions():
     tree = RolloutTree([1, 2])
-    first = tree.add_turn(tree.root, action_ids=[3, 4, 5], logprobs=[-0.5] * 3, token_versions=[2, 3, 4])
-    tree.add_turn(first, obs_ids=[6], action_ids=[7, 8], logprobs=[-0.5] * 2, version=4, terminal=True, reward=1.0)
+    first = tree.add_turn(tree.root, action_ids=[3, 4, 5], sampler_logprobs=[-0.5] * 3, token_versions=[2, 3, 4])
+    tree.add_turn(
+        first, obs_ids=[6], action_ids=[7, 8], sampler_logprobs=[-0.5] * 2, version=4, terminal=True, reward=1.0
+    )
     prompt = PromptTrees(index=0, key=0, trees=[tree], rng=np.random.default_rng(0))
     metrics = steps_module._staleness_metrics([prompt], [2], version=4, eta=2)
     assert [metrics[f"async/tokens_stale_{k}"] for k in range(3)] == [3.0, 1.0, 1.0]

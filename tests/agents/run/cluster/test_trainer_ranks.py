@@ -39,9 +39,11 @@ def make_paths(seed: int, trees: int = 2, vocab: int = VOCAB, length: int = 5) -
     paths = []
     for _ in range(trees):
         tree = RolloutTree(ids(length))
-        shared = tree.add_turn(tree.root, action_ids=ids(length), logprobs=logprobs(length))
+        shared = tree.add_turn(tree.root, action_ids=ids(length), sampler_logprobs=logprobs(length))
         for reward, n in ((1.0, length - 1), (0.0, length + 2)):
-            tree.add_turn(shared, obs_ids=ids(3), action_ids=ids(n), logprobs=logprobs(n), terminal=True, reward=reward)
+            tree.add_turn(
+                shared, obs_ids=ids(3), action_ids=ids(n), sampler_logprobs=logprobs(n), terminal=True, reward=reward
+            )
         for node in tree.nodes():
             node.advantage = node.reward - 0.5 if node.terminal else 0.25
         paths += tree.paths()
