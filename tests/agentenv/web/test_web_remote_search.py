@@ -1,6 +1,7 @@
 """RemoteSearch against minimal stand-ins of the Search-R1 wire format and its dialects; retries; failures."""
 
 import asyncio
+import re
 import subprocess
 import sys
 import textwrap
@@ -115,7 +116,10 @@ def test_connections_close_with_their_event_loop():
     done = subprocess.run(
         [sys.executable, "-X", "dev", "-W", "error", "-c", code], capture_output=True, text=True, timeout=60
     )
-    assert (done.returncode, done.stdout, done.stderr) == (0, "ok\n", "")
+    # -X dev's asyncio debug mode also notes every callback slower than 0.1 s, which a loaded machine makes.
+    slow = re.compile(r"^Executing <.*> took \d+\.\d+ seconds$")
+    errors = [line for line in done.stderr.splitlines() if not slow.match(line)]
+    assert (done.returncode, done.stdout, errors) == (0, "ok\n", [])
 
 
 async def test_single_query_dialect_and_msgpack(serve):

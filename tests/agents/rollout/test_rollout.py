@@ -644,7 +644,9 @@ async def test_abandoned_hung_calls_leave_the_tool_threads_to_the_next_episodes(
     finally:
         release.set()
     assert [t.status for t in hung] == ["timeout"] * 6
-    assert len(trajectories) == 54 and all(t.status == "terminated" and t.seconds < 0.4 for t in trajectories)
+    # Behind the hung calls an episode would wait their 10 s and time out at 0.5 s; no bound on its own time,
+    # which a loaded machine stretches.
+    assert len(trajectories) == 54 and all(t.status == "terminated" for t in trajectories)
 
 
 async def test_cancelling_the_caller_during_tool_calls_still_cancels_the_run():
