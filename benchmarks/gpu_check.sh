@@ -151,7 +151,7 @@ PREFLIGHT
     echo "(the engine suite, memory plan and cluster tests need the embedded model, vLLM or Ray: not run here)"
     set +e
     timeout "$LEFT" "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/agents/training/test_trainer.py \
-      tests/agents/training/test_tree_packing.py 2>&1 | tee "$OUT/tests.log"
+      tests/agents/training/test_tree_attention.py tests/agents/training/test_packing.py 2>&1 | tee "$OUT/tests.log"
     rc=${PIPESTATUS[0]}
     set -e
     if [ "$rc" = 124 ]; then  # out of time is not a failure of the tests: say so, and go on
@@ -253,7 +253,7 @@ test -d "$OUT/workers/checkpoints/step_000002/model"
 
 echo "== 4. the suite's engine, trainer and cluster tests on this machine"
 "$PY" -m pytest -q -p no:cacheprovider tests/agents/engines/test_engine_suite.py tests/agents/training/test_trainer.py \
-  tests/agents/run/test_memory_plan.py tests/agents/training/test_tree_packing.py tests/agents/run/cluster 2>&1 | tee "$OUT/tests.log"
+  tests/agents/run/test_memory_plan.py tests/agents/training/test_tree_attention.py tests/agents/training/test_packing.py tests/agents/run/cluster 2>&1 | tee "$OUT/tests.log"
 
 "$PY" - "$OUT" <<'SUMMARY' | tee "$OUT/summary.txt"
 import json, sys

@@ -248,6 +248,15 @@ def test_the_agents_package_keeps_its_rooms_and_a_small_lobby():
     assert all(f"agents.{room}.{member}" in MODULES for room, member in rooms.items())
 
 
+def test_each_module_of_training_has_a_test_file_of_its_own():
+    # The trainer's parts are tested one by one, not only through the trainer: test_<module>.py beside the others.
+    tests = ROOT / "tests" / "agents" / "training"
+    modules = sorted(
+        n.rsplit(".", 1)[1] for n, path in MODULES.items() if n.startswith("agents.training.") and "." not in n[16:]
+    )
+    assert modules and [m for m in modules if not (tests / f"test_{m}.py").is_file()] == []
+
+
 def test_the_training_loop_asks_its_backends_rather_than_testing_their_classes():
     # Where a run trains and rolls out is behind two protocols (agents.run.backends); a branch on a concrete
     # class there would make a third backend edit the loop.

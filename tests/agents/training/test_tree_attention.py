@@ -1,4 +1,7 @@
-"""Training on the packed tree: the same log-probs, losses and gradients as every path forwarded alone.
+"""Tree attention (``agents.training.tree_attention``): training on the packed tree gives the same log-probs,
+losses and gradients as every path forwarded alone.
+
+(The packed row itself, ``agents.training.packing``, has its own test file, test_packing.py.)
 
 Random rollout trees of many shapes (one leaf, chains sharing the prompt, single-child chains,
 deep and wide trees, leaves of very different lengths) go through the trainer with
@@ -26,7 +29,7 @@ from agents.models import AttentionShape, tiny_llama
 from agents.rollout.tree import RolloutTree, TrainingPath
 from agents.training.batch import collate
 from agents.training.losses import AGGREGATIONS, LOSSES
-from agents.training.packing import new_tokens, pack_paths
+from agents.training.packing import pack_paths
 from agents.training.trainer import Trainer, TrainerConfig
 from agents.training.tree_attention import attention_shape, choose_kernel, kernel_unavailable
 
@@ -106,24 +109,7 @@ def gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
 
 
-# -- the packed row ---------------------------------------------------------------------------
-
-
-def test_a_packed_row_holds_each_shared_prefix_once_with_positions_at_each_tokens_depth():
-    paths = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8, 4, 3], [2, 6]]
-    ids = torch.tensor([p + [0] * (6 - len(p)) for p in paths])
-    mask = torch.tensor([[1] * len(p) + [0] * (6 - len(p)) for p in paths])
-    packed = pack_paths(ids, mask)
-    # path 1 shares [5, 6] with path 0; path 2 all of path 0; path 3 nothing.
-    assert packed.ids.tolist() == [[5, 6, 7, 8, 9, 4, 3, 2, 6]]
-    assert packed.positions.tolist() == [[0, 1, 2, 3, 2, 4, 5, 0, 1]]
-    assert packed.where.tolist() == [[0, 1, 2, 3, 0, 0], [0, 1, 4, 0, 0, 0], [0, 1, 2, 3, 5, 6], [7, 8, 0, 0, 0, 0]]
-    assert packed.previous.tolist() == [-1, 0, 1, 2, 1, 3, 5, -1, 7]
-    assert (packed.starts, packed.lengths, packed.offsets) == ([0, 2, 4, 0], [4, 3, 6, 2], [0, 4, 5, 7])
-    assert packed.tokens == 9 and int(mask.sum()) == 15
-    assert new_tokens(ids, mask.sum(-1), 2, [0, 1]) == 2 and new_tokens(ids, mask.sum(-1), 3, [0]) == 2
-    flat = pack_paths(ids, mask, share=False)
-    assert flat.tokens == 15 and flat.positions.tolist()[0][:7] == [0, 1, 2, 3, 0, 1, 2]
+# -- the kernels ----------------------------------------------------------------------------
 
 
 def test_the_kernel_is_per_path_for_paths_of_very_different_lengths_and_batched_for_alike_ones():
@@ -197,7 +183,7 @@ from agents.models import AttentionShape
 from agents.training.batch import collate
 from agents.training.packing import pack_paths
 sys.path.insert(0, sys.argv[1])
-from test_tree_packing import tree_paths
+from test_tree_attention import tree_paths
 
 counter = CompileCounter()
 tree_attention.COMPILE_BACKENDS = {"cpu": counter}
