@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from agents.engines.cpu_kernels import pack_linear_layers
-from agents.engines.fused_decode import FusedDecodeStep, _attention_projections, _mlp_projections, _rotate
+from agents.engines.fused_decode import (
+    FusedDecodeStep,
+    _attention_projections,
+    _fused_bias,
+    _mlp_projections,
+    _rotate,
+)
 from agents.engines.kv_cache import SlotCache
 from agents.models import DEFAULT_MODEL, load_model
 from benchmarks.cpu_bench import bandwidth, cpu_features
@@ -48,6 +54,9 @@ class FrozenDecodeStep(torch.nn.Module):
 
         self.qkv = torch.nn.ParameterList(fused(*_attention_projections(layer)) for layer in layers)
         self.gate_up = torch.nn.ParameterList(fused(*_mlp_projections(layer)) for layer in layers)
+        # None for SmolLM2's and Llama's; Qwen2's q, k and v have biases.
+        self.qkv_bias = [_fused_bias(_attention_projections(layer)) for layer in layers]
+        self.gate_up_bias = [_fused_bias(_mlp_projections(layer)) for layer in layers]
 
     def forward(
         self,
@@ -66,7 +75,7 @@ class FrozenDecodeStep(torch.nn.Module):
             attention = layer.self_attn
             dim = attention.head_dim
             heads, kv_heads = attention.q_proj.out_features // dim, attention.k_proj.out_features // dim
-            projected = F.linear(layer.input_layernorm(hidden), self.qkv[i])
+            projected = F.linear(layer.input_layernorm(hidden), self.qkv[i], self.qkv_bias[i])
             query, key, value = projected.split((heads * dim, kv_heads * dim, kv_heads * dim), -1)
             query, key = (
                 _rotate(query.view(rows, heads, dim), cos, sin),
@@ -82,10 +91,14 @@ class FrozenDecodeStep(torch.nn.Module):
                 scale=attention.scaling,
                 enable_gqa=True,
             )
-            hidden = hidden + F.linear(attended.reshape(rows, heads * dim), attention.o_proj.weight)
-            gate, up = F.linear(layer.post_attention_layernorm(hidden), self.gate_up[i]).chunk(2, -1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
-        return F.linear(model.norm(hidden), self.model.lm_head.weight).float()
+            hidden = hidden + F.linear(
+                attended.reshape(rows, heads * dim), attention.o_proj.weight, attention.o_proj.bias
+            )
+            normed = layer.post_attention_layernorm(hidden)
+            gate, up = F.linear(normed, self.gate_up[i], self.gate_up_bias[i]).chunk(2, -1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
+        head = self.model.lm_head
+        return F.linear(model.norm(hidden), head.weight, head.bias).float()
 
 
 def filled_cache(model: Any, rows: int, context: int) -> SlotCache:

@@ -130,15 +130,19 @@ def _mlp_projections(layer: Any) -> tuple[torch.nn.Linear, ...]:
 def _fuse(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One packed weight (and bias) computing ``linears``' outputs side by side."""
     weight = torch.cat([linear.weight.detach() for linear in linears])
-    bias = None
-    if any(linear.bias is not None for linear in linears):
-        bias = torch.cat(
-            [
-                linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias.detach()
-                for linear in linears
-            ]
-        )
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 64), bias
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64), _fused_bias(linears)
+
+
+def _fused_bias(linears: tuple[torch.nn.Linear, ...]) -> torch.Tensor | None:
+    """``linears``' biases side by side (zeros for one without), or ``None`` when none has one."""
+    if all(linear.bias is None for linear in linears):
+        return None
+    return torch.cat(
+        [
+            linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias.detach()
+            for linear in linears
+        ]
+    )
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
