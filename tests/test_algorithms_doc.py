@@ -22,17 +22,18 @@ replaced, so that no citation goes unchecked.
 Inside the pages, ``eq. N`` in the prose names an equation of the same page; one of another page is
 a link to the section that holds it, ``[eq. N](credit.md#group-z-score)`` (for ``eqs. N, M`` the
 section of N), and every link from one page to another or to an anchor resolves (the anchors are
-MkDocs's: the heading's text, lowercased, with the punctuation dropped and the spaces as ``-``).
-Plain text only: no torch, no package imports.
+MkDocs's, from Python-Markdown's own ``toc.slugify``, as the site makes them). Plain text only: no
+torch and none of the product's packages.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
+
+from markdown.extensions import toc
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "docs" / "algorithms"
@@ -85,10 +86,9 @@ NAV_ENTRY = re.compile(r"^[ \t]*-[^\n]*?:[ \t]*algorithms/(?P<page>[\w.-]+\.md)[
 
 
 def slugify(text: str) -> str:
-    """The anchor MkDocs (Python-Markdown's toc) gives a heading: ``"AT²PO turn-wise credit"`` -> ``at2po-turn-wise-credit``."""
-    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
-    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
-    return re.sub(r"[-\s]+", "-", text)
+    """The anchor MkDocs gives a heading (mkdocs.yml keeps the toc extension's default slugify):
+    ``"AT²PO turn-wise credit"`` -> ``at2po-turn-wise-credit``."""
+    return toc.slugify(text, "-")
 
 
 def expand_numbers(text: str) -> tuple[int, ...]:

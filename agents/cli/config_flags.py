@@ -57,9 +57,9 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _plain(text: str) -> str:
-    """reStructuredText roles and literals as a terminal shows them; ``%`` escaped for argparse."""
+    """reStructuredText roles and literals as a terminal shows them."""
     text = _ROLE.sub(lambda match: match.group(1).rsplit(".", 1)[-1], text)
-    return _LITERAL.sub(r"\1", " ".join(text.split())).replace("%", "%%")
+    return _LITERAL.sub(r"\1", " ".join(text.split()))
 
 
 def _argument(cls: type, name: str, annotation: str) -> dict[str, Any]:
@@ -145,6 +145,7 @@ def add_config_flags(
             if name in values:
                 notes.append(f"--preset {preset}: {_shown(values[name])}")
         help_text = docs[name].removesuffix(".") + (f" ({'; '.join(notes)})." if notes else ".")
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         flag = (flags or {}).get(name, "--" + name.replace("_", "-"))
         parser.add_argument(flag, dest=dest_prefix + name, default=None, help=help_text, **keywords)
 

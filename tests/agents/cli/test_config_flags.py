@@ -47,7 +47,7 @@ def parser(**kwargs) -> argparse.ArgumentParser:
 
 def test_field_docs_reads_the_attributes_section_as_plain_text():
     assert field_docs(Example) == {
-        "steps": "Rollout batches, N of train: 100%% of them.",
+        "steps": "Rollout batches, N of train: 100% of them.",
         "lr": "The learning rate.",
         "name": "A name; None: the default one.",
         "on": "Whether it is on, over two lines.",
